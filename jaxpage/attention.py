@@ -1,0 +1,179 @@
+"""The one attention entry point models call: `paged_attention(q, k, v, layer_kv, metadata)`.
+
+A model's attention layer hands over this step's rotated queries and new keys/values plus
+its layer's slice of the KV pool; this module writes the new K/V into the pool through the
+slot mapping and computes attention over everything the sequences have cached, on the
+backend named in the metadata. The metadata is an explicit pytree argument of the jitted
+step, never a global.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.reference import paged_attention_reference, write_kv
+
+BACKENDS = ("reference", "pallas_gpu", "pallas_tpu")
+
+# One layer's pool: (k_pool, v_pool), each [num_blocks, block_size, num_kv_heads, head_dim].
+LayerKV = tuple[jax.Array, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Everything attention needs to know about one ragged step (T tokens, S sequences).
+
+    Array fields (traced):
+      slot_mapping: [T] int32 pool slot each new token's K/V is written to
+        (block_id * block_size + offset); padding tokens write into reserved block 0.
+      block_tables: [S, max_blocks_per_seq] int32; padding entries are 0.
+      seq_lens: [S] int32 tokens of each sequence after this step (0 for padding rows).
+      query_start_loc: [S + 1] int32 offsets of each sequence's tokens in the flat batch.
+      logits_indices: [R] int32 rows of the flat batch whose logits are wanted, or None
+        for all T rows.
+    Static fields (part of the compiled shape):
+      max_query_len: most tokens any sequence has in this step (1 for pure decode).
+      backend: one of BACKENDS.
+    """
+
+    slot_mapping: jax.Array
+    block_tables: jax.Array
+    seq_lens: jax.Array
+    query_start_loc: jax.Array
+    logits_indices: jax.Array | None = None
+    max_query_len: int = 1
+    backend: str = "reference"
+
+
+jax.tree_util.register_dataclass(
+    AttentionMetadata,
+    data_fields=["slot_mapping", "block_tables", "seq_lens", "query_start_loc", "logits_indices"],
+    meta_fields=["max_query_len", "backend"],
+)
+
+
+def paged_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    layer_kv: LayerKV,
+    metadata: AttentionMetadata,
+    *,
+    scale: float | None = None,
+) -> tuple[jax.Array, LayerKV]:
+    """Write this step's K/V into the layer's pool and attend over the cached sequences.
+
+    Args:
+      q: [T, num_heads, head_dim] rotated queries.
+      k, v: [T, num_kv_heads, head_dim] this step's rotated keys and values.
+      layer_kv: (k_pool, v_pool), each [num_blocks, block_size, num_kv_heads, head_dim].
+      metadata: the step's AttentionMetadata.
+      scale: softmax scale, default head_dim ** -0.5.
+
+    Returns:
+      ([T, num_heads, head_dim] attention output in q's dtype, updated layer_kv).
+    """
+    if metadata.backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {metadata.backend!r}; choose from {BACKENDS}")
+    k_pool, v_pool = write_kv(*layer_kv, k, v, metadata.slot_mapping)
+    out = paged_attention_reference(
+        q,
+        k_pool,
+        v_pool,
+        metadata.block_tables,
+        metadata.seq_lens,
+        metadata.query_start_loc,
+        max_query_len=metadata.max_query_len,
+        scale=scale,
+    )
+    return out, (k_pool, v_pool)
+
+
+def init_kv_pool(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: jnp.dtype = jnp.float32,
+) -> list[LayerKV]:
+    """Preallocate the paged KV pool: per layer a (k, v) pair of
+    [num_blocks, block_size, num_kv_heads, head_dim] zeros. Block 0 is reserved for padding."""
+    if num_blocks < 2:
+        raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers)]
+
+
+def kv_bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: jnp.dtype
+) -> int:
+    """Bytes one block occupies across all layers, K and V."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+
+
+def build_metadata(
+    block_tables: list[list[int]],
+    num_computed: list[int],
+    num_new: list[int],
+    block_size: int,
+    *,
+    max_blocks_per_seq: int | None = None,
+    num_tokens: int | None = None,
+    num_seqs: int | None = None,
+    max_query_len: int | None = None,
+    logits_indices: list[int] | None = None,
+    num_logits: int | None = None,
+    backend: str = "reference",
+) -> tuple[np.ndarray, AttentionMetadata]:
+    """Host-side packing of one step: `(positions [T], metadata)` as numpy int32 arrays.
+
+    Sequence `s` has `num_computed[s]` tokens already in the pool and `num_new[s]` new
+    tokens in this step, laid out one sequence after another. The optional sizes pad the
+    arrays to a fixed shape bucket: padding tokens write into block 0 and padding sequences
+    have length 0. `logits_indices` defaults to the last new token of every sequence.
+    """
+    total_new = sum(num_new)
+    num_tokens = total_new if num_tokens is None else num_tokens
+    num_seqs = len(block_tables) if num_seqs is None else num_seqs
+    width = max_blocks_per_seq or max((len(t) for t in block_tables), default=1)
+    if num_tokens < total_new or num_seqs < len(block_tables):
+        raise ValueError(f"bucket ({num_tokens} tokens, {num_seqs} seqs) smaller than the batch")
+    positions = np.zeros(num_tokens, np.int32)
+    slot_mapping = np.zeros(num_tokens, np.int32)  # padding -> slots of block 0
+    tables = np.zeros((num_seqs, width), np.int32)
+    seq_lens = np.zeros(num_seqs, np.int32)
+    query_start_loc = np.full(num_seqs + 1, total_new, np.int32)
+    start = 0
+    for s, (table, computed, new) in enumerate(zip(block_tables, num_computed, num_new,
+                                                   strict=True)):
+        if computed + new > len(table) * block_size:
+            raise ValueError(f"sequence {s}: {computed + new} tokens exceed its "
+                             f"{len(table)} blocks of {block_size}")
+        tables[s, : len(table)] = table
+        pos = np.arange(computed, computed + new, dtype=np.int32)
+        positions[start : start + new] = pos
+        slot_mapping[start : start + new] = np.asarray(table, np.int32)[pos // block_size] * (
+            block_size
+        ) + pos % block_size
+        seq_lens[s] = computed + new
+        query_start_loc[s] = start
+        start += new
+    if logits_indices is None:
+        logits_indices = [int(query_start_loc[s + 1]) - 1 for s in range(len(block_tables))]
+    indices = np.zeros(num_logits or len(logits_indices), np.int32)
+    indices[: len(logits_indices)] = logits_indices
+    metadata = AttentionMetadata(
+        slot_mapping=slot_mapping,
+        block_tables=tables,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+        logits_indices=indices,
+        max_query_len=max_query_len or max(num_new, default=1),
+        backend=backend,
+    )
+    return positions, metadata

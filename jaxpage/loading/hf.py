@@ -1,0 +1,152 @@
+"""Load an HF transformers model directory (config.json, safetensors shards, tokenizer)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpage.models.config import ModelConfig
+from jaxpage.models.llama import param_shapes
+
+# Returns the HF-layout tensor (nn.Linear weights are [out, in]) or None when absent.
+TensorGetter = Callable[[str], "np.ndarray | None"]
+
+
+class WeightsError(ValueError):
+    """Weight files missing, corrupt or not matching the config."""
+
+
+def read_hf_config(path: str) -> dict[str, Any]:
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{path!r} has no config.json; is it an HF model directory?")
+    try:
+        with open(config_path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise WeightsError(f"{config_path} is not valid JSON: {e}") from e
+
+
+def safetensors_files(path: str) -> list[str]:
+    """The safetensors files of a model dir: those the index names, else every *.safetensors."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not names:
+        raise FileNotFoundError(
+            f"no *.safetensors weights in {path!r} (only safetensors are read, not .bin/.pt)"
+        )
+    files = [os.path.join(path, n) for n in names]
+    for file in files:
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"weight shard {file!r} named by the index is missing")
+    return files
+
+
+def open_safetensors(files: list[str]) -> TensorGetter:
+    """A getter over all shards; tensors are read lazily, one at a time."""
+    from safetensors import SafetensorError, safe_open
+
+    where: dict[str, Any] = {}
+    for file in files:
+        try:
+            handle = safe_open(file, framework="np")
+        except (SafetensorError, OSError) as e:
+            raise WeightsError(f"cannot read weight file {file!r}: {e}") from e
+        for name in handle.keys():
+            where[name] = (handle, file)
+
+    def get(name: str) -> np.ndarray | None:
+        if name not in where:
+            return None
+        handle, file = where[name]
+        try:
+            return handle.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise WeightsError(f"cannot read tensor {name!r} from {file!r}: {e}") from e
+
+    return get
+
+
+def params_from_hf_tensors(config: ModelConfig, get: TensorGetter, dtype) -> dict[str, Any]:
+    """Convert HF-named tensors to the jaxpage params layout (numpy arrays of `dtype`).
+
+    Checks every tensor against the config and names the first one that is missing or has
+    the wrong shape.
+    """
+    dtype = jnp.dtype(dtype)
+    shapes = param_shapes(config)
+
+    def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        tensor = get(name)
+        if tensor is None:
+            raise WeightsError(f"weights have no tensor {name!r} (config: {config.architecture})")
+        if tuple(tensor.shape) != tuple(shape):
+            raise WeightsError(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, but the config expects "
+                f"{tuple(shape)}"
+            )
+        return np.asarray(tensor)
+
+    def linear(name: str, in_dim: int, out_dim: int) -> np.ndarray:
+        return fetch(name, (out_dim, in_dim)).T  # nn.Linear [out, in] -> [in, out]
+
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.q_size, config.kv_size
+    layers = []
+    for n in range(config.num_layers):
+        p = f"model.layers.{n}."
+        layer = {
+            "attn_norm": fetch(p + "input_layernorm.weight", (h,)),
+            "qkv": np.concatenate([linear(p + "self_attn.q_proj.weight", h, q),
+                                   linear(p + "self_attn.k_proj.weight", h, kv),
+                                   linear(p + "self_attn.v_proj.weight", h, kv)], axis=1),
+            "o": linear(p + "self_attn.o_proj.weight", q, h),
+            "mlp_norm": fetch(p + "post_attention_layernorm.weight", (h,)),
+            "gate_up": np.concatenate([linear(p + "mlp.gate_proj.weight", h, i),
+                                       linear(p + "mlp.up_proj.weight", h, i)], axis=1),
+            "down": linear(p + "mlp.down_proj.weight", i, h),
+        }
+        if config.qkv_bias:
+            layer["qkv_bias"] = np.concatenate([fetch(p + "self_attn.q_proj.bias", (q,)),
+                                                fetch(p + "self_attn.k_proj.bias", (kv,)),
+                                                fetch(p + "self_attn.v_proj.bias", (kv,))])
+        if config.o_bias:
+            layer["o_bias"] = fetch(p + "self_attn.o_proj.bias", (h,))
+        if config.qk_norm:
+            layer["q_norm"] = fetch(p + "self_attn.q_norm.weight", (d,))
+            layer["k_norm"] = fetch(p + "self_attn.k_norm.weight", (d,))
+        if config.mlp_bias:
+            layer["gate_up_bias"] = np.concatenate([fetch(p + "mlp.gate_proj.bias", (i,)),
+                                                    fetch(p + "mlp.up_proj.bias", (i,))])
+            layer["down_bias"] = fetch(p + "mlp.down_proj.bias", (h,))
+        layers.append(layer)
+    params: dict[str, Any] = {
+        "embed": fetch("model.embed_tokens.weight", shapes["embed"]),
+        "layers": layers,
+        "final_norm": fetch("model.norm.weight", (h,)),
+    }
+    if not config.tie_word_embeddings:
+        params["lm_head"] = linear("lm_head.weight", h, config.vocab_size)
+    return cast_params(params, dtype)
+
+
+def cast_params(params: Any, dtype: np.dtype) -> Any:
+    """Contiguous numpy copies of every leaf in `dtype`."""
+    return jax.tree.map(lambda a: np.ascontiguousarray(np.asarray(a).astype(dtype)), params)
+
+
+def load_hf_dir(path: str, dtype) -> tuple[ModelConfig, dict[str, Any]]:
+    """(config, numpy params) from an HF model directory."""
+    config = ModelConfig.from_hf(read_hf_config(path))
+    params = params_from_hf_tensors(config, open_safetensors(safetensors_files(path)), dtype)
+    return config, params

@@ -1,0 +1,168 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3) as pure functions.
+
+Params are a plain pytree with one dict per layer (separate arrays per layer: slicing
+layers out of stacked arrays inside the jitted step costs far more than it saves on CPU):
+
+    {"embed": [V, H],
+     "layers": [{"attn_norm": [H], "qkv": [H, Q + 2K], "o": [Q, H],
+                 "mlp_norm": [H], "gate_up": [H, 2I], "down": [I, H],
+                 # optional, by architecture:
+                 "qkv_bias": [Q + 2K], "o_bias": [H], "q_norm": [D], "k_norm": [D],
+                 "gate_up_bias": [2I], "down_bias": [H]}, ...],
+     "final_norm": [H],
+     "lm_head": [H, V]}            # absent when embeddings are tied
+
+with Q = num_heads * head_dim, K = num_kv_heads * head_dim. Weights are stored
+[in, out] (transposed from HF's nn.Linear layout) and q/k/v and gate/up are fused so a
+layer runs three matmuls instead of seven.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxpage.attention import AttentionMetadata, LayerKV, paged_attention
+from jaxpage.models.config import ModelConfig, rope_inv_freq
+
+Params = dict[str, Any]
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis, computed in float32 and cast back (as HF does)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotary embedding in the half-split ("rotate_half") convention.
+
+    x: [T, heads, D]; cos, sin: [T, D] already in x's dtype.
+    """
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def rope_cos_sin(config: ModelConfig, positions: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables [T, head_dim] for the given positions [T]."""
+    inv_freq = jnp.asarray(rope_inv_freq(config.head_dim, config.rope))  # [D/2] float32
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    angles = jnp.concatenate([freqs, freqs], axis=-1)  # [T, D]
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaModel:
+    """A served model: its config plus a pure forward over (params, kv_pool, metadata).
+
+    Hashable, so `jax.jit` can take it as a static argument; params are always traced.
+    """
+
+    config: ModelConfig
+
+    def forward(
+        self,
+        params: Params,
+        token_ids: jax.Array,
+        positions: jax.Array,
+        kv_pool: list[LayerKV],
+        metadata: AttentionMetadata,
+    ) -> tuple[jax.Array, list[LayerKV]]:
+        """Run the decoder over a ragged, token-flat batch.
+
+        Args:
+          params: the params pytree (see module docstring).
+          token_ids: [T] int32.
+          positions: [T] int32 position of each token within its sequence.
+          kv_pool: per layer (k_pool, v_pool), [num_blocks, block_size, num_kv_heads, head_dim].
+          metadata: the step's AttentionMetadata.
+
+        Returns:
+          (logits [R, vocab] float32 for the rows in metadata.logits_indices, or all T rows,
+           the updated kv_pool).
+        """
+        cfg = self.config
+        x = params["embed"][token_ids]  # [T, H]
+        cos, sin = rope_cos_sin(cfg, positions, x.dtype)
+        new_pool = []
+        for layer, layer_kv in zip(params["layers"], kv_pool, strict=True):
+            attn_out, layer_kv = self._attention(layer, rms_norm(x, layer["attn_norm"],
+                                                 cfg.rms_norm_eps), cos, sin, layer_kv, metadata)
+            x = x + attn_out
+            x = x + self._mlp(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
+            new_pool.append(layer_kv)
+        x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+        if metadata.logits_indices is not None:
+            x = x[metadata.logits_indices]  # [R, H]
+        return self.compute_logits(params, x), new_pool
+
+    def compute_logits(self, params: Params, hidden: jax.Array) -> jax.Array:
+        """[R, H] final hidden states -> [R, vocab] float32 logits."""
+        if "lm_head" in params:
+            # [R, H] x [H, V] -> [R, V]
+            return jnp.dot(hidden, params["lm_head"], preferred_element_type=jnp.float32)
+        # tied: [R, H] x [V, H]^T -> [R, V]
+        return jnp.einsum("rh,vh->rv", hidden, params["embed"], preferred_element_type=jnp.float32)
+
+    def _attention(self, layer, h, cos, sin, layer_kv, metadata):
+        cfg = self.config
+        num_tokens = h.shape[0]
+        qkv = h @ layer["qkv"]  # [T, H] x [H, Q + 2K] -> [T, Q + 2K]
+        if "qkv_bias" in layer:
+            qkv = qkv + layer["qkv_bias"]
+        q = qkv[:, : cfg.q_size].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size]
+        k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[:, cfg.q_size + cfg.kv_size :].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if "q_norm" in layer:  # Qwen3: per-head RMSNorm before rope
+            q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        out, layer_kv = paged_attention(q, k, v, layer_kv, metadata)  # [T, heads, D]
+        out = out.reshape(num_tokens, cfg.q_size) @ layer["o"]  # [T, Q] x [Q, H] -> [T, H]
+        if "o_bias" in layer:
+            out = out + layer["o_bias"]
+        return out, layer_kv
+
+    def _mlp(self, layer, h):
+        gate_up = h @ layer["gate_up"]  # [T, H] x [H, 2I] -> [T, 2I]
+        if "gate_up_bias" in layer:
+            gate_up = gate_up + layer["gate_up_bias"]
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        out = (jax.nn.silu(gate) * up) @ layer["down"]  # [T, I] x [I, H] -> [T, H]
+        if "down_bias" in layer:
+            out = out + layer["down_bias"]
+        return out
+
+
+def param_shapes(config: ModelConfig) -> dict[str, Any]:
+    """The expected shape of every param, as a pytree of tuples (the loaders check against it)."""
+    h, i, q, k, d = (config.hidden_size, config.intermediate_size, config.q_size,
+                     config.kv_size, config.head_dim)
+    layer: dict[str, tuple[int, ...]] = {
+        "attn_norm": (h,), "qkv": (h, q + 2 * k), "o": (q, h),
+        "mlp_norm": (h,), "gate_up": (h, 2 * i), "down": (i, h),
+    }
+    if config.qkv_bias:
+        layer["qkv_bias"] = (q + 2 * k,)
+    if config.o_bias:
+        layer["o_bias"] = (h,)
+    if config.qk_norm:
+        layer["q_norm"] = (d,)
+        layer["k_norm"] = (d,)
+    if config.mlp_bias:
+        layer["gate_up_bias"] = (2 * i,)
+        layer["down_bias"] = (h,)
+    shapes: dict[str, Any] = {
+        "embed": (config.vocab_size, h),
+        "layers": [dict(layer) for _ in range(config.num_layers)],
+        "final_norm": (h,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head"] = (h, config.vocab_size)
+    return shapes

@@ -1,0 +1,116 @@
+"""Pure-jnp paged attention over a block pool: the CPU path and the oracle for the kernels.
+
+The batch is ragged and token-flat, as the engine packs it: `T` query tokens belonging to
+`S` sequences, sequence `s` owning tokens `query_start_loc[s]:query_start_loc[s + 1]`.
+Those are the *last* tokens of the sequence: a decode step has one, a prefill chunk has
+many. Each query attends causally to every earlier token of its sequence (the cached
+prefix read through the block table, plus the earlier tokens of its own chunk, which the
+caller has already written into the pool) and to itself.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+_NEG_INF = float("-inf")
+
+
+@functools.partial(jax.jit, static_argnames=("max_query_len", "scale"))
+def paged_attention_reference(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    query_start_loc: jax.Array,
+    *,
+    max_query_len: int,
+    scale: float | None = None,
+) -> jax.Array:
+    """Attention of a ragged batch of queries over paged K/V.
+
+    Args:
+      q: [T, num_heads, head_dim] queries (already rotated).
+      k_pool, v_pool: [num_blocks, block_size, num_kv_heads, head_dim]; this step's K/V
+        must already be written.
+      block_tables: [S, max_blocks_per_seq] int32 physical block ids; entries past a
+        sequence's length are never read (padding points at block 0).
+      seq_lens: [S] int32 total tokens of each sequence including this step's queries.
+        A padded sequence has length 0 and no queries.
+      query_start_loc: [S + 1] int32 offsets of each sequence's queries in `q`
+        (non-decreasing; `query_start_loc[S] <= T`, tokens past it are padding).
+      max_query_len: static upper bound on queries per sequence (1 for pure decode).
+      scale: softmax scale, default head_dim ** -0.5.
+
+    Returns:
+      [T, num_heads, head_dim] in q's dtype; rows of padding tokens are zero.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs, max_blocks = block_tables.shape
+    _, block_size, num_kv_heads, _ = k_pool.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    group = num_heads // num_kv_heads
+    scale = head_dim**-0.5 if scale is None else scale
+    max_len = max_blocks * block_size
+
+    # Queries of each sequence, packed densely: [S, Qm] token index (T = out of range).
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
+    offsets = jnp.arange(max_query_len, dtype=jnp.int32)  # [Qm]
+    query_valid = offsets[None, :] < query_lens[:, None]  # [S, Qm]
+    token_index = jnp.where(query_valid, query_start_loc[:-1, None] + offsets, num_tokens)
+    q_dense = q.at[token_index].get(mode="fill", fill_value=0)  # [S, Qm, H, D]
+    q_dense = q_dense.reshape(num_seqs, max_query_len, num_kv_heads, group, head_dim)
+    # Position of each query within its sequence: the queries are the last tokens.
+    query_pos = seq_lens[:, None] - query_lens[:, None] + offsets[None, :]  # [S, Qm]
+
+    # K/V of each sequence gathered through its block table.
+    k = k_pool[block_tables].reshape(num_seqs, max_len, num_kv_heads, head_dim)  # [S, L, K, D]
+    v = v_pool[block_tables].reshape(num_seqs, max_len, num_kv_heads, head_dim)  # [S, L, K, D]
+    key_pos = jnp.arange(max_len, dtype=jnp.int32)  # [L]
+    key_valid = key_pos[None, :] < seq_lens[:, None]  # [S, L]
+    # Slots past a sequence's length may hold anything (even NaN): zero them so that
+    # 0 * garbage never reaches the output.
+    v = jnp.where(key_valid[:, :, None, None], v, 0)
+    mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & key_valid[:, None, :]  # [S, Qm, L]
+
+    # [S, Qm, K, G, D] x [S, L, K, D] -> [S, K, G, Qm, L]
+    scores = jnp.einsum(
+        "sqkgd,slkd->skgql", q_dense, k, preferred_element_type=jnp.float32
+    ) * scale
+    scores = jnp.where(mask[:, None, None], scores, _NEG_INF)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # rows with no keys: padding
+    probs = jnp.exp(scores - row_max)
+    denom = jnp.sum(probs, axis=-1, keepdims=True)
+    probs = probs / jnp.where(denom > 0, denom, 1.0)
+    # [S, K, G, Qm, L] x [S, L, K, D] -> [S, Qm, K, G, D]
+    out = jnp.einsum("skgql,slkd->sqkgd", probs, v.astype(jnp.float32))
+    out = out.reshape(num_seqs * max_query_len, num_heads, head_dim).astype(q.dtype)
+
+    # Back to the token-flat layout; padded queries scatter out of range and are dropped.
+    result = jnp.zeros_like(q)
+    return result.at[token_index.reshape(-1)].set(out, mode="drop")
+
+
+def write_kv(
+    k_pool: jax.Array, v_pool: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Scatter this step's K/V into the pool.
+
+    Args:
+      k_pool, v_pool: [num_blocks, block_size, num_kv_heads, head_dim].
+      k, v: [T, num_kv_heads, head_dim].
+      slot_mapping: [T] int32, slot = block_id * block_size + offset; padding tokens
+        point into the reserved block 0.
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = k_pool.shape
+    flat_shape = (num_blocks * block_size, num_kv_heads, head_dim)
+    k_pool = k_pool.reshape(flat_shape).at[slot_mapping].set(k.astype(k_pool.dtype))
+    v_pool = v_pool.reshape(flat_shape).at[slot_mapping].set(v.astype(v_pool.dtype))
+    return k_pool.reshape(num_blocks, block_size, num_kv_heads, head_dim), v_pool.reshape(
+        num_blocks, block_size, num_kv_heads, head_dim
+    )

@@ -1,0 +1,91 @@
+"""Shared fixtures: tiny random-weight HF models saved to temp dirs, and a naive paged runner."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+# Tiny configs of every supported architecture. Head counts are chosen to cover GQA with
+# 3 query heads per KV head, an odd head count, MHA, and tied and untied embeddings.
+TINY_CONFIGS = {
+    "llama": dict(arch="LlamaForCausalLM", num_attention_heads=6, num_key_value_heads=2,
+                  tie_word_embeddings=False),
+    "llama3_rope": dict(arch="LlamaForCausalLM", num_attention_heads=4, num_key_value_heads=4,
+                        rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 64},
+                        max_position_embeddings=1024),
+    "smollm2": dict(arch="LlamaForCausalLM", num_attention_heads=9, num_key_value_heads=3,
+                    hidden_size=72, tie_word_embeddings=True, rope_theta=100000.0),
+    "mistral": dict(arch="MistralForCausalLM", num_attention_heads=6, num_key_value_heads=2),
+    "qwen2": dict(arch="Qwen2ForCausalLM", num_attention_heads=3, num_key_value_heads=1,
+                  hidden_size=48, tie_word_embeddings=True),
+    "qwen3": dict(arch="Qwen3ForCausalLM", num_attention_heads=6, num_key_value_heads=2,
+                  head_dim=16, tie_word_embeddings=False),
+}
+
+
+def build_hf_model(name: str, seed: int = 0, **overrides):
+    """A tiny random-weight HF model (float32, eval mode) of one of TINY_CONFIGS."""
+    import torch
+    import transformers
+
+    spec = dict(TINY_CONFIGS[name])
+    spec.update(overrides)
+    arch = spec.pop("arch")
+    model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[arch]
+    rope_theta = spec.pop("rope_theta", 10000.0)
+    rope_scaling = spec.pop("rope_scaling", None)
+    kwargs = dict(vocab_size=97, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                  max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0)
+    kwargs.update(spec)
+    config = transformers.AutoConfig.for_model(model_type, **kwargs)
+    params = {"rope_theta": rope_theta, "rope_type": "default", **(rope_scaling or {})}
+    if hasattr(config, "rope_parameters"):
+        config.rope_parameters = params
+    else:
+        config.rope_theta = rope_theta
+        config.rope_scaling = rope_scaling
+    config.architectures = [arch]
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(config).eval()
+    # Random init leaves norms at 1 and biases at 0; perturb them so they are exercised.
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname or pname.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_model_dir(tmp_path_factory):
+    """Factory: save a tiny HF model to a temp dir once per (name, seed); returns (dir, model)."""
+    cache = {}
+
+    def make(name: str, seed: int = 0):
+        if (name, seed) not in cache:
+            model = build_hf_model(name, seed)
+            path = tmp_path_factory.mktemp(f"hf_{name}_{seed}")
+            model.save_pretrained(path, safe_serialization=True)
+            cache[name, seed] = (str(path), model)
+        return cache[name, seed]
+
+    return make
+
+
+def hf_logits(model, token_ids) -> np.ndarray:
+    """HF transformers' float32 logits [len, vocab] for one sequence (the oracle)."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([list(token_ids)])).logits[0].float().numpy()
