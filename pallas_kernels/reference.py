@@ -107,10 +107,11 @@ def write_kv(
       slot_mapping: [T] int32, slot = block_id * block_size + offset; padding tokens
         point into the reserved block 0.
     """
-    num_blocks, block_size, num_kv_heads, head_dim = k_pool.shape
-    flat_shape = (num_blocks * block_size, num_kv_heads, head_dim)
-    k_pool = k_pool.reshape(flat_shape).at[slot_mapping].set(k.astype(k_pool.dtype))
-    v_pool = v_pool.reshape(flat_shape).at[slot_mapping].set(v.astype(v_pool.dtype))
-    return k_pool.reshape(num_blocks, block_size, num_kv_heads, head_dim), v_pool.reshape(
-        num_blocks, block_size, num_kv_heads, head_dim
-    )
+    shape = k_pool.shape  # [num_blocks, block_size, num_kv_heads, head_dim]
+    flat_shape = (shape[0] * shape[1], *shape[2:])
+
+    def scatter(pool, new):
+        pool = jnp.asarray(pool).reshape(flat_shape)
+        return pool.at[slot_mapping].set(new.astype(pool.dtype)).reshape(shape)
+
+    return scatter(k_pool, k), scatter(v_pool, v)

@@ -59,6 +59,7 @@ def build_hf_model(name: str, seed: int = 0, **overrides):
     config.architectures = [arch]
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(config).eval()
+    model.generation_config.eos_token_id = None  # hf_greedy passes EOS explicitly
     # Random init leaves norms at 1 and biases at 0; perturb them so they are exercised.
     with torch.no_grad():
         for pname, p in model.named_parameters():
@@ -89,3 +90,18 @@ def hf_logits(model, token_ids) -> np.ndarray:
 
     with torch.no_grad():
         return model(torch.tensor([list(token_ids)])).logits[0].float().numpy()
+
+
+def hf_greedy(model, prompt_ids, max_new_tokens: int, stop_at_eos: bool = False) -> list[int]:
+    """HF transformers `generate` greedy continuation (generated ids only).
+
+    With stop_at_eos False, EOS is an ordinary token (the engine's ignore_eos).
+    """
+    import torch
+
+    eos = model.config.eos_token_id if stop_at_eos else None
+    with torch.no_grad():
+        out = model.generate(torch.tensor([list(prompt_ids)]), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=eos, pad_token_id=0,
+                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+    return out[0, len(prompt_ids):].tolist()

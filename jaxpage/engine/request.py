@@ -1,0 +1,74 @@
+"""A request's host-side state as it moves through the scheduler (no JAX)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from jaxpage.outputs import RequestMetrics
+from jaxpage.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Request:
+    """One sequence being generated.
+
+    `token_ids` is prompt + generated tokens; `num_computed_tokens` of them have their K/V
+    in the pool. A preempted request keeps its generated tokens and recomputes their K/V
+    when readmitted.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # the sampling RNG seed (params.seed, or derived by the engine)
+    metrics: RequestMetrics
+    prompt: str | None = None
+    cache_salt: str | None = None
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    # outputs accumulated by the engine
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] | None = None
+    text: str = ""
+    num_text_emitted: int = 0  # characters of `text` already streamed
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Tokens the request can reach: prompt + max_tokens."""
+        return len(self.prompt_token_ids) + self.params.max_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,271 @@
+"""Host -> device: pack a step into padded arrays of bucketed shapes and run the jitted step.
+
+The runner knows nothing about requests: it is given, per sequence, its block table, how
+many tokens are cached, the new token ids and (when a token is to be drawn) its sampling
+row. Each step runs as at most two calls of one jitted function: the decode tokens (one new
+token per sequence, `max_query_len` 1) and the prefill chunks (several tokens per sequence),
+so the attention of a decode batch never pays for the longest prompt chunk.
+
+Every array dimension is padded to a bucket (powers of two), so the number of compilations
+over any trace is bounded by `max_compiles`; `compiles` counts them as they happen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpage.attention import build_metadata, init_kv_pool, kv_bytes_per_block
+from jaxpage.sampling import SamplingMetadata, sample
+from jaxpage.sampling_params import MAX_LOGPROBS
+
+
+def power_of_two_buckets(low: int, high: int) -> list[int]:
+    """Powers of two from `low` up to the first one >= `high`, capped at `high`."""
+    buckets, size = [], low
+    while size < high:
+        buckets.append(size)
+        size *= 2
+    buckets.append(high)
+    return buckets
+
+
+def bucket_for(n: int, buckets: list[int]) -> int:
+    for size in buckets:
+        if n <= size:
+            return size
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclasses.dataclass(slots=True)
+class SamplingRow:
+    """One sequence's sampling parameters for this step (host side)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int
+    step: int
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    num_logprobs: int = 0
+    prompt_token_ids: list[int] | None = None  # only needed with penalties
+    output_token_ids: list[int] | None = None
+    banned_token_ids: tuple[int, ...] = ()  # e.g. EOS before min_tokens
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence != 0 or self.frequency != 0 or self.repetition != 1
+
+    @property
+    def uses_filters(self) -> bool:
+        return self.temperature > 0 and (self.top_p < 1 or self.top_k > 0 or self.min_p > 0)
+
+
+@dataclasses.dataclass(slots=True)
+class SeqInput:
+    """One sequence of a step: new tokens at positions num_computed.. of its block table."""
+
+    block_table: list[int]
+    num_computed: int
+    token_ids: list[int]
+    sampling: SamplingRow | None  # None: no token drawn (a non-final prompt chunk)
+
+
+@dataclasses.dataclass(slots=True)
+class SeqResult:
+    token: int
+    logprob: float
+    top_logprobs: dict[int, float] | None
+
+
+def _step_fn(model, params, kv_pool, token_ids, positions, attn_md, sampling_md):
+    logits, kv_pool = model.forward(params, token_ids, positions, kv_pool, attn_md)
+    return sample(logits, sampling_md), kv_pool
+
+
+def _copy_blocks_fn(kv_pool, src, dst):
+    # src, dst: [C] int32; padding copies block 0 onto itself
+    return [(k.at[dst].set(k[src]), v.at[dst].set(v[src])) for k, v in kv_pool]
+
+
+# Module-level so that every runner of the same model shares compiled executables.
+_STEP = jax.jit(_step_fn, static_argnums=0, donate_argnums=2)
+_COPY_BLOCKS = jax.jit(_copy_blocks_fn, donate_argnums=0)
+
+
+class ModelRunner:
+    """Owns the device params, the KV pool and the compiled step functions."""
+
+    def __init__(
+        self,
+        model: Any,
+        params: Any,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        dtype: Any = jnp.float32,
+        backend: str = "reference",
+    ) -> None:
+        config = model.config
+        self.model = model
+        self.vocab_size = config.vocab_size
+        self.block_size = block_size
+        self.backend = backend
+        self.params = jax.device_put(params)
+        self.kv_pool = init_kv_pool(config.num_layers, num_blocks, block_size,
+                                    config.num_kv_heads, config.head_dim, dtype)
+        self.kv_bytes = num_blocks * kv_bytes_per_block(
+            config.num_layers, block_size, config.num_kv_heads, config.head_dim, dtype)
+        max_blocks = -(-max_model_len // block_size)
+        self.token_buckets = power_of_two_buckets(16, max_num_batched_tokens)
+        self.seq_buckets = power_of_two_buckets(1, max_num_seqs)
+        self.width_buckets = power_of_two_buckets(1, max_blocks)
+        self.len_buckets = power_of_two_buckets(16, max_model_len)  # penalty token lists
+        self.copy_buckets = power_of_two_buckets(1, max(1, num_blocks))
+        self._step = _STEP
+        self._copy = _COPY_BLOCKS
+        self.compiled: set[tuple] = set()
+        self.compile_seconds = 0.0
+
+    @property
+    def compiles(self) -> int:
+        return len(self.compiled)
+
+    @property
+    def max_compiles(self) -> int:
+        """Upper bound on compilations over any trace: every bucket combination."""
+        widths = len(self.width_buckets)
+        decode = len(self.seq_buckets) * widths
+        prefill = len(self.token_buckets) * len(self.seq_buckets) * widths
+        # filters x logprobs x (no penalties + penalty widths) x (no bans + ban widths)
+        sampling_variants = 2 * 2 * (1 + len(self.len_buckets)) ** 2
+        return (decode + prefill) * sampling_variants + len(self.copy_buckets)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        size = bucket_for(len(copies), self.copy_buckets)
+        src = np.zeros(size, np.int32)
+        dst = np.zeros(size, np.int32)
+        src[: len(copies)], dst[: len(copies)] = zip(*copies, strict=True)
+        self.kv_pool = self._timed(("copy", size), lambda: self._copy(self.kv_pool, src, dst))
+
+    def execute(self, seqs: list[SeqInput]) -> list[SeqResult | None]:
+        """Run one step over `seqs`; returns per sequence the drawn token (None for a
+        non-final prompt chunk)."""
+        results: list[SeqResult | None] = [None] * len(seqs)
+        decode = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
+        prefill = [i for i, s in enumerate(seqs) if len(s.token_ids) > 1]
+        for group, is_decode in ((prefill, False), (decode, True)):
+            if group:
+                for i, result in zip(group, self._run([seqs[i] for i in group], is_decode),
+                                     strict=True):
+                    results[i] = result
+        return results
+
+    def _run(self, seqs: list[SeqInput], is_decode: bool) -> list[SeqResult | None]:
+        num_seqs = bucket_for(len(seqs), self.seq_buckets)
+        total = sum(len(s.token_ids) for s in seqs)
+        num_tokens = num_seqs if is_decode else bucket_for(total, self.token_buckets)
+        width = bucket_for(max(-(-(s.num_computed + len(s.token_ids)) // self.block_size)
+                               for s in seqs), self.width_buckets)
+        positions, attn_md = build_metadata(
+            [s.block_table[:width] for s in seqs],
+            [s.num_computed for s in seqs],
+            [len(s.token_ids) for s in seqs],
+            self.block_size,
+            max_blocks_per_seq=width,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            max_query_len=1 if is_decode else num_tokens,
+            num_logits=num_seqs,
+            backend=self.backend,
+        )
+        token_ids = np.zeros(num_tokens, np.int32)
+        token_ids[:total] = [t for s in seqs for t in s.token_ids]
+        sampling_md = self._sampling_metadata([s.sampling for s in seqs], num_seqs)
+        key = ("decode" if is_decode else "prefill", num_tokens, num_seqs, width,
+               sampling_md.use_filters, sampling_md.num_logprobs,
+               None if sampling_md.prompt_token_ids is None
+               else sampling_md.prompt_token_ids.shape[1],
+               None if sampling_md.banned_token_ids is None
+               else sampling_md.banned_token_ids.shape[1])
+
+        def call():
+            out, self.kv_pool = self._step(self.model, self.params, self.kv_pool, token_ids,
+                                           positions, attn_md, sampling_md)
+            return jax.device_get(out)
+
+        out = self._timed(key, call)
+        results: list[SeqResult | None] = []
+        for row, s in enumerate(seqs):
+            if s.sampling is None:
+                results.append(None)
+                continue
+            top = None
+            if s.sampling.num_logprobs:
+                n = s.sampling.num_logprobs
+                top = dict(zip(out["top_ids"][row, :n].tolist(),
+                               out["top_logprobs"][row, :n].tolist(), strict=True))
+            results.append(SeqResult(int(out["tokens"][row]), float(out["logprob"][row]), top))
+        return results
+
+    def _timed(self, key: tuple, fn):
+        """Run fn; the first call of a shape key is a compilation, timed as such."""
+        if key in self.compiled:
+            return fn()
+        start = time.perf_counter()
+        result = fn()
+        self.compile_seconds += time.perf_counter() - start
+        self.compiled.add(key)
+        return result
+
+    def _sampling_metadata(self, rows: list[SamplingRow | None], num_rows: int):
+        greedy = SamplingRow(0.0, 1.0, 0, 0.0, 0, 0)
+        rows = [r or greedy for r in rows] + [greedy] * (num_rows - len(rows))
+        use_penalties = any(r.uses_penalties for r in rows)
+        md = dict(
+            temperature=np.array([r.temperature for r in rows], np.float32),
+            top_p=np.array([r.top_p for r in rows], np.float32),
+            top_k=np.array([max(r.top_k, 0) for r in rows], np.int32),
+            min_p=np.array([r.min_p for r in rows], np.float32),
+            seeds=np.array([r.seed & 0xFFFFFFFF for r in rows], np.uint32),
+            steps=np.array([r.step for r in rows], np.int32),
+            use_filters=any(r.uses_filters for r in rows),
+            num_logprobs=MAX_LOGPROBS if any(r.num_logprobs for r in rows) else 0,
+        )
+        if any(r.banned_token_ids for r in rows):
+            width = bucket_for(max(len(r.banned_token_ids) for r in rows), self.len_buckets)
+            md["banned_token_ids"] = _pad_rows([r.banned_token_ids for r in rows], width)
+        if use_penalties:
+            longest = max(max(len(r.prompt_token_ids or ()), len(r.output_token_ids or ()))
+                          for r in rows)
+            width = bucket_for(max(longest, 1), self.len_buckets)
+            md.update(
+                presence=np.array([r.presence for r in rows], np.float32),
+                frequency=np.array([r.frequency for r in rows], np.float32),
+                repetition=np.array([r.repetition for r in rows], np.float32),
+                prompt_token_ids=_pad_rows([r.prompt_token_ids or () for r in rows], width),
+                output_token_ids=_pad_rows([r.output_token_ids or () for r in rows], width),
+                use_penalties=True,
+            )
+        return SamplingMetadata(**md)
+
+
+def _pad_rows(rows: list, width: int) -> np.ndarray:
+    out = np.full((len(rows), width), -1, np.int32)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out
+

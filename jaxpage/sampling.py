@@ -1,0 +1,145 @@
+"""On-device sampling from per-request parameter arrays.
+
+Order of operations (as vLLM v1): penalties on the raw logits -> temperature -> min-p ->
+top-k -> top-p -> a Gumbel-max draw keyed by (request seed, output position), so a seeded
+request samples the same tokens whatever else is in the batch. Rows with temperature 0
+take the argmax of the penalized logits. Log probabilities reported to the user are those
+of the model's raw distribution (log-softmax of the unprocessed logits), as in vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxpage.sampling_params import MAX_LOGPROBS
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingMetadata:
+    """Per-row sampling parameters, all [R] unless noted (R = rows of logits).
+
+    temperature (0 = greedy), top_p (1 = off), top_k (0 = off), min_p (0 = off): float32/int32.
+    seeds: [R] uint32 request seed; steps: [R] int32 output position (the RNG counter).
+    presence, frequency, repetition: penalties (0, 0, 1 = off).
+    prompt_token_ids, output_token_ids: [R, M] int32 padded with -1 (only read when
+      use_penalties).
+    banned_token_ids: [R, B] int32 padded with -1, or None: tokens that must not be drawn
+      (EOS and stop tokens before min_tokens is reached).
+    Static: use_penalties, use_filters (any top-k/top-p/min-p), num_logprobs (0 or 20).
+    """
+
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: jax.Array
+    min_p: jax.Array
+    seeds: jax.Array
+    steps: jax.Array
+    presence: jax.Array | None = None
+    frequency: jax.Array | None = None
+    repetition: jax.Array | None = None
+    prompt_token_ids: jax.Array | None = None
+    output_token_ids: jax.Array | None = None
+    banned_token_ids: jax.Array | None = None
+    use_penalties: bool = False
+    use_filters: bool = False
+    num_logprobs: int = 0
+
+
+jax.tree_util.register_dataclass(
+    SamplingMetadata,
+    data_fields=["temperature", "top_p", "top_k", "min_p", "seeds", "steps", "presence",
+                 "frequency", "repetition", "prompt_token_ids", "output_token_ids",
+                 "banned_token_ids"],
+    meta_fields=["use_penalties", "use_filters", "num_logprobs"],
+)
+
+
+def token_counts(token_ids: jax.Array, vocab_size: int) -> jax.Array:
+    """[R, M] ids padded with -1 -> [R, V] occurrence counts (float32)."""
+    rows = jnp.arange(token_ids.shape[0])[:, None]
+    valid = token_ids >= 0
+    counts = jnp.zeros((token_ids.shape[0], vocab_size), jnp.float32)
+    return counts.at[rows, jnp.where(valid, token_ids, vocab_size)].add(
+        valid.astype(jnp.float32), mode="drop"
+    )
+
+
+def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """vLLM's penalties on [R, V] float32 logits.
+
+    repetition: tokens seen in prompt or output have positive logits divided and negative
+    logits multiplied by the penalty; frequency: minus penalty * output count; presence:
+    minus penalty if the token occurs in the output.
+    """
+    vocab_size = logits.shape[-1]
+    output_counts = token_counts(md.output_token_ids, vocab_size)
+    seen = (token_counts(md.prompt_token_ids, vocab_size) + output_counts) > 0
+    rep = md.repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - md.frequency[:, None] * output_counts
+    return logits - md.presence[:, None] * (output_counts > 0)
+
+
+def filter_logits(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """Mask (to -inf) tokens removed by min-p, then top-k, then top-p. logits: [R, V], already
+    divided by the temperature."""
+    vocab_size = logits.shape[-1]
+    neg_inf = jnp.float32(-jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1)
+    # min-p: drop tokens whose probability is below min_p times the most likely one's
+    logits = jnp.where(probs < md.min_p[:, None] * probs.max(-1, keepdims=True), neg_inf, logits)
+    sorted_logits = -jnp.sort(-logits, axis=-1)  # [R, V] descending
+    # top-k: keep logits >= the k-th largest (k = 0 keeps all)
+    k = jnp.where(md.top_k > 0, jnp.minimum(md.top_k, vocab_size), vocab_size)
+    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)  # [R, 1]
+    sorted_logits = jnp.where(jnp.arange(vocab_size)[None, :] < k[:, None], sorted_logits, neg_inf)
+    logits = jnp.where(logits < kth, neg_inf, logits)
+    # top-p: smallest set of most likely tokens whose mass reaches top_p (always >= 1 token)
+    sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+    keep = mass_before < md.top_p[:, None]
+    cutoff = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits < cutoff, neg_inf, logits)
+
+
+def sample(logits: jax.Array, md: SamplingMetadata) -> dict[str, jax.Array]:
+    """Draw one token per row.
+
+    Args:
+      logits: [R, V] float32 raw model logits.
+    Returns dict:
+      tokens [R] int32; logprob [R] float32 (raw log-probability of the chosen token);
+      when md.num_logprobs: top_ids [R, N] int32 and top_logprobs [R, N] float32.
+    """
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    if md.banned_token_ids is not None:
+        rows = jnp.arange(logits.shape[0])[:, None]
+        banned = jnp.where(md.banned_token_ids >= 0, md.banned_token_ids, logits.shape[-1])
+        logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
+    if md.use_penalties:
+        logits = apply_penalties(logits, md)
+    greedy_tokens = jnp.argmax(logits, axis=-1)
+    temperature = jnp.where(md.temperature > 0, md.temperature, 1.0)
+    scaled = logits / temperature[:, None]
+    if md.use_filters:
+        scaled = filter_logits(scaled, md)
+
+    def gumbel(seed, step):
+        key = jax.random.fold_in(jax.random.key(seed), step)
+        return jax.random.gumbel(key, (logits.shape[-1],), jnp.float32)
+
+    noise = jax.vmap(gumbel)(md.seeds, md.steps)  # [R, V]
+    sampled = jnp.argmax(scaled + noise, axis=-1)
+    tokens = jnp.where(md.temperature > 0, sampled, greedy_tokens).astype(jnp.int32)
+    out = {
+        "tokens": tokens,
+        "logprob": jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0],
+    }
+    if md.num_logprobs:
+        top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, min(md.num_logprobs, MAX_LOGPROBS))
+        out["top_ids"] = top_ids.astype(jnp.int32)
+        out["top_logprobs"] = top_logprobs
+    return out

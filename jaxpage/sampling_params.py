@@ -1,0 +1,108 @@
+"""Per-request generation parameters, validated where they enter (vLLM's names and ranges)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+MAX_LOGPROBS = 20
+
+
+def _check(ok: bool, field: str, value, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{field} must be {allowed}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request's continuations.
+
+    temperature=0 is greedy. A `seed` makes sampling reproducible whatever else is in the
+    batch; without one, the engine derives a seed from its own seed and the request.
+    `top_k` of -1 (or 0) disables top-k. Penalties follow vLLM: presence/frequency are
+    subtracted from the logits of generated tokens; repetition divides positive and
+    multiplies negative logits of prompt and generated tokens.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        # Accept lists and a single stop string for convenience; store tuples (hashable).
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
+        _check(_is_real(self.temperature) and math.isfinite(self.temperature)
+               and self.temperature >= 0, "temperature", self.temperature, "finite and >= 0")
+        _check(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", self.top_k,
+               "an integer >= -1 (-1 or 0 disables)")
+        _check(_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
+        _check(self.seed is None or _is_int(self.seed), "seed", self.seed, "an integer or None")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
+               "an integer >= 1")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+               "min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
+        for s in self.stop:
+            _check(isinstance(s, str) and s != "", "stop", s, "non-empty strings")
+        for t in self.stop_token_ids:
+            _check(_is_int(t) and t >= 0, "stop_token_ids", t, "integers >= 0")
+        _check(self.logprobs is None or (_is_int(self.logprobs)
+                                         and 0 <= self.logprobs <= MAX_LOGPROBS),
+               "logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_real(value) and -2 <= value <= 2, name, value, "in [-2, 2]")
+        _check(_is_real(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
+               and self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty,
+               "finite and > 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class BeamSearchParams:
+    """Beam search: the `beam_width` best hypotheses ranked with HF's length penalty."""
+
+    beam_width: int = 4
+    max_tokens: int = 16
+    length_penalty: float = 1.0
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.beam_width) and self.beam_width >= 1, "beam_width",
+               self.beam_width, "an integer >= 1")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+               self.max_tokens, "an integer >= 1")
+        _check(_is_real(self.length_penalty) and math.isfinite(self.length_penalty),
+               "length_penalty", self.length_penalty, "a finite number")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
