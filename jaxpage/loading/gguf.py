@@ -1,0 +1,316 @@
+"""Load a llama.cpp GGUF file: config from its metadata, dequantized params, tokenizer.
+
+The GGUF metadata is turned into an HF `config.json`-style dict (so `ModelConfig.from_hf`
+does the validation), every tensor is dequantized to float32 with `gguf.quants`, renamed
+to its HF name, and handed to `params_from_hf_tensors`, which checks shapes and builds the
+jaxpage layout. Two llama.cpp conventions are undone on the way:
+
+* `convert_hf_to_gguf.py` permutes the rows of q_proj / k_proj (weights and biases) of
+  the llama architecture, per head, from HF's half-split rotary layout to llama.cpp's
+  interleaved-pairs layout; `unpermute_rope_rows` inverts it. qwen2 / qwen3 are stored
+  unpermuted (llama.cpp runs them with NEOX-style rope, which is HF's layout).
+* Llama 3.1-style rope scaling is not in the metadata but baked into a `rope_freqs.weight`
+  tensor of per-frequency divisors; `llama3_rope_from_factors` recovers the HF
+  `rope_scaling` dict from it and checks it reproduces every factor.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from jaxpage.loading.hf import WeightsError, params_from_hf_tensors
+from jaxpage.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+
+# general.architecture -> HF architecture. Mistral GGUFs say "llama".
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# Architectures whose q/k rows convert_hf_to_gguf permutes for interleaved rope.
+ROPE_PERMUTED_ARCHITECTURES = ("llama",)
+
+# GGUF tensor name -> HF name, without the ".weight" / ".bias" suffix.
+TOP_LEVEL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+# Inside a block: "blk.N.<gguf>" -> "model.layers.N.<hf>".
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The HF name of a GGUF tensor ("blk.3.attn_q.weight" -> "model.layers.3.self_attn.
+    q_proj.weight"), or None for names that have none."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    if suffix not in ("weight", "bias"):
+        return None
+    if stem in TOP_LEVEL_NAMES:
+        return f"{TOP_LEVEL_NAMES[stem]}.{suffix}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{suffix}"
+    return None
+
+
+def unpermute_rope_rows(tensor: np.ndarray, num_heads: int) -> np.ndarray:
+    """Invert convert_hf_to_gguf's `LlamaModel.permute` on a q/k weight [rows, in] or bias
+    [rows], rows = num_heads * head_dim.
+
+    llama.cpp stores each head's rows as interleaved pairs (x0, x_{D/2}, x1, x_{D/2+1}, ...);
+    HF keeps the two halves contiguous. Within a head, GGUF row 2*j + h is HF row
+    h * D/2 + j.
+    """
+    rows = tensor.shape[0]
+    if rows % (2 * num_heads):
+        raise WeightsError(f"cannot unpermute {rows} rope rows over {num_heads} heads")
+    half = rows // num_heads // 2
+    rest = tensor.shape[1:]
+    # [heads, D/2, 2, *rest] -> [heads, 2, D/2, *rest]
+    return tensor.reshape(num_heads, half, 2, *rest).swapaxes(1, 2).reshape(tensor.shape)
+
+
+def llama3_rope_from_factors(
+    factors: np.ndarray, theta: float, head_dim: int, context_length: int | None
+) -> dict[str, Any]:
+    """The HF llama3 `rope_scaling` dict whose per-frequency divisors are `factors`.
+
+    llama.cpp writes them (`rope_freqs.weight`, [head_dim / 2]) from factor,
+    low/high_freq_factor and original_max_position_embeddings. Every Llama 3.x uses
+    low = 1, high = 4; the original context is 8192 in practice, else it is solved for
+    from a frequency in the smoothly interpolated band. Raises WeightsError when no
+    candidate reproduces the tensor.
+    """
+    factors = np.asarray(factors, np.float64).reshape(-1)
+    factor = float(factors.max())
+    low, high = 1.0, 4.0
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    wavelen = 2 * math.pi / inv_freq
+    candidates = [8192.0]
+    if context_length:
+        candidates.append(context_length / factor)
+    if factor > 1:
+        # smooth band: 1 / r = (1 - s) / factor + s, s = (old / wavelen - low) / (high - low)
+        smooth = (1 / factors - 1 / factor) / (1 - 1 / factor)
+        band = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
+        candidates += [
+            float(round(w * (low + s * (high - low))))
+            for w, s in zip(wavelen[band], smooth[band], strict=True)
+        ]
+
+    def expected(old: float) -> np.ndarray:
+        smooth = (old / wavelen - low) / (high - low)
+        mid = 1 / ((1 - smooth) / factor + smooth)
+        return np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, mid))
+
+    for old in candidates:
+        if factors.shape == inv_freq.shape and np.allclose(expected(old), factors, rtol=1e-4):
+            return {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low,
+                "high_freq_factor": high,
+                "original_max_position_embeddings": int(old),
+            }
+    raise WeightsError(
+        f"{ROPE_FREQS} (factors {np.round(factors, 4).tolist()}) does not match llama3 rope "
+        "scaling with low_freq_factor=1, high_freq_factor=4; this rope scaling is unsupported"
+    )
+
+
+def open_gguf(path: str):
+    """A `gguf.GGUFReader` over `path`; FileNotFoundError / WeightsError naming the file."""
+    import gguf
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file {path!r} does not exist")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError, IndexError, struct.error ...
+        raise WeightsError(
+            f"{path!r} is not a readable GGUF file (corrupt or truncated?): {type(e).__name__}: {e}"
+        ) from e
+
+
+def _field(reader, key: str, default: Any = None, required: bool = False) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        if required:
+            raise WeightsError(f"GGUF metadata has no {key!r}")
+        return default
+    value = field.contents()
+    if isinstance(value, float):  # float32 in the file: 1e-5, not 9.999999747378752e-06
+        value = float(str(np.float32(value)))
+    return value
+
+
+def hf_config_from_gguf(reader) -> dict[str, Any]:
+    """An HF `config.json`-style dict from a GGUF file's metadata and tensor names."""
+    arch = _field(reader, "general.architecture", required=True)
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; supported: "
+            f"{', '.join(GGUF_ARCHITECTURES)} (as {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    names = {t.name for t in reader.tensors}
+
+    def meta(key: str, default: Any = None, required: bool = False) -> Any:
+        return _field(reader, f"{arch}.{key}", default, required)
+
+    num_heads = meta("attention.head_count", required=True)
+    num_kv_heads = meta("attention.head_count_kv", num_heads)
+    if isinstance(num_kv_heads, list):  # per-layer counts; only uniform ones are supported
+        if len(set(num_kv_heads)) != 1:
+            raise WeightsError(f"per-layer {arch}.attention.head_count_kv {num_kv_heads} differ")
+        num_kv_heads = num_kv_heads[0]
+    hidden = meta("embedding_length", required=True)
+    # key_length is written whenever HF's config has an explicit head_dim; llama files
+    # also carry it as the rope dimension count (llama rotates the whole head).
+    head_dim = (
+        meta("attention.key_length")
+        or (meta("rope.dimension_count") if arch == "llama" else None)
+        or hidden // num_heads
+    )
+    vocab_size = meta("vocab_size")
+    if vocab_size is None and "tokenizer.ggml.tokens" in reader.fields:
+        vocab_size = len(reader.fields["tokenizer.ggml.tokens"].data)
+    if vocab_size is None and "token_embd.weight" in names:
+        vocab_size = int(next(t for t in reader.tensors if t.name == "token_embd.weight").shape[1])
+    context_length = meta("context_length", 2048)
+    theta = float(meta("rope.freq_base", 10000.0))
+
+    rope_scaling = None
+    scaling_type = meta("rope.scaling.type") or ("linear" if meta("rope.scale_linear") else None)
+    if scaling_type not in (None, "none"):
+        rope_scaling = {
+            "rope_type": scaling_type,
+            "factor": float(meta("rope.scaling.factor") or meta("rope.scale_linear") or 1.0),
+        }
+        orig = meta("rope.scaling.original_context_length")
+        if orig:
+            rope_scaling["original_max_position_embeddings"] = int(orig)
+    if ROPE_FREQS in names:
+        if rope_scaling is not None:
+            raise WeightsError(f"both {ROPE_FREQS} and {arch}.rope.scaling.type={scaling_type!r}")
+        from gguf.quants import dequantize
+
+        tensor = next(t for t in reader.tensors if t.name == ROPE_FREQS)
+        rope_scaling = llama3_rope_from_factors(
+            dequantize(tensor.data, tensor.tensor_type), theta, head_dim, context_length
+        )
+
+    eos = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    eos = list(dict.fromkeys(int(e) for e in eos if e is not None))
+    return {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": meta("feed_forward_length", required=True),
+        "num_hidden_layers": meta("block_count", required=True),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": context_length,
+        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": theta,
+        "rope_scaling": rope_scaling,
+        "tie_word_embeddings": "output.weight" not in names,
+        # Qwen2 always has q/k/v biases; for llama their presence is `attention_bias`.
+        "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in names,
+        "mlp_bias": "blk.0.ffn_gate.bias" in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos or None,
+    }
+
+
+def load_gguf(path: str, dtype) -> tuple[ModelConfig, dict[str, Any]]:
+    """(config, numpy params in the jaxpage layout, cast to `dtype`) from a GGUF file.
+
+    Every tensor type `gguf.quants` can dequantize is accepted (F32, F16, BF16, Q8_0,
+    Q4_0/Q4_1, K-quants ...); weights are dequantized to float32, then cast.
+
+    Raises FileNotFoundError (no such file), WeightsError (not GGUF, corrupt, tensors that
+    do not match the metadata) and ValueError (unsupported architecture or rope type).
+    """
+    from gguf.quants import dequantize
+
+    reader = open_gguf(path)
+    try:
+        hf_config = hf_config_from_gguf(reader)
+        config = ModelConfig.from_hf(hf_config)
+    except ValueError as e:
+        raise type(e)(f"{path}: {e}") from e
+    arch = hf_config["model_type"]
+    by_hf_name = {}
+    for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS:
+            continue  # folded into config.rope
+        hf_name = hf_tensor_name(tensor.name)
+        if hf_name is None:
+            raise WeightsError(
+                f"{path}: GGUF tensor {tensor.name!r} is not part of a "
+                f"{config.architecture} (unknown name)"
+            )
+        by_hf_name[hf_name] = tensor
+    unused = set(by_hf_name)
+
+    def get(hf_name: str) -> np.ndarray | None:
+        tensor = by_hf_name.get(hf_name)
+        if tensor is None:
+            return None
+        unused.discard(hf_name)
+        shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml lists dims innermost first
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        except (NotImplementedError, ValueError) as e:
+            raise WeightsError(
+                f"{path}: cannot dequantize {tensor.name!r} "
+                f"({tensor.tensor_type.name}, shape {shape}): {e}"
+            ) from e
+        if arch in ROPE_PERMUTED_ARCHITECTURES:
+            if ".self_attn.q_proj." in hf_name:
+                array = unpermute_rope_rows(array, config.num_heads)
+            elif ".self_attn.k_proj." in hf_name:
+                array = unpermute_rope_rows(array, config.num_kv_heads)
+        return array
+
+    try:
+        params = params_from_hf_tensors(config, get, dtype)
+    except WeightsError as e:
+        raise WeightsError(f"{path}: {e} (names are the HF names of the GGUF tensors)") from e
+    if unused:
+        raise WeightsError(
+            f"{path}: GGUF tensors the {config.architecture} config does not use: "
+            f"{sorted(unused)[:8]}"
+        )
+    return config, params
+
+
+def gguf_tokenizer(path: str):
+    """The transformers tokenizer embedded in a GGUF file (built by transformers' GGUF
+    converter; chat template included when the file has one)."""
+    from transformers import AutoTokenizer
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file {path!r} does not exist")
+    path = os.path.abspath(path)
+    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
