@@ -1,8 +1,9 @@
 """On-device sampling from per-request parameter arrays.
 
 Order of operations (as vLLM v1): penalties on the raw logits -> temperature -> min-p ->
-top-k -> top-p -> a Gumbel-max draw keyed by (request seed, output position), so a seeded
-request samples the same tokens whatever else is in the batch. Rows with temperature 0
+top-k -> top-p -> a Gumbel-max draw whose noise is a hash of (request seed, output
+position, token), so a seeded request samples the same tokens whatever else is in the
+batch. Rows with temperature 0
 take the argmax of the penalized logits. Log probabilities reported to the user are those
 of the model's raw distribution (log-softmax of the unprocessed logits), as in vLLM.
 """
@@ -105,6 +106,29 @@ def filter_logits(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     return jnp.where(logits < cutoff, neg_inf, logits)
 
 
+def _mix32(x: jax.Array) -> jax.Array:
+    """murmur3's 32-bit finalizer: a bijection that scrambles every input bit."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seeds: jax.Array, steps: jax.Array, vocab_size: int) -> jax.Array:
+    """[R, V] standard Gumbel noise, a pure function of (seed, step, token id).
+
+    A counter-based hash rather than a PRNG key per row: each row's noise depends on its
+    own (seed, step) only, so a request draws the same tokens whatever shares its batch,
+    and the whole draw is a few integer ops per logit (cheap to compile and to run).
+    """
+    row = _mix32(seeds.astype(jnp.uint32) ^ _mix32(steps.astype(jnp.uint32) + jnp.uint32(0x9E3779B9)))
+    tokens = jnp.arange(vocab_size, dtype=jnp.uint32)
+    bits = _mix32(_mix32(row[:, None] + tokens[None, :] * jnp.uint32(0x9E3779B1)) ^ row[:, None])
+    uniform = ((bits >> 8).astype(jnp.float32) + 0.5) * jnp.float32(2.0**-24)  # (0, 1)
+    return -jnp.log(-jnp.log(uniform))
+
+
 def sample(logits: jax.Array, md: SamplingMetadata) -> dict[str, jax.Array]:
     """Draw one token per row.
 
@@ -127,11 +151,7 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> dict[str, jax.Array]:
     if md.use_filters:
         scaled = filter_logits(scaled, md)
 
-    def gumbel(seed, step):
-        key = jax.random.fold_in(jax.random.key(seed), step)
-        return jax.random.gumbel(key, (logits.shape[-1],), jnp.float32)
-
-    noise = jax.vmap(gumbel)(md.seeds, md.steps)  # [R, V]
+    noise = gumbel_noise(md.seeds, md.steps, logits.shape[-1])  # [R, V]
     sampled = jnp.argmax(scaled + noise, axis=-1)
     tokens = jnp.where(md.temperature > 0, sampled, greedy_tokens).astype(jnp.int32)
     out = {

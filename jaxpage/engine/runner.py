@@ -86,18 +86,20 @@ class SeqResult:
     top_logprobs: dict[int, float] | None
 
 
-def _step_fn(model, params, kv_pool, token_ids, positions, attn_md, sampling_md):
-    logits, kv_pool = model.forward(params, token_ids, positions, kv_pool, attn_md)
-    return sample(logits, sampling_md), kv_pool
-
-
 def _copy_blocks_fn(kv_pool, src, dst):
     # src, dst: [C] int32; padding copies block 0 onto itself
     return [(k.at[dst].set(k[src]), v.at[dst].set(v[src])) for k, v in kv_pool]
 
 
-# Module-level so that every runner of the same model shares compiled executables.
-_STEP = jax.jit(_step_fn, static_argnums=0, donate_argnums=2)
+def _forward_fn(model, params, kv_pool, token_ids, positions, attn_md):
+    return model.forward(params, token_ids, positions, kv_pool, attn_md)
+
+
+# Module-level so that every runner of the same model shares compiled executables. The
+# forward and the sampler are separate executables: the compile count is then the number of
+# batch shapes plus the number of sampling variants, not their product.
+_FORWARD = jax.jit(_forward_fn, static_argnums=0, donate_argnums=2)
+_SAMPLE = jax.jit(sample)
 _COPY_BLOCKS = jax.jit(_copy_blocks_fn, donate_argnums=0)
 
 
@@ -128,13 +130,17 @@ class ModelRunner:
         self.kv_bytes = num_blocks * kv_bytes_per_block(
             config.num_layers, block_size, config.num_kv_heads, config.head_dim, dtype)
         max_blocks = -(-max_model_len // block_size)
-        self.token_buckets = power_of_two_buckets(16, max_num_batched_tokens)
-        self.seq_buckets = power_of_two_buckets(1, max_num_seqs)
-        self.width_buckets = power_of_two_buckets(1, max_blocks)
-        self.len_buckets = power_of_two_buckets(16, max_model_len)  # penalty token lists
-        self.copy_buckets = power_of_two_buckets(1, max(1, num_blocks))
-        self._step = _STEP
-        self._copy = _COPY_BLOCKS
+        # Smallest buckets are set where padding is nearly free (a decode step of 8 rows costs
+        # what one row costs: both read every weight once) to keep compilations few.
+        self.token_buckets = power_of_two_buckets(min(16, max_num_batched_tokens),
+                                                  max_num_batched_tokens)
+        self.decode_buckets = power_of_two_buckets(min(8, max_num_seqs), max_num_seqs)
+        self.prefill_seq_buckets = power_of_two_buckets(min(4, max_num_seqs), max_num_seqs)
+        self.width_buckets = power_of_two_buckets(
+            min(max(1, 64 // block_size), max_blocks), max_blocks)
+        self.len_buckets = power_of_two_buckets(min(128, max_model_len), max_model_len)
+        self.ban_buckets = power_of_two_buckets(8, max(8, config.vocab_size))
+        self.copy_buckets = power_of_two_buckets(min(8, num_blocks), max(1, num_blocks))
         self.compiled: set[tuple] = set()
         self.compile_seconds = 0.0
 
@@ -146,11 +152,12 @@ class ModelRunner:
     def max_compiles(self) -> int:
         """Upper bound on compilations over any trace: every bucket combination."""
         widths = len(self.width_buckets)
-        decode = len(self.seq_buckets) * widths
-        prefill = len(self.token_buckets) * len(self.seq_buckets) * widths
-        # filters x logprobs x (no penalties + penalty widths) x (no bans + ban widths)
-        sampling_variants = 2 * 2 * (1 + len(self.len_buckets)) ** 2
-        return (decode + prefill) * sampling_variants + len(self.copy_buckets)
+        forward = (len(self.decode_buckets)
+                   + len(self.token_buckets) * len(self.prefill_seq_buckets)) * widths
+        rows = len(set(self.decode_buckets) | set(self.prefill_seq_buckets))
+        # filters x logprobs x (no penalties + widths) x (no bans + widths)
+        sampling = rows * 2 * 2 * (1 + len(self.len_buckets)) * (1 + len(self.ban_buckets))
+        return forward + sampling + len(self.copy_buckets)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -159,7 +166,7 @@ class ModelRunner:
         src = np.zeros(size, np.int32)
         dst = np.zeros(size, np.int32)
         src[: len(copies)], dst[: len(copies)] = zip(*copies, strict=True)
-        self.kv_pool = self._timed(("copy", size), lambda: self._copy(self.kv_pool, src, dst))
+        self.kv_pool = self._timed(("copy", size), lambda: _COPY_BLOCKS(self.kv_pool, src, dst))
 
     def execute(self, seqs: list[SeqInput]) -> list[SeqResult | None]:
         """Run one step over `seqs`; returns per sequence the drawn token (None for a
@@ -175,7 +182,8 @@ class ModelRunner:
         return results
 
     def _run(self, seqs: list[SeqInput], is_decode: bool) -> list[SeqResult | None]:
-        num_seqs = bucket_for(len(seqs), self.seq_buckets)
+        num_seqs = bucket_for(len(seqs),
+                              self.decode_buckets if is_decode else self.prefill_seq_buckets)
         total = sum(len(s.token_ids) for s in seqs)
         num_tokens = num_seqs if is_decode else bucket_for(total, self.token_buckets)
         width = bucket_for(max(-(-(s.num_computed + len(s.token_ids)) // self.block_size)
@@ -195,19 +203,17 @@ class ModelRunner:
         token_ids = np.zeros(num_tokens, np.int32)
         token_ids[:total] = [t for s in seqs for t in s.token_ids]
         sampling_md = self._sampling_metadata([s.sampling for s in seqs], num_seqs)
-        key = ("decode" if is_decode else "prefill", num_tokens, num_seqs, width,
-               sampling_md.use_filters, sampling_md.num_logprobs,
-               None if sampling_md.prompt_token_ids is None
-               else sampling_md.prompt_token_ids.shape[1],
-               None if sampling_md.banned_token_ids is None
-               else sampling_md.banned_token_ids.shape[1])
 
-        def call():
-            out, self.kv_pool = self._step(self.model, self.params, self.kv_pool, token_ids,
-                                           positions, attn_md, sampling_md)
-            return jax.device_get(out)
+        def forward():
+            logits, self.kv_pool = _FORWARD(self.model, self.params, self.kv_pool, token_ids,
+                                            positions, attn_md)
+            return logits
 
-        out = self._timed(key, call)
+        logits = self._timed(("forward", is_decode, num_tokens, num_seqs, width), forward)
+        sampling_key = ("sample", num_seqs, sampling_md.use_filters, sampling_md.num_logprobs,
+                        *(None if a is None else a.shape[1] for a in (
+                            sampling_md.prompt_token_ids, sampling_md.banned_token_ids)))
+        out = self._timed(sampling_key, lambda: jax.device_get(_SAMPLE(logits, sampling_md)))
         results: list[SeqResult | None] = []
         for row, s in enumerate(seqs):
             if s.sampling is None:
@@ -246,7 +252,7 @@ class ModelRunner:
             num_logprobs=MAX_LOGPROBS if any(r.num_logprobs for r in rows) else 0,
         )
         if any(r.banned_token_ids for r in rows):
-            width = bucket_for(max(len(r.banned_token_ids) for r in rows), self.len_buckets)
+            width = bucket_for(max(len(r.banned_token_ids) for r in rows), self.ban_buckets)
             md["banned_token_ids"] = _pad_rows([r.banned_token_ids for r in rows], width)
         if use_penalties:
             longest = max(max(len(r.prompt_token_ids or ()), len(r.output_token_ids or ()))

@@ -1,0 +1,165 @@
+"""Request lifecycle: aborts anywhere, bad input refused at the boundary, and a soak."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxpage import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def path(hf_model_dir):
+    return hf_model_dir("llama")[0]
+
+
+def drain(engine, check=True):
+    """Step until idle; returns {request_id: [outputs]}, checking invariants every step."""
+    seen: dict[str, list] = {}
+    for _ in range(10_000):
+        if not engine.has_unfinished_requests():
+            return seen
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out)
+        if check:
+            engine.allocator.check_invariants()
+    raise AssertionError("engine did not drain")
+
+
+def test_abort_running_waiting_and_preempted(path):
+    llm = LLM(path, block_size=4, num_blocks=24, max_num_batched_tokens=64, max_num_seqs=3,
+              enable_prefix_caching=False)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    for i in range(6):
+        engine.add_request(f"r{i}", rng.integers(3, 97, size=12).tolist(), params)
+    preempted = None
+    for _ in range(200):  # run until some request was preempted back to waiting
+        engine.step()
+        preempted = next((r for r in engine.scheduler.waiting
+                          if r.metrics.num_preemptions > 0), None)
+        if preempted is not None:
+            break
+    assert preempted is not None, "the small pool should force a preemption"
+    running = engine.scheduler.running[0]
+    waiting = next(r for r in engine.scheduler.waiting
+                   if r.metrics.num_preemptions == 0 and r is not preempted)
+    targets = {running.request_id, waiting.request_id, preempted.request_id}
+    for request_id in targets:
+        engine.abort_request(request_id)
+    engine.allocator.check_invariants()
+    outputs = drain(engine)
+    for request_id in targets:
+        last = outputs[request_id][-1]
+        assert last.finished and last.outputs[0].finish_reason == "abort"
+    for request_id in {f"r{i}" for i in range(6)} - targets:
+        last = outputs[request_id][-1]
+        assert last.finished and last.outputs[0].finish_reason == "length"
+    assert engine.allocator.usage()["used"] == 0
+
+
+BAD_PARAMS = [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=4, min_tokens=5), "min_tokens"),
+    (dict(n=0), "n"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(min_p=-0.1), "min_p"),
+    (dict(min_p=1.1), "min_p"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-3.0), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(stop=["ok", ""]), "stop"),
+]
+
+
+@pytest.mark.parametrize("kwargs,field", BAD_PARAMS)
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_are_refused_and_others_finish(path):
+    llm = LLM(path, block_size=4, num_blocks=64, max_num_batched_tokens=64, max_num_seqs=4,
+              max_model_len=128)
+    engine = llm.engine
+    good = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    engine.add_request("ok-1", [5, 6, 7], good)
+    bad = [
+        (("e", [], good), "empty"),
+        (("neg", [5, -1], good), r"\[0, 97\)"),
+        (("big", [5, 97], good), r"\[0, 97\)"),
+        (("long", [5] * 100, SamplingParams(max_tokens=40)), "max_model_len"),
+        (("ok-1", [5], good), "already in use"),
+        (("text", "hello", good), "tokenizer"),
+    ]
+    for args, message in bad:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request(*args)
+    engine.add_request("ok-2", [8, 9], good)
+    outputs = drain(engine)
+    assert set(outputs) == {"ok-1", "ok-2"}
+    assert all(outputs[r][-1].outputs[0].finish_reason == "length" for r in outputs)
+
+
+def test_request_larger_than_the_pool_is_rejected(path):
+    llm = LLM(path, block_size=4, num_blocks=8, max_num_batched_tokens=64)
+    with pytest.raises(ValueError, match="pool has only 7"):
+        llm.engine.add_request("x", list(range(3, 30)), SamplingParams(max_tokens=10))
+
+
+def test_bad_engine_config_names_the_field(path):
+    for kwargs, field in [(dict(block_size=0), "block_size"), (dict(num_blocks=1), "num_blocks"),
+                          (dict(attention_backend="cuda"), "attention_backend"),
+                          (dict(dtype="int8"), "dtype"), (dict(max_num_seqs=0), "max_num_seqs")]:
+        with pytest.raises(ValueError, match=field):
+            LLM(path, **kwargs)
+
+
+def test_soak(path):
+    """500 requests: random lengths, sampling settings and aborts on a small pool."""
+    rng = np.random.default_rng(2024)
+    llm = LLM(path, block_size=4, num_blocks=96, max_num_batched_tokens=64, max_num_seqs=16,
+              max_model_len=128)
+    engine = llm.engine
+    finished: dict[str, int] = {}
+    submitted, next_id, step = [], 0, 0
+    while next_id < 500 or engine.has_unfinished_requests():
+        for _ in range(int(rng.integers(0, 6)) if next_id < 500 else 0):
+            prompt = rng.integers(0, 97, size=int(rng.integers(1, 60))).tolist()
+            params = SamplingParams(
+                max_tokens=int(rng.integers(1, 40)),
+                temperature=float(rng.choice([0.0, 0.7, 1.0])),
+                top_p=float(rng.choice([1.0, 0.9])), top_k=int(rng.choice([-1, 5])),
+                min_p=float(rng.choice([0.0, 0.05])), seed=int(rng.integers(0, 5)),
+                presence_penalty=float(rng.choice([0.0, 0.5])),
+                logprobs=int(rng.choice([0, 3])) if rng.random() < 0.2 else None,
+                stop_token_ids=[int(rng.integers(0, 97))] if rng.random() < 0.3 else [],
+            )
+            request_id = f"s{next_id}"
+            engine.add_request(request_id, prompt, params, cache_salt=str(next_id % 2))
+            submitted.append(request_id)
+            next_id += 1
+        if submitted and rng.random() < 0.1:  # abort a random earlier request
+            engine.abort_request(submitted[int(rng.integers(0, len(submitted)))])
+        for out in engine.step():
+            if out.finished:
+                assert out.request_id not in finished, f"{out.request_id} ended twice"
+                finished[out.request_id] = 1
+                reason = out.outputs[0].finish_reason
+                assert reason in ("stop", "length", "abort")
+        engine.allocator.check_invariants()
+        step += 1
+        assert step < 20_000
+    assert set(finished) == set(submitted)
+    usage = engine.allocator.usage()
+    assert usage["used"] == 0 and not engine.requests
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["compiles"] <= engine.runner.max_compiles
