@@ -30,8 +30,10 @@ def __getattr__(name: str):
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from jaxpage.config import EngineConfig
-    from jaxpage.engine.engine import LLMEngine
-    from jaxpage.llm import LLM
-    from jaxpage.outputs import CompletionOutput, RequestOutput
-    from jaxpage.sampling_params import BeamSearchParams, SamplingParams
+    from jaxpage.config import EngineConfig as EngineConfig
+    from jaxpage.engine.engine import LLMEngine as LLMEngine
+    from jaxpage.llm import LLM as LLM
+    from jaxpage.outputs import CompletionOutput as CompletionOutput
+    from jaxpage.outputs import RequestOutput as RequestOutput
+    from jaxpage.sampling_params import BeamSearchParams as BeamSearchParams
+    from jaxpage.sampling_params import SamplingParams as SamplingParams

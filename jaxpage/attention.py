@@ -15,9 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.reference import paged_attention_reference, write_kv
+from pallas_kernels.reference import (
+    paged_attention_blockwise,
+    paged_attention_reference,
+    write_kv,
+)
 
-BACKENDS = ("reference", "pallas_gpu", "pallas_tpu")
+# "jnp": blockwise online-softmax jnp (the CPU path); "reference": the dense jnp oracle.
+BACKENDS = ("jnp", "reference", "pallas_gpu", "pallas_tpu")
 
 # One layer's pool: (k_pool, v_pool), each [num_blocks, block_size, num_kv_heads, head_dim].
 LayerKV = tuple[jax.Array, jax.Array]
@@ -46,7 +51,7 @@ class AttentionMetadata:
     query_start_loc: jax.Array
     logits_indices: jax.Array | None = None
     max_query_len: int = 1
-    backend: str = "reference"
+    backend: str = "jnp"
 
 
 jax.tree_util.register_dataclass(
@@ -80,7 +85,9 @@ def paged_attention(
     if metadata.backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {metadata.backend!r}; choose from {BACKENDS}")
     k_pool, v_pool = write_kv(*layer_kv, k, v, metadata.slot_mapping)
-    out = paged_attention_reference(
+    attend = paged_attention_reference if metadata.backend == "reference" else (
+        paged_attention_blockwise)
+    out = attend(
         q,
         k_pool,
         v_pool,
@@ -128,7 +135,7 @@ def build_metadata(
     max_query_len: int | None = None,
     logits_indices: list[int] | None = None,
     num_logits: int | None = None,
-    backend: str = "reference",
+    backend: str = "jnp",
 ) -> tuple[np.ndarray, AttentionMetadata]:
     """Host-side packing of one step: `(positions [T], metadata)` as numpy int32 arrays.
 

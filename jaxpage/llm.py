@@ -77,8 +77,7 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [list(_token_ids(self.tokenizer.apply_chat_template(
-            conv, add_generation_prompt=True, tokenize=True))) for conv in conversations]
+        prompts = [chat_token_ids(self.tokenizer, conv) for conv in conversations]
         return self.generate(prompts, params, **kwargs)
 
     def stats(self) -> dict[str, Any]:
@@ -122,9 +121,14 @@ def _merge(merged: dict[str, CompletionOutput], out: RequestOutput) -> None:
     full.finish_reason, full.stop_reason = delta.finish_reason, delta.stop_reason
 
 
-def _token_ids(encoded: Any) -> list[int]:
+def chat_token_ids(tokenizer: Any, conversation: list[dict]) -> list[int]:
+    """Token ids of a conversation under the tokenizer's chat template, ready to generate."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template")
+    encoded = tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
+                                            tokenize=True)
     if hasattr(encoded, "keys"):  # transformers >= 5 returns a BatchEncoding
-        return list(encoded["input_ids"])
+        encoded = encoded["input_ids"]
     return list(encoded)
 
 

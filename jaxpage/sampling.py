@@ -122,7 +122,8 @@ def gumbel_noise(seeds: jax.Array, steps: jax.Array, vocab_size: int) -> jax.Arr
     own (seed, step) only, so a request draws the same tokens whatever shares its batch,
     and the whole draw is a few integer ops per logit (cheap to compile and to run).
     """
-    row = _mix32(seeds.astype(jnp.uint32) ^ _mix32(steps.astype(jnp.uint32) + jnp.uint32(0x9E3779B9)))
+    golden = jnp.uint32(0x9E3779B9)
+    row = _mix32(seeds.astype(jnp.uint32) ^ _mix32(steps.astype(jnp.uint32) + golden))
     tokens = jnp.arange(vocab_size, dtype=jnp.uint32)
     bits = _mix32(_mix32(row[:, None] + tokens[None, :] * jnp.uint32(0x9E3779B1)) ^ row[:, None])
     uniform = ((bits >> 8).astype(jnp.float32) + 0.5) * jnp.float32(2.0**-24)  # (0, 1)

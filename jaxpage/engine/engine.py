@@ -31,7 +31,7 @@ def _pick_backend(requested: str) -> str:
     if requested != "auto":
         return requested
     platform = jax.default_backend()
-    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(platform, "reference")
+    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(platform, "jnp")
 
 
 class LLMEngine:

@@ -117,7 +117,7 @@ class ModelRunner:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         dtype: Any = jnp.float32,
-        backend: str = "reference",
+        backend: str = "jnp",
     ) -> None:
         config = model.config
         self.model = model

@@ -7,7 +7,11 @@ import math
 import numpy as np
 import pytest
 
-from pallas_kernels.reference import paged_attention_reference, write_kv
+from pallas_kernels.reference import (
+    paged_attention_blockwise,
+    paged_attention_reference,
+    write_kv,
+)
 
 
 def naive_attention(q, k, v, scale):
@@ -60,6 +64,22 @@ def test_hand_worked_causal_chunk():
     np.testing.assert_allclose(np.asarray(out)[:, 0, 0], [15.0, 30.0], rtol=1e-6)
 
 
+@pytest.mark.parametrize("blocks_per_chunk", [1, 3])
+def test_blockwise_chunking_does_not_change_results(blocks_per_chunk):
+    """Chunk sizes that do not divide the table width give the dense reference's result."""
+    rng = np.random.default_rng(5)
+    k_pool = rng.standard_normal((12, 4, 2, 8)).astype(np.float32)
+    v_pool = rng.standard_normal((12, 4, 2, 8)).astype(np.float32)
+    tables = rng.permutation(np.arange(1, 12))[:10].reshape(2, 5).astype(np.int32)
+    seq_lens = np.array([19, 7], np.int32)
+    q = rng.standard_normal((9, 4, 8)).astype(np.float32)
+    qsl = np.array([0, 6, 9], np.int32)  # a 6-token chunk and a 3-token chunk
+    dense = paged_attention_reference(q, k_pool, v_pool, tables, seq_lens, qsl, max_query_len=6)
+    blockwise = paged_attention_blockwise(q, k_pool, v_pool, tables, seq_lens, qsl,
+                                          max_query_len=6, blocks_per_chunk=blocks_per_chunk)
+    np.testing.assert_allclose(np.asarray(blockwise), np.asarray(dense), atol=1e-5)
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("num_heads,num_kv_heads,block_size", [(4, 4, 4), (6, 2, 16), (9, 3, 1),
                                                                 (8, 1, 8)])
@@ -94,17 +114,18 @@ def test_random_ragged_batches_match_naive(seed, num_heads, num_kv_heads, block_
     num_tokens = int(new.sum()) + int(rng.integers(0, 5))  # trailing padding tokens
     q = rng.standard_normal((num_tokens, num_heads, head_dim)).astype(np.float32)
     query_start_loc = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
-    out = np.asarray(paged_attention_reference(
-        q, k_pool, v_pool, tables, seq_lens.astype(np.int32), query_start_loc,
-        max_query_len=int(new.max()),
-    ))
-    assert np.isfinite(out).all(), "an unowned (NaN) slot leaked into the output"
-    for s in range(num_seqs):
-        rows = slice(query_start_loc[s], query_start_loc[s + 1])
-        expected = naive_attention(q[rows].astype(np.float64), contiguous_k[s].astype(np.float64),
-                                   contiguous_v[s].astype(np.float64), head_dim**-0.5)
-        np.testing.assert_allclose(out[rows], expected, atol=2e-5, rtol=0, err_msg=f"seq {s}")
-    assert not out[query_start_loc[-1]:].any(), "padding rows must be zero"
+    args = (q, k_pool, v_pool, tables, seq_lens.astype(np.int32), query_start_loc)
+    for attend in (paged_attention_reference, paged_attention_blockwise):
+        out = np.asarray(attend(*args, max_query_len=int(new.max())))
+        assert np.isfinite(out).all(), "an unowned (NaN) slot leaked into the output"
+        for s in range(num_seqs):
+            rows = slice(query_start_loc[s], query_start_loc[s + 1])
+            expected = naive_attention(q[rows].astype(np.float64),
+                                       contiguous_k[s].astype(np.float64),
+                                       contiguous_v[s].astype(np.float64), head_dim**-0.5)
+            np.testing.assert_allclose(out[rows], expected, atol=2e-5, rtol=0,
+                                       err_msg=f"{attend.__name__} seq {s}")
+        assert not out[query_start_loc[-1]:].any(), "padding rows must be zero"
 
 
 def test_write_kv_scatters_through_slot_mapping():

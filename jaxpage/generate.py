@@ -1,0 +1,165 @@
+"""`python -m jaxpage.generate`: generate text from the command line.
+
+Examples:
+  python -m jaxpage.generate --chat --prompt "What is the capital of France?"
+  python -m jaxpage.generate --prompts-file prompts.txt --max-tokens 64 --json
+  python -m jaxpage.generate --chat --stream --temperature 0.8 --top-p 0.95
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+DEFAULT_PROMPT = "What is the capital of France?"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from jaxpage.loading import DEFAULT_MODEL
+
+    p = argparse.ArgumentParser(prog="python -m jaxpage.generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="model name, HF dir, .gguf file or jaxpage checkpoint")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    src.add_argument("--prompts-file", help="a file with one prompt per line")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed of every request")
+    p.add_argument("--n", type=int, default=1, help="completions per prompt")
+    p.add_argument("--beam-width", type=int, default=None, help="use beam search")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    p.add_argument("--json", action="store_true", help="one JSON object per request")
+    p.add_argument("--config", help="an EngineConfig preset (configs/*.json)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    return p.parse_args(argv)
+
+
+def engine_config(args: argparse.Namespace):
+    from jaxpage.config import EngineConfig
+
+    overrides: dict[str, Any] = {"model": args.model}
+    for field in ("dtype", "max_model_len", "max_num_seqs"):
+        if getattr(args, field) is not None:
+            overrides[field] = getattr(args, field)
+    if args.config:
+        return EngineConfig.from_file(args.config, **overrides)
+    return EngineConfig(**overrides)
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            prompts = [line.rstrip("\n") for line in f if line.strip()]
+        if not prompts:
+            raise ValueError(f"--prompts-file {args.prompts_file!r} has no prompts")
+        return prompts
+    return args.prompt or [DEFAULT_PROMPT]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxpage import LLM, SamplingParams
+    from jaxpage.llm import chat_token_ids
+
+    prompts = read_prompts(args)
+    params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    if args.beam_width is not None:
+        raise ValueError("--beam-width: beam search is not available yet")
+    start = time.perf_counter()
+    llm = LLM(config=engine_config(args))
+    load_seconds = time.perf_counter() - start
+    if args.chat:
+        if llm.tokenizer is None:
+            raise ValueError("--chat: this model has no tokenizer")
+        inputs: list[Any] = [chat_token_ids(llm.tokenizer, [{"role": "user", "content": p}])
+                             for p in prompts]
+    else:
+        inputs = list(prompts)
+    start = time.perf_counter()
+    if args.stream:
+        outputs = stream(llm, prompts, inputs, params)
+    else:
+        outputs = llm.generate(inputs, params, use_tqdm=len(inputs) > 1 and not args.json)
+    elapsed = time.perf_counter() - start
+    if not args.stream:
+        for prompt, out in zip(prompts, outputs, strict=True):
+            print_output(prompt, out, args.json)
+    print_summary(llm, outputs, elapsed, load_seconds)
+    return 0
+
+
+def stream(llm, prompts: list[str], inputs: list[Any], params) -> list:
+    """Print each request's text as it arrives (requests are prefixed when there are many)."""
+    from jaxpage.llm import _merge
+
+    engine = llm.engine
+    ids = [f"cli-{i}" for i in range(len(inputs))]
+    for request_id, prompt in zip(ids, inputs, strict=True):
+        engine.add_request(request_id, prompt, params)
+    merged: dict = {}
+    finished: dict = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            _merge(merged, out)
+            delta = out.outputs[0].text
+            if len(ids) > 1 and delta:
+                delta = f"[{out.request_id}] {delta}\n"
+            print(delta, end="", flush=True)
+            if out.finished:
+                out.outputs = [merged.pop(out.request_id)]
+                finished[out.request_id] = out
+    print()
+    return [finished[r] for r in ids]
+
+
+def print_output(prompt: str, out, as_json: bool) -> None:
+    completion = out.outputs[0]
+    if as_json:
+        print(json.dumps({
+            "request_id": out.request_id, "prompt": prompt, "text": completion.text,
+            "token_ids": completion.token_ids, "finish_reason": completion.finish_reason,
+            "cumulative_logprob": completion.cumulative_logprob,
+            "num_prompt_tokens": len(out.prompt_token_ids),
+        }))
+    else:
+        print(f"--- {prompt}\n{completion.text}\n")
+
+
+def print_summary(llm, outputs: list, elapsed: float, load_seconds: float) -> None:
+    stats = llm.stats()
+    generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    queries = stats["prefix_cache_queries"]
+    hit_rate = stats["prefix_cache_hits"] / queries if queries else 0.0
+    ttft_ms = stats["ttft"]["mean"] * 1e3
+    print(
+        f"{len(outputs)} requests, {generated} tokens in {elapsed:.2f}s: "
+        f"{generated / max(elapsed, 1e-9):.1f} tok/s | mean TTFT {ttft_ms:.0f} ms"
+        f" | mean TPOT {stats['tpot']['mean'] * 1e3:.0f} ms | peak KV usage "
+        f"{stats['kv_peak_usage']:.1%} | prefix-cache hit rate {hit_rate:.1%} | "
+        f"{stats['compiles']} compiles ({stats['compile_seconds']:.1f}s), load {load_seconds:.1f}s",
+        file=sys.stderr,
+    )
+
+
+
+if __name__ == "__main__":
+    sys.exit(main())
