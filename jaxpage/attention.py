@@ -24,7 +24,9 @@ from pallas_kernels.reference import (
 # "jnp": blockwise online-softmax jnp (the CPU path); "reference": the dense jnp oracle.
 BACKENDS = ("jnp", "reference", "pallas_gpu", "pallas_tpu")
 
-# One layer's pool: (k_pool, v_pool), each [num_blocks, block_size, num_kv_heads, head_dim].
+# One layer's pool: (k_pool, v_pool), each [num_kv_heads, num_blocks, block_size, head_dim]
+# (head-major: a block of one head is a contiguous [block_size, head_dim] tile, the layout the
+# Pallas kernels read and the CPU path gathers without transposes).
 LayerKV = tuple[jax.Array, jax.Array]
 
 
@@ -75,7 +77,7 @@ def paged_attention(
     Args:
       q: [T, num_heads, head_dim] rotated queries.
       k, v: [T, num_kv_heads, head_dim] this step's rotated keys and values.
-      layer_kv: (k_pool, v_pool), each [num_blocks, block_size, num_kv_heads, head_dim].
+      layer_kv: (k_pool, v_pool), each [num_kv_heads, num_blocks, block_size, head_dim].
       metadata: the step's AttentionMetadata.
       scale: softmax scale, default head_dim ** -0.5.
 
@@ -85,6 +87,8 @@ def paged_attention(
     if metadata.backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {metadata.backend!r}; choose from {BACKENDS}")
     k_pool, v_pool = write_kv(*layer_kv, k, v, metadata.slot_mapping)
+    if metadata.backend not in ("jnp", "reference"):
+        raise NotImplementedError(f"attention backend {metadata.backend!r} is not built yet")
     attend = paged_attention_reference if metadata.backend == "reference" else (
         paged_attention_blockwise)
     out = attend(
@@ -109,10 +113,10 @@ def init_kv_pool(
     dtype: jnp.dtype = jnp.float32,
 ) -> list[LayerKV]:
     """Preallocate the paged KV pool: per layer a (k, v) pair of
-    [num_blocks, block_size, num_kv_heads, head_dim] zeros. Block 0 is reserved for padding."""
+    [num_kv_heads, num_blocks, block_size, head_dim] zeros. Block 0 is reserved for padding."""
     if num_blocks < 2:
         raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    shape = (num_kv_heads, num_blocks, block_size, head_dim)
     return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers)]
 
 

@@ -33,8 +33,11 @@ class LLM:
             model = LlamaModel(model_config)
             tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
         else:
+            from jaxpage.model_protocol import validate_model
+
             if params is None:
                 raise ValueError("params must be given when model is a model object")
+            validate_model(model, params)
             if config is None:
                 config = EngineConfig(model=type(model).__name__, **engine_kwargs)
         self.engine = LLMEngine(config, model, params, tokenizer)

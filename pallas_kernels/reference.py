@@ -34,7 +34,7 @@ def paged_attention_reference(
 
     Args:
       q: [T, num_heads, head_dim] queries (already rotated).
-      k_pool, v_pool: [num_blocks, block_size, num_kv_heads, head_dim]; this step's K/V
+      k_pool, v_pool: [num_kv_heads, num_blocks, block_size, head_dim]; this step's K/V
         must already be written.
       block_tables: [S, max_blocks_per_seq] int32 physical block ids; entries past a
         sequence's length are never read (padding points at block 0).
@@ -50,7 +50,7 @@ def paged_attention_reference(
     """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, max_blocks = block_tables.shape
-    _, block_size, num_kv_heads, _ = k_pool.shape
+    num_kv_heads, _, block_size, _ = k_pool.shape
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     group = num_heads // num_kv_heads
@@ -68,18 +68,18 @@ def paged_attention_reference(
     query_pos = seq_lens[:, None] - query_lens[:, None] + offsets[None, :]  # [S, Qm]
 
     # K/V of each sequence gathered through its block table.
-    k = k_pool[block_tables].reshape(num_seqs, max_len, num_kv_heads, head_dim)  # [S, L, K, D]
-    v = v_pool[block_tables].reshape(num_seqs, max_len, num_kv_heads, head_dim)  # [S, L, K, D]
+    k = k_pool[:, block_tables].reshape(num_kv_heads, num_seqs, max_len, head_dim)  # [K, S, L, D]
+    v = v_pool[:, block_tables].reshape(num_kv_heads, num_seqs, max_len, head_dim)  # [K, S, L, D]
     key_pos = jnp.arange(max_len, dtype=jnp.int32)  # [L]
     key_valid = key_pos[None, :] < seq_lens[:, None]  # [S, L]
     # Slots past a sequence's length may hold anything (even NaN): zero them so that
     # 0 * garbage never reaches the output.
-    v = jnp.where(key_valid[:, :, None, None], v, 0)
+    v = jnp.where(key_valid[None, :, :, None], v, 0)
     mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & key_valid[:, None, :]  # [S, Qm, L]
 
-    # [S, Qm, K, G, D] x [S, L, K, D] -> [S, K, G, Qm, L]
+    # [S, Qm, K, G, D] x [K, S, L, D] -> [S, K, G, Qm, L]
     scores = jnp.einsum(
-        "sqkgd,slkd->skgql", q_dense, k, preferred_element_type=jnp.float32
+        "sqkgd,ksld->skgql", q_dense, k, preferred_element_type=jnp.float32
     ) * scale
     scores = jnp.where(mask[:, None, None], scores, _NEG_INF)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
@@ -87,8 +87,8 @@ def paged_attention_reference(
     probs = jnp.exp(scores - row_max)
     denom = jnp.sum(probs, axis=-1, keepdims=True)
     probs = probs / jnp.where(denom > 0, denom, 1.0)
-    # [S, K, G, Qm, L] x [S, L, K, D] -> [S, Qm, K, G, D]
-    out = jnp.einsum("skgql,slkd->sqkgd", probs, v.astype(jnp.float32))
+    # [S, K, G, Qm, L] x [K, S, L, D] -> [S, Qm, K, G, D]
+    out = jnp.einsum("skgql,ksld->sqkgd", probs, v.astype(jnp.float32))
     out = out.reshape(num_seqs * max_query_len, num_heads, head_dim).astype(q.dtype)
 
     # Back to the token-flat layout; padded queries scatter out of range and are dropped.
@@ -102,17 +102,18 @@ def write_kv(
     """Scatter this step's K/V into the pool.
 
     Args:
-      k_pool, v_pool: [num_blocks, block_size, num_kv_heads, head_dim].
+      k_pool, v_pool: [num_kv_heads, num_blocks, block_size, head_dim].
       k, v: [T, num_kv_heads, head_dim].
       slot_mapping: [T] int32, slot = block_id * block_size + offset; padding tokens
         point into the reserved block 0.
     """
-    shape = k_pool.shape  # [num_blocks, block_size, num_kv_heads, head_dim]
-    flat_shape = (shape[0] * shape[1], *shape[2:])
+    shape = k_pool.shape  # [num_kv_heads, num_blocks, block_size, head_dim]
+    flat_shape = (shape[0], shape[1] * shape[2], shape[3])
 
-    def scatter(pool, new):
+    def scatter(pool, new):  # new: [T, K, D] -> written at [:, slot, :]
         pool = jnp.asarray(pool).reshape(flat_shape)
-        return pool.at[slot_mapping].set(new.astype(pool.dtype)).reshape(shape)
+        new = new.astype(pool.dtype).transpose(1, 0, 2)
+        return pool.at[:, slot_mapping].set(new).reshape(shape)
 
     return scatter(k_pool, k), scatter(v_pool, v)
 
@@ -140,7 +141,7 @@ def paged_attention_blockwise(
     """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, max_blocks = block_tables.shape
-    _, block_size, num_kv_heads, _ = k_pool.shape
+    num_kv_heads, _, block_size, _ = k_pool.shape
     group = num_heads // num_kv_heads
     scale = head_dim**-0.5 if scale is None else scale
     # ~16 tokens per iteration measured fastest on CPU (the gather stays in L2)
@@ -166,12 +167,12 @@ def paged_attention_blockwise(
     def body(c, carry):
         row_max, denom, acc = carry  # [S, K, GQ], [S, K, GQ], [S, K, GQ, D]
         ids = jax.lax.dynamic_slice_in_dim(tables, c * blocks_per_chunk, blocks_per_chunk, 1)
-        k = k_pool[ids].reshape(num_seqs, chunk, num_kv_heads, head_dim)  # [S, C, K, D]
-        v = v_pool[ids].reshape(num_seqs, chunk, num_kv_heads, head_dim)  # [S, C, K, D]
+        k = k_pool[:, ids].reshape(num_kv_heads, num_seqs, chunk, head_dim)  # [K, S, C, D]
+        v = v_pool[:, ids].reshape(num_kv_heads, num_seqs, chunk, head_dim)  # [K, S, C, D]
         key_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)  # [C]
         key_valid = key_pos[None, :] < seq_lens[:, None]  # [S, C]
-        v = jnp.where(key_valid[:, :, None, None], v, 0).astype(jnp.float32)
-        # [S, K, GQ, D] x [S, C, K, D] -> [S, K, GQ, C]
+        v = jnp.where(key_valid[None, :, :, None], v, 0).astype(jnp.float32)
+        # [S, K, GQ, D] x [K, S, C, D] -> [S, K, GQ, C]
         scores = _contract_d(q_dense, k.astype(jnp.float32))
         mask = key_valid[:, None, None, :] & (
             key_pos[None, None, None, :] <= query_pos[:, None, :, None])  # [S, 1, GQ, C]
@@ -182,7 +183,7 @@ def paged_attention_blockwise(
         correction = jnp.exp(jnp.where(jnp.isfinite(row_max), row_max, 0.0) - safe_max)
         correction = jnp.where(jnp.isfinite(row_max), correction, 0.0)
         denom = denom * correction + probs.sum(-1)
-        # [S, K, GQ, C] x [S, C, K, D] -> [S, K, GQ, D]
+        # [S, K, GQ, C] x [K, S, C, D] -> [S, K, GQ, D]
         acc = acc * correction[..., None] + _contract_c(probs, v)
         return new_max, denom, acc
 
@@ -204,12 +205,12 @@ def paged_attention_blockwise(
 # as dot_generals, XLA:CPU issues one small GEMM per batch element; as broadcast-multiply-
 # reduce they fuse into a single loop over memory that stays in cache.
 def _contract_d(q: jax.Array, k: jax.Array) -> jax.Array:
-    """[S, K, Q, D] x [S, C, K, D] -> [S, K, Q, C] (sum over D)."""
-    k = k.transpose(0, 2, 1, 3)  # [S, K, C, D]
+    """[S, K, Q, D] x [K, S, C, D] -> [S, K, Q, C] (sum over D)."""
+    k = k.transpose(1, 0, 2, 3)  # [S, K, C, D]
     return (q[:, :, :, None, :] * k[:, :, None, :, :]).sum(-1)
 
 
 def _contract_c(p: jax.Array, v: jax.Array) -> jax.Array:
-    """[S, K, Q, C] x [S, C, K, D] -> [S, K, Q, D] (sum over C)."""
-    v = v.transpose(0, 2, 1, 3)  # [S, K, C, D]
+    """[S, K, Q, C] x [K, S, C, D] -> [S, K, Q, D] (sum over C)."""
+    v = v.transpose(1, 0, 2, 3)  # [S, K, C, D]
     return (p[..., None] * v[:, :, None, :, :]).sum(-2)

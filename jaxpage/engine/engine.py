@@ -28,10 +28,12 @@ _CPU_KV_BUDGET = 1 << 30  # default KV pool on CPU: 1 GiB
 
 
 def _pick_backend(requested: str) -> str:
-    if requested != "auto":
-        return requested
-    platform = jax.default_backend()
-    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(platform, "jnp")
+    """The attention backend to run. The Pallas decode kernels are not built yet, so "auto"
+    is the blockwise jnp path on every platform and forcing a kernel is refused."""
+    if requested in ("pallas_gpu", "pallas_tpu"):
+        raise ValueError(f"attention_backend {requested!r} is not available yet; use 'auto', "
+                         "'jnp' or 'reference'")
+    return "jnp" if requested == "auto" else requested
 
 
 class LLMEngine:
@@ -83,6 +85,7 @@ class LLMEngine:
         self.finished_metrics: list[tuple[RequestMetrics, int]] = []
         self.peak_kv_usage = 0.0
         self.num_steps = 0
+        self.step_seconds = 0.0  # wall time inside step(), host and device
 
     # ---------------------------------------------------------------- sizing
     def _num_blocks(self, model_config: Any, dtype) -> int:
@@ -190,6 +193,7 @@ class LLMEngine:
         (and for requests aborted since the last step). Outputs carry deltas: the new
         tokens and text of this step; `finished` marks the last one.
         """
+        start = time.perf_counter()
         outputs, self._pending = self._pending, []
         scheduled = self.scheduler.schedule()
         if not scheduled.chunks:
@@ -204,11 +208,12 @@ class LLMEngine:
             if result is None:
                 continue
             request = chunk.request
-            start = request.num_output_tokens
+            start_token = request.num_output_tokens
             self._append_token(request, result, now)
             if request.finished:
                 self._release(request)
-            outputs.append(self._output(request, request.finished, delta_from=start))
+            outputs.append(self._output(request, request.finished, delta_from=start_token))
+        self.step_seconds += time.perf_counter() - start
         return outputs
 
     def _seq_input(self, chunk) -> SeqInput:
@@ -302,6 +307,8 @@ class LLMEngine:
             "compiles": self.runner.compiles,
             "compile_seconds": self.runner.compile_seconds,
             "num_steps": self.num_steps,
+            "step_seconds": self.step_seconds,
+            "device_seconds": self.runner.device_seconds,
             "ttft": _summary(ttft),
             "tpot": _summary(tpot),
         }

@@ -79,7 +79,7 @@ class LlamaModel:
           params: the params pytree (see module docstring).
           token_ids: [T] int32.
           positions: [T] int32 position of each token within its sequence.
-          kv_pool: per layer (k_pool, v_pool), [num_blocks, block_size, num_kv_heads, head_dim].
+          kv_pool: per layer (k_pool, v_pool), [num_kv_heads, num_blocks, block_size, head_dim].
           metadata: the step's AttentionMetadata.
 
         Returns:

@@ -14,6 +14,12 @@ from pallas_kernels.reference import (
 )
 
 
+def head_major(pool):
+    """[num_blocks, block_size, K, D] (how these tests fill pools) -> the pool layout
+    [K, num_blocks, block_size, D]."""
+    return np.ascontiguousarray(np.transpose(pool, (2, 0, 1, 3)))
+
+
 def naive_attention(q, k, v, scale):
     """Dense causal attention of the last len(q) positions over k/v, float64.
 
@@ -41,7 +47,7 @@ def test_hand_worked_one_head():
     k_pool[2, 0, 0], k_pool[2, 1, 0], k_pool[1, 0, 0] = [0, 0], [2, 0], [0, 0]
     v_pool[2, 0, 0], v_pool[2, 1, 0], v_pool[1, 0, 0] = [1, 0], [2, 0], [3, 0]
     out = paged_attention_reference(
-        q, k_pool, v_pool, np.array([[2, 1]], np.int32), np.array([3], np.int32),
+        q, head_major(k_pool), head_major(v_pool), np.array([[2, 1]], np.int32), np.array([3], np.int32),
         np.array([0, 1], np.int32), max_query_len=1, scale=1.0,
     )
     # scores (0, 2, 0) -> weights (1, e^2, 1) / (2 + e^2)
@@ -57,7 +63,7 @@ def test_hand_worked_causal_chunk():
     v_pool = np.full((2, 4, 1, 1), np.nan, np.float32)
     v_pool[1, :3, 0, 0] = [10.0, 20.0, 60.0]
     out = paged_attention_reference(
-        q, k_pool, v_pool, np.array([[1]], np.int32), np.array([3], np.int32),
+        q, head_major(k_pool), head_major(v_pool), np.array([[1]], np.int32), np.array([3], np.int32),
         np.array([0, 2], np.int32), max_query_len=2,
     )
     # query 0 sits at position 1: mean(10, 20); query 1 at position 2: mean(10, 20, 60)
@@ -68,8 +74,8 @@ def test_hand_worked_causal_chunk():
 def test_blockwise_chunking_does_not_change_results(blocks_per_chunk):
     """Chunk sizes that do not divide the table width give the dense reference's result."""
     rng = np.random.default_rng(5)
-    k_pool = rng.standard_normal((12, 4, 2, 8)).astype(np.float32)
-    v_pool = rng.standard_normal((12, 4, 2, 8)).astype(np.float32)
+    k_pool = rng.standard_normal((2, 12, 4, 8)).astype(np.float32)
+    v_pool = rng.standard_normal((2, 12, 4, 8)).astype(np.float32)
     tables = rng.permutation(np.arange(1, 12))[:10].reshape(2, 5).astype(np.int32)
     seq_lens = np.array([19, 7], np.int32)
     q = rng.standard_normal((9, 4, 8)).astype(np.float32)
@@ -114,7 +120,7 @@ def test_random_ragged_batches_match_naive(seed, num_heads, num_kv_heads, block_
     num_tokens = int(new.sum()) + int(rng.integers(0, 5))  # trailing padding tokens
     q = rng.standard_normal((num_tokens, num_heads, head_dim)).astype(np.float32)
     query_start_loc = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
-    args = (q, k_pool, v_pool, tables, seq_lens.astype(np.int32), query_start_loc)
+    args = (q, head_major(k_pool), head_major(v_pool), tables, seq_lens.astype(np.int32), query_start_loc)
     for attend in (paged_attention_reference, paged_attention_blockwise):
         out = np.asarray(attend(*args, max_query_len=int(new.max())))
         assert np.isfinite(out).all(), "an unowned (NaN) slot leaked into the output"
@@ -129,10 +135,12 @@ def test_random_ragged_batches_match_naive(seed, num_heads, num_kv_heads, block_
 
 
 def test_write_kv_scatters_through_slot_mapping():
-    k_pool = np.zeros((3, 2, 1, 1), np.float32)
-    k = np.array([[[5.0]], [[7.0]]], np.float32)
+    k_pool = np.zeros((2, 3, 2, 1), np.float32)  # 2 KV heads, 3 blocks of 2, head_dim 1
+    k = np.array([[[5.0], [6.0]], [[7.0], [8.0]]], np.float32)  # [T=2, K=2, D=1]
     new_k, new_v = write_kv(k_pool, k_pool, k, -k, np.array([5, 2], np.int32))
     new_k = np.asarray(new_k)
-    assert new_k[2, 1, 0, 0] == 5.0 and new_k[1, 0, 0, 0] == 7.0
-    assert np.asarray(new_v)[1, 0, 0, 0] == -7.0
-    assert np.count_nonzero(new_k) == 2
+    # slot 5 = block 2 offset 1; slot 2 = block 1 offset 0
+    assert new_k[0, 2, 1, 0] == 5.0 and new_k[1, 2, 1, 0] == 6.0
+    assert new_k[0, 1, 0, 0] == 7.0 and new_k[1, 1, 0, 0] == 8.0
+    assert np.asarray(new_v)[1, 1, 0, 0] == -8.0
+    assert np.count_nonzero(new_k) == 4

@@ -1,0 +1,205 @@
+"""Throughput of jaxpage vs HF transformers static batching on a long-tailed trace.
+
+Both run the default model (SmolLM2-135M-Instruct, float32, same dequantized weights) on the
+same synthetic trace in one process: log-normal prompt and output lengths, ignore_eos, so
+both generate exactly the requested tokens. HF runs the classic pre-paging way: fixed-size
+batches in arrival order, left padded, each batch running until its longest request ends.
+
+Prints useful tokens/s for each and their ratio, the trace's FLOP count and the compute roof
+it implies at this machine's measured float32 matmul rate, the decode step's share of that
+rate at batch 64, compile count and time, mean TTFT/TPOT and the host share of step time.
+
+    python scripts/bench_throughput.py            # 64 requests (several minutes)
+    python scripts/bench_throughput.py --quick    # 16 requests
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def make_trace(num_requests: int, seed: int, vocab_size: int):
+    rng = np.random.default_rng(seed)
+    prompt_lens = np.clip(rng.lognormal(np.log(64), 1.0, num_requests), 8, 512).astype(int)
+    output_lens = np.clip(rng.lognormal(np.log(48), 0.9, num_requests), 8, 256).astype(int)
+    prompts = [rng.integers(100, vocab_size, size=n).tolist() for n in prompt_lens]
+    return prompts, output_lens.tolist()
+
+
+def matmul_gflops() -> float:
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((2048, 2048), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        f(a).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return 2 * 2048**3 / np.median(times) / 1e9
+
+
+def forward_flops(config, num_tokens: int, context: int, with_logits: bool) -> float:
+    """FLOPs of one token through the model at a given context length."""
+    h, i = config.hidden_size, config.intermediate_size
+    per_layer = 2 * h * (config.q_size + 2 * config.kv_size) + 2 * config.q_size * h + 6 * h * i
+    attention = 4 * config.num_heads * config.head_dim * context  # QK^T and PV
+    logits = 2 * h * config.vocab_size if with_logits else 0
+    return num_tokens * (config.num_layers * (per_layer + attention) + logits)
+
+
+def trace_flops(config, prompts, output_lens) -> float:
+    total = 0.0
+    for prompt, out in zip(prompts, output_lens, strict=True):
+        p = len(prompt)
+        total += sum(forward_flops(config, 1, c + 1, False) for c in range(p - 1))
+        total += forward_flops(config, 1, p, True)  # last prompt token samples
+        total += sum(forward_flops(config, 1, p + c + 1, True) for c in range(out - 1))
+    return total
+
+
+def run_jaxpage(llm, prompts, output_lens):
+    from jaxpage import SamplingParams
+
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+              for n in output_lens]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    assert [len(o.outputs[0].token_ids) for o in outs] == list(output_lens)
+    return elapsed, outs
+
+
+def run_hf(model, prompts, output_lens, batch_size: int):
+    import torch
+
+    start = time.perf_counter()
+    for b in range(0, len(prompts), batch_size):
+        batch = prompts[b : b + batch_size]
+        longest = max(len(p) for p in batch)
+        ids = torch.zeros((len(batch), longest), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, p in enumerate(batch):  # left padding
+            ids[row, longest - len(p):] = torch.tensor(p)
+            mask[row, longest - len(p):] = 1
+        new = max(output_lens[b : b + batch_size])
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, pad_token_id=0)
+    return time.perf_counter() - start
+
+
+def decode_step_rate(llm, batch: int, context: int) -> tuple[float, float]:
+    """(seconds, FLOPs) of one decode step at `batch` sequences of `context` tokens."""
+    from jaxpage.engine.runner import SamplingRow, SeqInput
+
+    runner = llm.engine.runner
+    blocks = -(-(context + 1) // runner.block_size)
+    seqs = [SeqInput(list(range(1 + s * blocks, 1 + (s + 1) * blocks)), context, [5],
+                     SamplingRow(0.0, 1.0, 0, 0.0, 0, 0)) for s in range(batch)]
+    runner.execute(seqs)  # compile
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        runner.execute(seqs)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)), forward_flops(llm.engine.model.config, batch, context, True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="16 requests instead of 64")
+    ap.add_argument("--requests", type=int, default=None)
+    ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--json", default=None, help="write all numbers to this JSON file")
+    args = ap.parse_args()
+    num_requests = args.requests or (16 if args.quick else 64)
+
+    from jaxpage import LLM
+    from jaxpage.loading import default_model_path
+
+    rate = matmul_gflops()
+    llm = LLM(max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=512,
+              kv_cache_memory=1 << 30)
+    config = llm.engine.model.config
+    prompts, output_lens = make_trace(num_requests, 0, config.vocab_size)
+    useful = sum(output_lens)
+    flops = trace_flops(config, prompts, output_lens)
+
+    cold, _ = run_jaxpage(llm, prompts, output_lens)  # includes compilation
+    stats_cold = llm.stats()
+    runner = llm.engine.runner
+    before = (runner.device_seconds, runner.compile_seconds, llm.engine.step_seconds)
+    warm, outs = run_jaxpage(llm, prompts, output_lens)
+    stats = llm.stats()
+    # host share: step time outside jitted calls (compiles of new shapes excluded)
+    device = runner.device_seconds - before[0]
+    compiling = runner.compile_seconds - before[1]
+    host_share = 1 - device / (llm.engine.step_seconds - before[2] - compiling)
+    step_s, step_flops = decode_step_rate(llm, 64, 256)
+
+    hf_seconds = None
+    if not args.skip_hf:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(os.cpu_count() or 1)
+        path = default_model_path()
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+        hf_seconds = run_hf(model, prompts, output_lens, args.hf_batch)
+
+    roof_seconds = flops / (rate * 1e9)
+    result = {
+        "requests": num_requests, "useful_tokens": useful,
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "matmul_gflops": rate, "trace_gflop": flops / 1e9,
+        "compute_roof_tok_s": useful / roof_seconds,
+        "jaxpage_cold_s": cold, "jaxpage_warm_s": warm,
+        "jaxpage_tok_s": useful / warm, "jaxpage_cold_tok_s": useful / cold,
+        "hf_static_s": hf_seconds,
+        "hf_static_tok_s": useful / hf_seconds if hf_seconds else None,
+        "decode_step_b64_ctx256_ms": step_s * 1e3,
+        "decode_step_gflops": step_flops / step_s / 1e9,
+        "decode_step_share_of_matmul_rate": step_flops / step_s / 1e9 / rate,
+        "compiles": stats_cold["compiles"], "compile_s": stats_cold["compile_seconds"],
+        "mean_ttft_s": stats["ttft"]["mean"], "mean_tpot_s": stats["tpot"]["mean"],
+        "host_share_of_step": host_share, "peak_kv_usage": stats["kv_peak_usage"],
+        "num_preemptions": stats["num_preemptions"],
+    }
+    print(f"trace: {num_requests} requests, {result['prompt_tokens']} prompt tokens, "
+          f"{useful} output tokens, {flops / 1e9:.0f} GFLOP")
+    print(f"matmul rate (2048^3 f32): {rate:.1f} GFLOP/s -> compute roof "
+          f"{result['compute_roof_tok_s']:.1f} useful tok/s")
+    print(f"{'system':<28}{'seconds':>10}{'tok/s':>10}{'vs HF':>8}{'of roof':>9}")
+    rows = [("jaxpage (warm)", warm), ("jaxpage (cold, compiling)", cold)]
+    if hf_seconds:
+        rows.append((f"HF static batch {args.hf_batch}", hf_seconds))
+    for name, seconds in rows:
+        ratio = f"{hf_seconds / seconds:.2f}x" if hf_seconds else "-"
+        print(f"{name:<28}{seconds:>10.1f}{useful / seconds:>10.1f}{ratio:>8}"
+              f"{roof_seconds / seconds:>9.0%}")
+    print(f"decode step, batch 64, context 256: {step_s * 1e3:.0f} ms, "
+          f"{result['decode_step_gflops']:.1f} GFLOP/s = "
+          f"{result['decode_step_share_of_matmul_rate']:.0%} of the matmul rate")
+    print(f"compiles {result['compiles']} ({result['compile_s']:.1f}s) | mean TTFT "
+          f"{result['mean_ttft_s']:.2f}s | mean TPOT {result['mean_tpot_s'] * 1e3:.0f} ms | host "
+          f"share of step {host_share:.1%} | peak KV {result['peak_kv_usage']:.1%} | "
+          f"preemptions {result['num_preemptions']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
