@@ -1,0 +1,633 @@
+"""Tests for the host block allocator: a state machine against a naive model, plus hand-worked
+cases with exact block ids."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import pathlib
+import subprocess
+import sys
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from jaxpage.engine.block_allocator import AllocationError, BlockAllocator, PrefixHit
+
+MODULE_PATH = (pathlib.Path(__file__).resolve().parents[2]
+               / "jaxpage" / "engine" / "block_allocator.py")
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def snapshot(alloc: BlockAllocator) -> tuple:
+    """Everything an allocator holds, as plain values (white-box: for no-change checks)."""
+    keys = [None if k is None else (k[0], k[1], k[3]) for k in alloc._block_key]  # no parent
+    seqs = {s: (list(q.block_table), q.num_computed_tokens, list(q.block_hashes), q.extra)
+            for s, q in alloc._seqs.items()}
+    return (list(alloc._free), list(alloc._cached_free), list(alloc._ref_count), keys,
+            {h: list(b) for h, b in alloc._hash_to_blocks.items()}, seqs, alloc.usage())
+
+
+# --------------------------------------------------------------------------- naive model
+
+
+class NaiveAllocator:
+    """The documented semantics with plain lists and linear scans.
+
+    A hashed block is identified by its full content: (salt, adapter, every token from position 0
+    to the block's end). A lookup takes, per level, the earliest-registered block of that content.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, caching: bool = True) -> None:
+        self.num_blocks, self.bs, self.caching = num_blocks, block_size, caching
+        self.tables: dict[int, list[int]] = {}
+        self.computed: dict[int, int] = {}
+        self.extra: dict[int, tuple] = {}
+        self.content: dict[int, tuple] = {}  # hashed block -> (salt, adapter, prefix tokens)
+        self.registered: dict[int, int] = {}  # hashed block -> registration number
+        self.counter = 0
+        self.free = list(range(1, num_blocks))  # FIFO of never-hashed free blocks
+        self.lru: list[int] = []  # cached free blocks, least recently used first
+        self.queries = self.hits = 0
+
+    def refcount(self, block: int) -> int:
+        return sum(table.count(block) for table in self.tables.values())
+
+    def lookup(self, tokens, salt, adapter) -> list[int]:
+        if not self.caching:
+            return []
+        found = []
+        for i in range((len(tokens) - 1) // self.bs):
+            want = (salt, adapter, tuple(tokens[:(i + 1) * self.bs]))
+            candidates = [b for b, c in self.content.items() if c == want]
+            if not candidates:
+                break
+            found.append(min(candidates, key=self.registered.__getitem__))
+        return found
+
+    def take(self) -> int:
+        if self.free:
+            return self.free.pop(0)
+        block = self.lru.pop(0)
+        del self.content[block], self.registered[block]
+        return block
+
+    def allocate(self, seq, num_tokens, hit, salt, adapter) -> bool:
+        need = ceil_div(num_tokens, self.bs) - len(hit)
+        if need > len(self.free) + len([b for b in self.lru if b not in hit]):
+            return False
+        self.lru = [b for b in self.lru if b not in hit]
+        self.tables[seq] = list(hit) + [self.take() for _ in range(need)]
+        self.computed[seq] = len(hit) * self.bs
+        self.extra[seq] = (salt, adapter)
+        if self.caching:
+            self.queries += num_tokens
+            self.hits += len(hit) * self.bs
+        return True
+
+    def grow(self, seq, num_tokens):
+        table, computed = self.tables[seq], self.computed[seq]
+        end = ceil_div(num_tokens, self.bs)
+        write = range(computed // self.bs, min(end, len(table))) if num_tokens > computed else []
+        cow = [i for i in write if self.refcount(table[i]) > 1]
+        append = max(0, end - len(table))
+        if len(cow) + append > len(self.free) + len(self.lru):
+            return None
+        copies = []
+        for i in cow:
+            new = self.take()
+            if computed > i * self.bs:
+                copies.append((table[i], new))
+            table[i] = new
+        table.extend(self.take() for _ in range(append))
+        return copies
+
+    def commit(self, seq, tokens) -> None:
+        table, old = self.tables[seq], self.computed[seq]
+        self.computed[seq] = len(tokens)
+        if self.caching:
+            for i in range(old // self.bs, len(tokens) // self.bs):
+                self.content[table[i]] = (*self.extra[seq], tuple(tokens[:(i + 1) * self.bs]))
+                self.registered[table[i]] = self.counter
+                self.counter += 1
+
+    def fork(self, parent, child) -> None:
+        self.tables[child] = list(self.tables[parent])
+        self.computed[child] = self.computed[parent]
+        self.extra[child] = self.extra[parent]
+
+    def free_seq(self, seq) -> None:
+        table = self.tables.pop(seq)
+        del self.computed[seq], self.extra[seq]
+        for block in reversed(table):
+            if self.refcount(block) == 0:
+                (self.lru if block in self.content else self.free).append(block)
+
+    def reset(self) -> bool:
+        if any(self.tables.values()):
+            return False
+        self.free.extend(self.lru)
+        self.lru, self.content, self.registered = [], {}, {}
+        return True
+
+
+# --------------------------------------------------------------------------- state machine
+
+TOKENS = st.integers(0, 1)  # tiny vocabulary so prefixes repeat
+SALTS = st.sampled_from([None, None, None, "a"])
+ADAPTERS = st.sampled_from([None, None, None, "a", 1])
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    """Random allocate/grow/commit/fork/free/lookup/reset against NaiveAllocator.
+
+    A simulated KV pool (tokens per slot) is written on commit and copied on copy-on-write, so
+    every step checks that each live sequence reads its own tokens back through its table.
+    """
+
+    caching = True
+    hash_fn = None
+    salts, adapters = SALTS, ADAPTERS
+
+    @initialize(num_blocks=st.integers(6, 12), block_size=st.integers(2, 4))
+    def setup(self, num_blocks: int, block_size: int) -> None:
+        self.bs = block_size
+        self.alloc = BlockAllocator(num_blocks, block_size, enable_prefix_caching=self.caching,
+                                    hash_fn=self.hash_fn)
+        self.model = NaiveAllocator(num_blocks, block_size, self.caching)
+        self.kv = [[None] * block_size for _ in range(num_blocks)]
+        self.tokens: dict[int, list[int]] = {}  # live seq -> its tokens (computed and future)
+        self.corpus: list[tuple[list[int], str | None, str | int | None]] = []
+        self.last_freed: tuple[list[int], str | None, str | int | None] | None = None
+        self.next_id = 0
+
+    def draw_seq(self, data) -> int:
+        return data.draw(st.sampled_from(sorted(self.tokens)), label="seq")
+
+    def draw_prompt(self, data):
+        tail = data.draw(st.lists(TOKENS, min_size=0, max_size=3 * self.bs), label="tail")
+        if self.corpus and data.draw(st.integers(0, 3), label="reuse") > 0:
+            recent = st.sampled_from(self.corpus[-3:])  # most likely still cached
+            base, salt, adapter = data.draw(recent | st.sampled_from(self.corpus), label="base")
+            cut = data.draw(st.just(len(base)) | st.integers(0, len(base)), label="cut")
+            if data.draw(st.booleans(), label="same keys"):
+                return base[:cut] + tail or [0], salt, adapter
+            return base[:cut] + tail or [0], data.draw(self.salts), data.draw(self.adapters)
+        return tail or [0], data.draw(self.salts), data.draw(self.adapters)
+
+    def lookup_both(self, prompt, salt, adapter) -> PrefixHit:
+        hit = self.alloc.lookup(prompt, cache_salt=salt, adapter_id=adapter)
+        expected = self.model.lookup(prompt, salt, adapter)
+        assert list(hit.block_ids) == expected, (prompt, salt, adapter)
+        assert hit.num_tokens == len(expected) * self.bs
+        return hit
+
+    def allocate_both(self, prompt, salt, adapter, hit: PrefixHit, num_tokens: int) -> bool:
+        seq, before = self.next_id, snapshot(self.alloc)
+        self.next_id += 1
+        can = self.alloc.can_allocate(num_tokens, hit)
+        ok = self.alloc.allocate(seq, num_tokens, hit)
+        assert ok == can == self.model.allocate(seq, num_tokens, hit.block_ids, salt, adapter)
+        if ok:
+            self.tokens[seq] = list(prompt)
+            self.corpus.append((list(prompt), salt, adapter))
+        else:
+            assert snapshot(self.alloc) == before
+        return ok
+
+    def grow_both(self, seq: int, num_tokens: int) -> list[tuple[int, int]] | None:
+        computed, before = self.alloc.num_computed_tokens(seq), snapshot(self.alloc)
+        copies = self.alloc.grow(seq, num_tokens)
+        assert copies == self.model.grow(seq, num_tokens)
+        if copies is None:
+            assert snapshot(self.alloc) == before
+            return None
+        for src, dst in copies:
+            self.kv[dst] = list(self.kv[src])
+        table = self.alloc.block_table(seq)
+        assert len(table) * self.bs >= num_tokens
+        if num_tokens > computed:
+            for i in range(computed // self.bs, ceil_div(num_tokens, self.bs)):
+                assert self.alloc.ref_count(table[i]) == 1, "write range must be exclusive"
+        return copies
+
+    @rule(data=st.data(), chunk=st.integers(1, 12))
+    def allocate(self, data, chunk: int) -> None:
+        prompt, salt, adapter = self.draw_prompt(data)
+        hit = self.lookup_both(prompt, salt, adapter)
+        num_tokens = min(len(prompt), hit.num_tokens + chunk)  # chunked prefill
+        if self.allocate_both(prompt, salt, adapter, hit, num_tokens) and data.draw(
+                st.integers(0, 3), label="prefill now") > 0:
+            self.commit_both(data, self.next_id - 1, num_tokens)
+
+    @rule(data=st.data(), over=st.booleans(), slack=st.integers(0, 3))
+    def allocate_at_capacity(self, data, over: bool, slack: int) -> None:
+        """Ask for exactly the blocks left (or one more), minus the hit's own cached-free ones."""
+        if self.last_freed and data.draw(st.booleans(), label="rerun last freed"):
+            prompt, salt, adapter = self.last_freed  # its blocks are likely cached-free
+            prompt = prompt + data.draw(st.lists(TOKENS, max_size=self.bs), label="tail")
+        else:
+            prompt, salt, adapter = self.draw_prompt(data)
+        hit = self.lookup_both(prompt, salt, adapter)
+        hit_free = sum(1 for b in hit.block_ids if self.alloc.ref_count(b) == 0)
+        fresh = self.alloc.num_free_blocks - hit_free + over
+        if fresh < 1:
+            return
+        num_tokens = (len(hit.block_ids) + fresh) * self.bs - min(slack, self.bs - 1)
+        assert self.allocate_both(prompt, salt, adapter, hit, num_tokens) == (not over)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), extra=st.integers(0, 6))
+    def grow(self, data, extra: int) -> None:
+        seq = self.draw_seq(data)
+        self.grow_both(seq, self.alloc.num_computed_tokens(seq) + extra)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), over=st.booleans())
+    def grow_at_capacity(self, data, over: bool) -> None:
+        """Grow so copy-on-write + appended blocks need exactly the free blocks (or one more)."""
+        seq = self.draw_seq(data)
+        table, computed = self.alloc.block_table(seq), self.alloc.num_computed_tokens(seq)
+        shared = sum(1 for b in table[computed // self.bs:] if self.alloc.ref_count(b) > 1)
+        append = self.alloc.num_free_blocks - shared + over
+        num_tokens = (len(table) + append) * self.bs
+        if append < 0 or num_tokens <= computed:
+            return
+        assert (self.grow_both(seq, num_tokens) is None) == over
+
+    def commit_both(self, data, seq: int, n: int) -> None:
+        """Write and commit the sequence's first ``n`` tokens (decoding random ones if needed)."""
+        table, computed = self.alloc.block_table(seq), self.alloc.num_computed_tokens(seq)
+        tokens = self.tokens[seq]
+        if len(tokens) < n:
+            tokens += data.draw(st.lists(TOKENS, min_size=n - len(tokens),
+                                         max_size=n - len(tokens)), label="decoded")
+        blocks = range(computed // self.bs, ceil_div(n, self.bs)) if n > computed else []
+        if any(self.alloc.ref_count(table[i]) > 1 for i in blocks):
+            before = snapshot(self.alloc)
+            with pytest.raises(AllocationError):
+                self.alloc.commit(seq, tokens[:n])
+            assert snapshot(self.alloc) == before
+            return
+        self.alloc.commit(seq, tokens[:n])
+        self.model.commit(seq, tokens[:n])
+        for pos in range(computed, n):
+            self.kv[table[pos // self.bs]][pos % self.bs] = tokens[pos]
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), k=st.integers(1, 6))
+    def commit(self, data, k: int) -> None:
+        seq = self.draw_seq(data)
+        capacity = len(self.alloc.block_table(seq)) * self.bs
+        self.commit_both(data, seq, min(self.alloc.num_computed_tokens(seq) + k, capacity))
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def fork(self, data) -> None:
+        parent, child = self.draw_seq(data), self.next_id
+        self.next_id += 1
+        self.alloc.fork(parent, child)
+        self.model.fork(parent, child)
+        self.tokens[child] = list(self.tokens[parent])
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data) -> None:
+        seq = self.draw_seq(data)
+        self.last_freed = (self.tokens[seq][:self.alloc.num_computed_tokens(seq)],
+                           *self.model.extra[seq])
+        self.corpus.append(self.last_freed)
+        self.alloc.free(seq)
+        self.model.free_seq(seq)
+        del self.tokens[seq]
+
+    @rule(data=st.data())
+    def lookup(self, data) -> None:
+        self.lookup_both(*self.draw_prompt(data))
+
+    @rule()
+    def reset(self) -> None:
+        assert self.alloc.reset_prefix_cache() == self.model.reset()
+
+    @invariant()
+    def matches_model(self) -> None:
+        alloc, model = self.alloc, self.model
+        alloc.check_invariants()
+        for seq, tokens in self.tokens.items():
+            table, computed = alloc.block_table(seq), alloc.num_computed_tokens(seq)
+            assert table == model.tables[seq] and computed == model.computed[seq], seq
+            read = [self.kv[table[p // self.bs]][p % self.bs] for p in range(computed)]
+            assert read == tokens[:computed], f"seq {seq} reads wrong KV through its table"
+        assert [alloc.ref_count(b) for b in range(alloc.num_blocks)] == [
+            model.refcount(b) for b in range(model.num_blocks)]
+        assert list(alloc._free) == model.free
+        assert list(alloc._cached_free) == model.lru
+        assert {b for b, key in enumerate(alloc._block_key) if key} == set(model.content)
+        usage = alloc.usage()
+        assert (usage["free"], usage["cached_free"]) == (len(model.free), len(model.lru))
+        assert alloc.num_free_blocks == len(model.free) + len(model.lru)
+        assert (usage["prefix_cache_queries"], usage["prefix_cache_hits"]) == (
+            model.queries, model.hits)
+
+
+class ConstantHashMachine(AllocatorMachine):
+    """Every block hashes alike: hits must still match exact content (and extra keys)."""
+
+    hash_fn = staticmethod(lambda data: b"\x00" * 8)
+    salts, adapters = st.sampled_from([None, "a"]), st.sampled_from([None, "a", 1])
+
+
+class OneByteHashMachine(AllocatorMachine):
+    """Frequent partial collisions (256 buckets)."""
+
+    hash_fn = staticmethod(lambda data: hashlib.sha256(data).digest()[:1])
+
+
+class NoCachingMachine(AllocatorMachine):
+    caching = False
+
+
+def _case(machine: type[RuleBasedStateMachine], examples: int):
+    machine.TestCase.settings = settings(
+        max_examples=examples, stateful_step_count=30, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow])
+    return machine.TestCase
+
+
+TestAllocatorMachine = _case(AllocatorMachine, 300)
+TestConstantHashMachine = _case(ConstantHashMachine, 150)
+TestOneByteHashMachine = _case(OneByteHashMachine, 100)
+TestNoCachingMachine = _case(NoCachingMachine, 60)
+
+
+# --------------------------------------------------------------------------- hand-worked cases
+
+
+def committed(alloc: BlockAllocator, seq, tokens, **keys) -> list[int]:
+    """Allocate ``tokens`` (with a prefix hit), commit all of them, return the table."""
+    hit = alloc.lookup(tokens, **keys)
+    assert alloc.allocate(seq, len(tokens), hit)
+    alloc.commit(seq, tokens)
+    alloc.check_invariants()
+    return alloc.block_table(seq)
+
+
+def test_initial_order_and_lru_eviction_order():
+    alloc = BlockAllocator(6, 2)  # usable blocks 1..5
+    assert committed(alloc, "a", [1, 2, 3, 4]) == [1, 2]
+    assert committed(alloc, "b", [5, 6, 7, 8]) == [3, 4]
+    alloc.free("a")  # LRU: 2, 1
+    alloc.free("b")  # LRU: 2, 1, 4, 3
+    assert list(alloc._cached_free) == [2, 1, 4, 3] and list(alloc._free) == [5]
+    # never-hashed block 5 first, then the least recently used cached blocks 2 then 1
+    assert alloc.allocate("c", 6) and alloc.block_table("c") == [5, 2, 1]
+    alloc.check_invariants()
+    assert alloc.lookup([1, 2, 3, 4, 9]).block_ids == ()  # evicted
+    assert alloc.lookup([5, 6, 7, 8, 9]).block_ids == (3, 4)  # still cached
+    assert alloc.usage() == {"num_blocks": 5, "used": 3, "cached_free": 2, "free": 0,
+                             "usage": 0.6, "prefix_cache_queries": 14, "prefix_cache_hits": 0}
+
+
+def test_reverse_order_release_of_unhashed_and_hashed_blocks():
+    alloc = BlockAllocator(8, 2, enable_prefix_caching=False)
+    assert alloc.allocate("a", 6) and alloc.block_table("a") == [1, 2, 3]
+    alloc.free("a")
+    assert list(alloc._free) == [4, 5, 6, 7, 3, 2, 1]  # FIFO; a's tail released first
+    assert alloc.allocate("b", 10) and alloc.block_table("b") == [4, 5, 6, 7, 3]
+    cached = BlockAllocator(5, 2)
+    committed(cached, "a", [1, 2, 3, 4, 5, 6, 7, 8])
+    cached.free("a")
+    assert list(cached._cached_free) == [4, 3, 2, 1]  # the tail is evicted first
+    assert cached.allocate("b", 2) and cached.block_table("b") == [4]
+    assert cached.lookup([1, 2, 3, 4, 5, 6, 7, 8, 9]).block_ids == (1, 2, 3)
+
+
+def test_prefix_hit_after_the_original_request_finished():
+    alloc = BlockAllocator(8, 2)
+    assert committed(alloc, "a", [1, 2, 3, 4, 5]) == [1, 2, 3]  # block 3 half full: unhashed
+    alloc.free("a")
+    assert list(alloc._cached_free) == [2, 1] and list(alloc._free)[-1] == 3
+    hit = alloc.lookup([1, 2, 3, 4, 5])
+    assert hit == PrefixHit((1, 2), tuple(alloc.hash_blocks([1, 2, 3, 4])), 4, None, None)
+    assert alloc.allocate("b", 5, hit)
+    assert alloc.block_table("b") == [1, 2, 4] and alloc.num_computed_tokens("b") == 4
+    assert not alloc._cached_free and alloc.ref_count(1) == alloc.ref_count(2) == 1
+    assert alloc.usage()["prefix_cache_queries"] == 10
+    assert alloc.usage()["prefix_cache_hits"] == 4
+    alloc.commit("b", [1, 2, 3, 4, 5])
+    alloc.check_invariants()
+
+
+def test_hit_stops_at_first_differing_block_and_keeps_last_token():
+    alloc = BlockAllocator(10, 2)
+    committed(alloc, "a", [1, 2, 3, 4, 5, 6, 7])
+    assert alloc.lookup([1, 2, 3, 9, 5, 6, 7]).block_ids == (1,)
+    assert alloc.lookup([9, 2, 3, 4, 5, 6, 7]).block_ids == ()
+    # a prompt of exactly k full blocks hits at most k - 1 of them
+    assert alloc.lookup([1, 2, 3, 4, 5, 6]).block_ids == (1, 2)
+    assert alloc.lookup([1, 2, 3, 4, 5, 6, 7]).block_ids == (1, 2, 3)
+    assert alloc.lookup([1, 2, 3, 4, 5, 6, 7, 8, 9]).block_ids == (1, 2, 3)
+    assert alloc.lookup([1]).num_tokens == 0 and alloc.lookup([]).num_tokens == 0
+
+
+def test_salt_isolation_and_domain_separation():
+    alloc = BlockAllocator(16, 2)
+    tokens = [1, 2, 3, 4, 5]
+    committed(alloc, "s", tokens, cache_salt="x")
+    assert alloc.lookup(tokens).block_ids == ()
+    assert alloc.lookup(tokens, cache_salt="y").block_ids == ()
+    assert alloc.lookup(tokens, adapter_id="x").block_ids == ()
+    assert alloc.lookup(tokens, cache_salt="x").block_ids == (1, 2)
+    committed(alloc, "u", tokens)  # unsalted copy in fresh blocks
+    assert alloc.block_table("u") == [4, 5, 6]
+    plain = alloc.hash_blocks(tokens)
+    salted = alloc.hash_blocks(tokens, cache_salt="x")
+    adapted = alloc.hash_blocks(tokens, adapter_id="x")
+    adapted_int = alloc.hash_blocks(tokens, adapter_id=1)
+    adapted_str = alloc.hash_blocks(tokens, adapter_id="1")
+    for i in range(2):  # the salt enters block 0 and every later block through the chain
+        assert len({plain[i], salted[i], adapted[i], adapted_int[i], adapted_str[i]}) == 5
+    assert alloc.hash_blocks(tokens) == BlockAllocator(4, 2).hash_blocks(tokens)  # stable
+    hit = alloc.lookup(tokens, cache_salt="x")
+    with pytest.raises(ValueError):
+        alloc.allocate("v", 5, hit, cache_salt="y")
+    assert alloc.allocate("v", 5, hit) and alloc.block_table("v")[:2] == [1, 2]
+    alloc.commit("v", tokens)
+    alloc.check_invariants()
+
+
+def test_forced_hash_collision_is_a_miss_not_a_wrong_hit():
+    alloc = BlockAllocator(16, 2, hash_fn=lambda data: b"\x00" * 8)
+    committed(alloc, "x", [1, 2, 3, 4])
+    committed(alloc, "y", [5, 6, 7, 8])
+    assert alloc.lookup([5, 6, 3, 4, 9]).block_ids == (3,)  # y's block 0, then x's block differs
+    assert alloc.lookup([1, 2, 7, 8, 9]).block_ids == (1,)  # block 4 holds 7,8 but after 5,6
+    assert alloc.lookup([9, 9, 3, 4, 9]).block_ids == ()
+    assert alloc.lookup([1, 2, 3, 4, 9]).block_ids == (1, 2)
+    assert alloc.lookup([1, 2, 3, 4, 9], cache_salt="s").block_ids == ()
+
+
+def test_duplicate_content_keeps_both_and_prefers_the_earliest():
+    alloc = BlockAllocator(8, 2)
+    assert alloc.allocate("a", 3) and alloc.allocate("b", 3)  # same prompt, no hit for either
+    alloc.commit("b", [1, 2, 3])
+    alloc.commit("a", [1, 2, 3])
+    assert alloc.block_table("a") == [1, 2] and alloc.block_table("b") == [3, 4]
+    assert alloc.lookup([1, 2, 3]).block_ids == (3,)  # b registered first
+    alloc.free("b")
+    alloc.free("a")
+    assert alloc.allocate("c", 6) and alloc.block_table("c") == [5, 6, 7]
+    alloc.check_invariants()
+    assert alloc.allocate("d", 2) and alloc.block_table("d") == [4]  # 4 was unhashed
+    assert alloc.allocate("e", 2) and alloc.block_table("e") == [2]  # 2 was unhashed
+    assert alloc.allocate("f", 2) and alloc.block_table("f") == [3]  # evicts 3 (LRU)
+    assert alloc.lookup([1, 2, 3]).block_ids == (1,)
+    alloc.check_invariants()
+
+
+def test_copy_on_write_of_shared_partial_last_block_after_fork():
+    alloc = BlockAllocator(8, 4)
+    assert committed(alloc, "a", [1, 2, 3, 4, 5, 6]) == [1, 2]
+    alloc.fork("a", "b")
+    assert alloc.block_table("b") == [1, 2] and alloc.num_computed_tokens("b") == 6
+    assert alloc.ref_count(1) == alloc.ref_count(2) == 2
+    alloc.check_invariants()
+    with pytest.raises(AllocationError):
+        alloc.commit("b", [1, 2, 3, 4, 5, 6, 7])  # would write into the shared block 2
+    assert alloc.grow("a", 7) == [(2, 3)]
+    assert alloc.block_table("a") == [1, 3] and alloc.block_table("b") == [1, 2]
+    assert (alloc.ref_count(1), alloc.ref_count(2), alloc.ref_count(3)) == (2, 1, 1)
+    alloc.commit("a", [1, 2, 3, 4, 5, 6, 7])
+    assert alloc.grow("b", 9) == []  # b owns block 2 now; one new block appended
+    assert alloc.block_table("b") == [1, 2, 4]
+    alloc.commit("b", [1, 2, 3, 4, 5, 6, 8, 8, 9])
+    alloc.check_invariants()
+    assert alloc.lookup([1, 2, 3, 4, 5, 6, 8, 8, 9]).block_ids == (1, 2)
+    alloc.free("a")
+    alloc.free("b")
+    alloc.check_invariants()
+    assert alloc.usage()["used"] == 0
+
+
+def test_copy_on_write_skips_the_copy_of_unwritten_reserved_blocks():
+    alloc = BlockAllocator(10, 4, policy="oracle")
+    assert alloc.allocate("a", 4, final_num_tokens=12)
+    assert alloc.block_table("a") == [1, 2, 3]
+    alloc.commit("a", [1, 2, 3, 4])
+    alloc.fork("a", "b")
+    alloc.check_invariants()
+    assert alloc.grow("a", 5) == []  # block 2 replaced by 4, but it held nothing to copy
+    assert alloc.block_table("a") == [1, 4, 3] and alloc.block_table("b") == [1, 2, 3]
+    assert alloc.grow("a", 12) == [] and alloc.block_table("a") == [1, 4, 5]
+    alloc.check_invariants()
+
+
+def test_failed_allocate_and_grow_change_nothing():
+    alloc = BlockAllocator(5, 2)  # 4 usable blocks
+    committed(alloc, "a", [1, 2, 3, 4])
+    alloc.free("a")  # cached free: 2, 1; free: 3, 4
+    hit = alloc.lookup([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert hit.block_ids == (1, 2)
+    before = snapshot(alloc)
+    assert not alloc.can_allocate(9, hit)  # needs 3 fresh; only 2 free besides its own hit
+    assert not alloc.allocate("b", 9, hit)
+    assert snapshot(alloc) == before
+    # 8 tokens: the hit blocks are taken, never evicted for this request
+    hit = alloc.lookup([1, 2, 3, 4, 5, 6, 7, 8])
+    assert alloc.allocate("b", 8, hit) and alloc.block_table("b") == [1, 2, 3, 4]
+    before = snapshot(alloc)
+    assert alloc.grow("b", 9) is None
+    assert snapshot(alloc) == before
+    alloc.fork("b", "c")
+    alloc.commit("b", [1, 2, 3, 4])  # nothing new written
+    before = snapshot(alloc)
+    assert alloc.grow("b", 5) is None  # copy-on-write of block 3 impossible: pool empty
+    assert snapshot(alloc) == before
+
+
+def test_reset_prefix_cache_refused_while_in_use():
+    alloc = BlockAllocator(6, 2)
+    committed(alloc, "a", [1, 2, 3, 4, 5])
+    assert not alloc.reset_prefix_cache()
+    alloc.free("a")
+    assert list(alloc._free) == [4, 5, 3] and list(alloc._cached_free) == [2, 1]
+    assert alloc.reset_prefix_cache()
+    alloc.check_invariants()
+    assert list(alloc._free) == [4, 5, 3, 2, 1] and not alloc._cached_free
+    assert alloc.lookup([1, 2, 3, 4, 5]).block_ids == ()
+    assert alloc.usage()["free"] == 5
+
+
+def test_policies_reserve_the_right_block_counts():
+    paged = BlockAllocator(20, 4)
+    assert paged.allocate("a", 5) and len(paged.block_table("a")) == 2
+    assert paged.grow("a", 9) == [] and len(paged.block_table("a")) == 3
+    full = BlockAllocator(20, 4, policy="max", max_model_len=16)
+    assert full.can_allocate(5) and full.allocate("a", 5)
+    assert full.block_table("a") == [1, 2, 3, 4] and full.num_free_blocks == 15
+    assert full.grow("a", 16) == [] and full.num_free_blocks == 15
+    with pytest.raises(ValueError):
+        full.grow("a", 17)
+    assert not BlockAllocator(4, 4, policy="max", max_model_len=16).can_allocate(1)
+    with pytest.raises(ValueError):
+        BlockAllocator(20, 4, policy="max")
+    oracle = BlockAllocator(20, 4, policy="oracle")
+    assert oracle.allocate("a", 5, final_num_tokens=10) and oracle.block_table("a") == [1, 2, 3]
+    assert oracle.grow("a", 10) == [] and oracle.num_free_blocks == 16
+    assert oracle.grow("a", 13) == [] and oracle.block_table("a") == [1, 2, 3, 4]
+    with pytest.raises(ValueError):
+        oracle.allocate("b", 5)  # final_num_tokens missing
+    for alloc in (paged, full, oracle):
+        alloc.check_invariants()
+
+
+def test_misuse_raises():
+    alloc = BlockAllocator(6, 2)
+    committed(alloc, "a", [1, 2, 3])
+    with pytest.raises(AllocationError):
+        alloc.allocate("a", 2)
+    with pytest.raises(AllocationError):
+        alloc.grow("zz", 2)
+    with pytest.raises(AllocationError):
+        alloc.fork("a", "a")
+    with pytest.raises(ValueError):
+        alloc.commit("a", [1, 2, 3, 4, 5])  # beyond the table's capacity
+    with pytest.raises(ValueError):
+        alloc.commit("a", [1, 2])  # shrinking
+    with pytest.raises(ValueError):
+        BlockAllocator(1, 2)
+    with pytest.raises(ValueError):
+        BlockAllocator(4, 2, policy="lazy")
+    alloc.free("a")
+    stale = alloc.lookup([1, 2, 3])
+    assert stale.block_ids == (1,)
+    assert alloc.allocate("b", 10)  # evicts block 1
+    alloc.free("b")
+    with pytest.raises(AllocationError):
+        alloc.allocate("c", 3, stale)
+    with pytest.raises(AllocationError):
+        alloc.free("a")
+    alloc.check_invariants()
+
+
+def test_allocator_does_not_import_jax():
+    tree = ast.parse(MODULE_PATH.read_text())
+    names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+             for alias in node.names]
+    names += [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    assert not [n for n in names if n.split(".")[0] in ("jax", "jaxlib", "numpy")], names
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('block_allocator', {str(MODULE_PATH)!r})\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "sys.modules['block_allocator'] = module\n"
+        "spec.loader.exec_module(module)\n"
+        "module.BlockAllocator(4, 2).check_invariants()\n"
+        "assert 'jax' not in sys.modules, 'jax was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
