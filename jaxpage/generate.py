@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
 
 def stream(llm, prompts: list[str], inputs: list[Any], params) -> list:
     """Print each request's text as it arrives (requests are prefixed when there are many)."""
-    from jaxpage.llm import _merge
+    from jaxpage.llm import merge_delta
 
     engine = llm.engine
     ids = [f"cli-{i}" for i in range(len(inputs))]
@@ -117,31 +117,36 @@ def stream(llm, prompts: list[str], inputs: list[Any], params) -> list:
         engine.add_request(request_id, prompt, params)
     merged: dict = {}
     finished: dict = {}
+    many = len(ids) > 1 or params.n > 1
     while engine.has_unfinished_requests():
         for out in engine.step():
-            _merge(merged, out)
-            delta = out.outputs[0].text
-            if len(ids) > 1 and delta:
-                delta = f"[{out.request_id}] {delta}\n"
-            print(delta, end="", flush=True)
+            completions = merge_delta(merged.setdefault(out.request_id, {}), out)
+            for delta in out.outputs:
+                if delta.text:
+                    tag = f"[{out.request_id}.{delta.index}] " if many else ""
+                    print(f"{tag}{delta.text}" + ("\n" if many else ""), end="", flush=True)
             if out.finished:
-                out.outputs = [merged.pop(out.request_id)]
+                out.outputs = completions
                 finished[out.request_id] = out
     print()
     return [finished[r] for r in ids]
 
 
 def print_output(prompt: str, out, as_json: bool) -> None:
-    completion = out.outputs[0]
     if as_json:
         print(json.dumps({
-            "request_id": out.request_id, "prompt": prompt, "text": completion.text,
-            "token_ids": completion.token_ids, "finish_reason": completion.finish_reason,
-            "cumulative_logprob": completion.cumulative_logprob,
+            "request_id": out.request_id, "prompt": prompt,
             "num_prompt_tokens": len(out.prompt_token_ids),
+            "outputs": [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
+                         "finish_reason": c.finish_reason,
+                         "cumulative_logprob": c.cumulative_logprob} for c in out.outputs],
         }))
-    else:
-        print(f"--- {prompt}\n{completion.text}\n")
+        return
+    print(f"--- {prompt}")
+    for completion in out.outputs:
+        prefix = f"[{completion.index}] " if len(out.outputs) > 1 else ""
+        print(f"{prefix}{completion.text}")
+    print()
 
 
 def print_summary(llm, outputs: list, elapsed: float, load_seconds: float) -> None:

@@ -89,7 +89,7 @@ class LLM:
     def _run(self, request_ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
         pending = set(request_ids)
         final: dict[str, RequestOutput] = {}
-        merged: dict[str, CompletionOutput] = {}
+        merged: dict[str, dict[int, CompletionOutput]] = {}
         bar = None
         if use_tqdm or (use_tqdm is None and len(request_ids) > 1):
             from tqdm import tqdm
@@ -99,9 +99,9 @@ class LLM:
             for out in self.engine.step():
                 if out.request_id not in pending:
                     continue
-                _merge(merged, out)
+                completions = merge_delta(merged.setdefault(out.request_id, {}), out)
                 if out.finished:
-                    out.outputs = [merged.pop(out.request_id)]
+                    out.outputs = completions
                     final[out.request_id] = out
                     pending.discard(out.request_id)
                     if bar is not None:
@@ -111,17 +111,19 @@ class LLM:
         return [final[r] for r in request_ids]
 
 
-def _merge(merged: dict[str, CompletionOutput], out: RequestOutput) -> None:
-    """Accumulate a streaming delta into the request's full completion."""
-    delta = out.outputs[0]
-    full = merged.setdefault(out.request_id, CompletionOutput(
-        index=delta.index, logprobs=None if delta.logprobs is None else []))
-    full.text += delta.text
-    full.token_ids.extend(delta.token_ids)
-    if full.logprobs is not None and delta.logprobs:
-        full.logprobs.extend(delta.logprobs)
-    full.cumulative_logprob = delta.cumulative_logprob
-    full.finish_reason, full.stop_reason = delta.finish_reason, delta.stop_reason
+def merge_delta(merged: dict[int, CompletionOutput], out: RequestOutput) -> list[CompletionOutput]:
+    """Accumulate a streaming delta into the request's full completions (by sample index);
+    returns them in index order."""
+    for delta in out.outputs:
+        full = merged.setdefault(delta.index, CompletionOutput(
+            index=delta.index, logprobs=None if delta.logprobs is None else []))
+        full.text += delta.text
+        full.token_ids.extend(delta.token_ids)
+        if full.logprobs is not None and delta.logprobs:
+            full.logprobs.extend(delta.logprobs)
+        full.cumulative_logprob = delta.cumulative_logprob
+        full.finish_reason, full.stop_reason = delta.finish_reason, delta.stop_reason
+    return [merged[i] for i in sorted(merged)]
 
 
 def chat_token_ids(tokenizer: Any, conversation: list[dict]) -> list[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 
 MAX_LOGPROBS = 20
@@ -98,6 +99,16 @@ class BeamSearchParams:
                self.max_tokens, "an integer >= 1")
         _check(_is_real(self.length_penalty) and math.isfinite(self.length_penalty),
                "length_penalty", self.length_penalty, "a finite number")
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The RNG seed of sample `index` of a request seeded with `seed` (n > 1): sample 0 uses
+    the request's seed, the others a 32-bit hash of (seed, index). A single-sample request
+    run with this seed reproduces that sample."""
+    if index == 0:
+        return seed
+    digest = hashlib.sha256(f"jaxpage-sample:{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
 
 
 def _is_int(x) -> bool:

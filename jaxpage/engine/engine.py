@@ -18,11 +18,11 @@ import numpy as np
 from jaxpage.config import EngineConfig
 from jaxpage.engine.block_allocator import BlockAllocator
 from jaxpage.engine.detokenizer import IncrementalDetokenizer
-from jaxpage.engine.request import Request
+from jaxpage.engine.request import Request, RequestGroup
 from jaxpage.engine.runner import ModelRunner, SamplingRow, SeqInput
 from jaxpage.engine.scheduler import Scheduler
 from jaxpage.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxpage.sampling_params import SamplingParams
+from jaxpage.sampling_params import SamplingParams, sample_seed
 
 _CPU_KV_BUDGET = 1 << 30  # default KV pool on CPU: 1 GiB
 
@@ -132,19 +132,21 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(token_ids, params)
-        if params.n != 1:
-            raise ValueError(f"n must be 1 for now (parallel sampling is not built yet), "
-                             f"got {params.n}")
         seed = params.seed if params.seed is not None else self._derive_seed(request_id)
-        request = Request(request_id, token_ids, params, seed,
-                          RequestMetrics(arrival_time=time.perf_counter()), prompt=text,
-                          cache_salt=cache_salt)
-        self.requests[request_id] = request
-        if self.tokenizer is not None:
-            self._detokenizers[request_id] = IncrementalDetokenizer(
-                self.tokenizer, len(token_ids), params.stop)
-        self.scheduler.add(request)
+        metrics = RequestMetrics(arrival_time=time.perf_counter())
+        parent = Request(request_id, token_ids, params, seed, metrics, prompt=text,
+                         cache_salt=cache_salt)
+        group = RequestGroup(request_id, params.n, [parent], forked=params.n == 1)
+        parent.group = group
+        self.requests[request_id] = group
+        self._add_detokenizer(parent)
+        self.scheduler.add(parent)
         self._num_added += 1
+
+    def _add_detokenizer(self, request: Request) -> None:
+        if self.tokenizer is not None:
+            self._detokenizers[request.seq_id] = IncrementalDetokenizer(
+                self.tokenizer, request.num_prompt_tokens, request.params.stop)
 
     def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
@@ -160,12 +162,18 @@ class LLMEngine:
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
                 f"exceeds max_model_len {self.max_model_len}"
             )
-        need = -(-total // self.config.block_size)
+        # the prompt once, then every sample's own blocks (its last prompt block copied)
+        bs = self.config.block_size
+        need = -(-total // bs) + (params.n - 1) * (-(-total // bs) - len(token_ids) // bs)
         if need > self.allocator.num_blocks - 1:
             raise ValueError(
-                f"prompt + max_tokens = {total} tokens needs {need} KV blocks but the pool has "
-                f"only {self.allocator.num_blocks - 1}; raise num_blocks or lower max_tokens"
+                f"prompt + max_tokens = {total} tokens (n={params.n}) needs {need} KV blocks but "
+                f"the pool has only {self.allocator.num_blocks - 1}; raise num_blocks or lower "
+                "max_tokens"
             )
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n must be <= max_num_seqs ({self.config.max_num_seqs}), "
+                             f"got {params.n}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
 
@@ -174,13 +182,17 @@ class LLMEngine:
         return int.from_bytes(digest.digest()[:4], "little")
 
     def abort_request(self, request_id: str) -> None:
-        """End a request wherever it is (waiting, running, preempted); its blocks are freed."""
-        request = self.requests.get(str(request_id))
-        if request is None or request.finished:
+        """End a request wherever it is (waiting, running, preempted): every one of its
+        samples ends with finish_reason "abort" and all their blocks are freed."""
+        group = self.requests.get(str(request_id))
+        if group is None:
             return
-        self.scheduler.finish(request, "abort")
-        self._pending.append(self._output(request, finished=True))
-        self._release(request)
+        aborted = [s for s in group.samples if not s.finished]
+        for sample in aborted:
+            self.scheduler.finish(sample, "abort")
+        group.forked = True  # no fork will happen any more
+        self._pending.append(self._output(group, {s: s.num_output_tokens for s in aborted}))
+        self._release(group)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._pending)
@@ -204,38 +216,63 @@ class LLMEngine:
         self.num_steps += 1
         self.peak_kv_usage = max(self.peak_kv_usage, self.allocator.usage()["usage"])
         now = time.perf_counter()
-        for chunk, result in zip(scheduled.chunks, results, strict=True):
-            if result is None:
+        changed: dict[RequestGroup, dict[Request, int]] = {}  # sample -> first new token
+        for chunk, draws in zip(scheduled.chunks, results, strict=True):
+            if not draws:
                 continue
             request = chunk.request
-            start_token = request.num_output_tokens
-            self._append_token(request, result, now)
-            if request.finished:
-                self._release(request)
-            outputs.append(self._output(request, request.finished, delta_from=start_token))
+            samples = [request]
+            if len(draws) > 1:  # end of the prompt's prefill: fork the other samples
+                samples += self._fork(request, len(draws) - 1)
+            for sample, draw in zip(samples, draws, strict=True):
+                changed.setdefault(sample.group, {})[sample] = sample.num_output_tokens
+                self._append_token(sample, draw, now)
+        for group, starts in changed.items():
+            outputs.append(self._output(group, starts))
+            if group.finished:
+                self._release(group)
         self.step_seconds += time.perf_counter() - start
         return outputs
+
+    def _fork(self, parent: Request, count: int) -> list[Request]:
+        """Samples 1..count of `parent`'s request: each shares every block of the prompt
+        (copy-on-write of the partly filled last one happens on its first write)."""
+        children = []
+        for index in range(1, count + 1):
+            child = Request(parent.request_id, parent.prompt_token_ids, parent.params,
+                            sample_seed(parent.seed, index), parent.metrics,
+                            prompt=parent.prompt, cache_salt=parent.cache_salt,
+                            sample_index=index, group=parent.group)
+            self.scheduler.add_fork(parent, child)
+            self._add_detokenizer(child)
+            parent.group.samples.append(child)
+            children.append(child)
+        parent.group.forked = True
+        return children
 
     def _seq_input(self, chunk) -> SeqInput:
         request = chunk.request
         start = chunk.num_computed_tokens
-        sampling = None
+        sampling = []
         if chunk.sample:
             p = request.params
             banned: tuple[int, ...] = ()
             if request.num_output_tokens < p.min_tokens:
                 banned = tuple(sorted(set(p.stop_token_ids) | (
                     set() if p.ignore_eos else self.eos_token_ids)))
-            sampling = SamplingRow(
+            # one row per sample still to fork from this prompt, with its own seed
+            seeds = [request.seed] + [sample_seed(request.seed, i)
+                                      for i in range(1, request.num_slots)]
+            sampling = [SamplingRow(
                 temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
-                seed=request.seed, step=request.num_output_tokens,
+                seed=seed, step=request.num_output_tokens,
                 presence=p.presence_penalty, frequency=p.frequency_penalty,
                 repetition=p.repetition_penalty,
                 num_logprobs=0 if p.logprobs is None else max(p.logprobs, 1),
                 prompt_token_ids=request.prompt_token_ids if p.uses_penalties else None,
                 output_token_ids=request.output_token_ids if p.uses_penalties else None,
                 banned_token_ids=banned,
-            )
+            ) for seed in seeds]
         return SeqInput(chunk.block_table, start,
                         request.token_ids[start : start + chunk.num_new_tokens], sampling)
 
@@ -252,7 +289,7 @@ class LLMEngine:
             request.metrics.first_token_time = now
         num_out = request.num_output_tokens
         stop_string = None
-        detok = self._detokenizers.get(request.request_id)
+        detok = self._detokenizers.get(request.seq_id)
         if detok is not None:
             stop_string = detok.update(request.token_ids, check_stop=num_out >= p.min_tokens)
             request.text = detok.text
@@ -266,28 +303,34 @@ class LLMEngine:
         if num_out >= p.max_tokens or request.num_tokens >= self.max_model_len:
             self.scheduler.finish(request, "length")
 
-    def _release(self, request: Request) -> None:
-        request.metrics.finished_time = time.perf_counter()
-        self.finished_metrics.append((request.metrics, request.num_output_tokens))
-        del self.requests[request.request_id]
-        self._detokenizers.pop(request.request_id, None)
+    def _release(self, group: RequestGroup) -> None:
+        metrics = group.samples[0].metrics
+        metrics.finished_time = time.perf_counter()
+        self.finished_metrics.append((metrics, max(s.num_output_tokens for s in group.samples)))
+        del self.requests[group.request_id]
+        for sample in group.samples:
+            self._detokenizers.pop(sample.seq_id, None)
 
-    def _output(self, request: Request, finished: bool, delta_from: int = 0) -> RequestOutput:
-        detok = self._detokenizers.get(request.request_id)
-        text = detok.streamable_text(finished) if detok is not None else request.text
-        start_char = request.num_text_emitted
-        request.num_text_emitted = max(len(text), start_char)
-        completion = CompletionOutput(
-            index=0,
-            text=text[start_char:],
-            token_ids=request.output_token_ids[delta_from:],
-            cumulative_logprob=request.cumulative_logprob,
-            logprobs=None if request.logprobs is None else request.logprobs[delta_from:],
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
-        )
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
-                             [completion], finished, request.metrics)
+    def _output(self, group: RequestGroup, starts: dict[Request, int]) -> RequestOutput:
+        """The group's deltas: for each changed sample, its tokens from `starts[sample]`."""
+        completions = []
+        for sample, first in sorted(starts.items(), key=lambda kv: kv[0].sample_index):
+            detok = self._detokenizers.get(sample.seq_id)
+            text = detok.streamable_text(sample.finished) if detok is not None else sample.text
+            start_char = sample.num_text_emitted
+            sample.num_text_emitted = max(len(text), start_char)
+            completions.append(CompletionOutput(
+                index=sample.sample_index,
+                text=text[start_char:],
+                token_ids=sample.output_token_ids[first:],
+                cumulative_logprob=sample.cumulative_logprob,
+                logprobs=None if sample.logprobs is None else sample.logprobs[first:],
+                finish_reason=sample.finish_reason,
+                stop_reason=sample.stop_reason,
+            ))
+        parent = group.samples[0]
+        return RequestOutput(group.request_id, parent.prompt, parent.prompt_token_ids,
+                             completions, group.finished, parent.metrics)
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:

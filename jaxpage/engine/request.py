@@ -31,6 +31,8 @@ class Request:
     metrics: RequestMetrics
     prompt: str | None = None
     cache_salt: str | None = None
+    sample_index: int = 0  # which of the request's n samples this sequence is
+    group: RequestGroup | None = None
     token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -47,6 +49,18 @@ class Request:
             self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+
+    @property
+    def seq_id(self) -> str:
+        """The allocator's key for this sequence."""
+        return f"{self.request_id}#{self.sample_index}"
+
+    @property
+    def num_slots(self) -> int:
+        """Running slots this sequence will occupy: n for a parent that will fork its
+        samples at the end of its prefill, else 1."""
+        group = self.group
+        return group.n if group is not None and not group.forked else 1
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -72,3 +86,19 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class RequestGroup:
+    """A user request: its n samples. The prompt is prefilled once, by sample 0; at the end
+    of that prefill the other samples fork from it and share its blocks."""
+
+    request_id: str
+    n: int
+    samples: list[Request]
+    forked: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.forked and all(s.finished for s in self.samples) or (
+            not self.forked and self.samples[0].finished)

@@ -76,7 +76,9 @@ class SeqInput:
     block_table: list[int]
     num_computed: int
     token_ids: list[int]
-    sampling: SamplingRow | None  # None: no token drawn (a non-final prompt chunk)
+    # one row per token to draw: none for a non-final prompt chunk, n when the prompt's
+    # n samples fork at the end of its prefill
+    sampling: list[SamplingRow]
 
 
 @dataclasses.dataclass(slots=True)
@@ -154,9 +156,9 @@ class ModelRunner:
     def max_compiles(self) -> int:
         """Upper bound on compilations over any trace: every bucket combination."""
         widths = len(self.width_buckets)
+        rows = len(self.decode_buckets)  # logits rows
         forward = (len(self.decode_buckets)
-                   + len(self.token_buckets) * len(self.prefill_seq_buckets)) * widths
-        rows = len(set(self.decode_buckets) | set(self.prefill_seq_buckets))
+                   + len(self.token_buckets) * len(self.prefill_seq_buckets)) * widths * rows
         # filters x logprobs x (no penalties + widths) x (no bans + widths)
         sampling = rows * 2 * 2 * (1 + len(self.len_buckets)) * (1 + len(self.ban_buckets))
         return forward + sampling + len(self.copy_buckets)
@@ -170,10 +172,10 @@ class ModelRunner:
         src[: len(copies)], dst[: len(copies)] = zip(*copies, strict=True)
         self.kv_pool = self._timed(("copy", size), lambda: _COPY_BLOCKS(self.kv_pool, src, dst))
 
-    def execute(self, seqs: list[SeqInput]) -> list[SeqResult | None]:
-        """Run one step over `seqs`; returns per sequence the drawn token (None for a
-        non-final prompt chunk)."""
-        results: list[SeqResult | None] = [None] * len(seqs)
+    def execute(self, seqs: list[SeqInput]) -> list[list[SeqResult]]:
+        """Run one step over `seqs`; returns per sequence one drawn token per sampling row
+        (none for a non-final prompt chunk, several for a prompt whose samples fork)."""
+        results: list[list[SeqResult]] = [[] for _ in seqs]
         decode = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
         prefill = [i for i, s in enumerate(seqs) if len(s.token_ids) > 1]
         for group, is_decode in ((prefill, False), (decode, True)):
@@ -183,13 +185,17 @@ class ModelRunner:
                     results[i] = result
         return results
 
-    def _run(self, seqs: list[SeqInput], is_decode: bool) -> list[SeqResult | None]:
+    def _run(self, seqs: list[SeqInput], is_decode: bool) -> list[list[SeqResult]]:
         num_seqs = bucket_for(len(seqs),
                               self.decode_buckets if is_decode else self.prefill_seq_buckets)
         total = sum(len(s.token_ids) for s in seqs)
         num_tokens = num_seqs if is_decode else bucket_for(total, self.token_buckets)
         width = bucket_for(max(-(-(s.num_computed + len(s.token_ids)) // self.block_size)
                                for s in seqs), self.width_buckets)
+        # one logits row per draw: a sequence's last token, repeated for forking samples
+        last_token = np.cumsum([len(s.token_ids) for s in seqs]) - 1
+        rows = [(i, row) for i, s in enumerate(seqs) for row in s.sampling]
+        num_rows = bucket_for(max(len(rows), 1), self.decode_buckets)
         positions, attn_md = build_metadata(
             [s.block_table[:width] for s in seqs],
             [s.num_computed for s in seqs],
@@ -199,34 +205,35 @@ class ModelRunner:
             num_tokens=num_tokens,
             num_seqs=num_seqs,
             max_query_len=1 if is_decode else num_tokens,
-            num_logits=num_seqs,
+            logits_indices=[int(last_token[i]) for i, _ in rows],
+            num_logits=num_rows,
             backend=self.backend,
         )
         token_ids = np.zeros(num_tokens, np.int32)
         token_ids[:total] = [t for s in seqs for t in s.token_ids]
-        sampling_md = self._sampling_metadata([s.sampling for s in seqs], num_seqs)
 
         def forward():
             logits, self.kv_pool = _FORWARD(self.model, self.params, self.kv_pool, token_ids,
                                             positions, attn_md)
             return logits
 
-        logits = self._timed(("forward", is_decode, num_tokens, num_seqs, width), forward)
-        sampling_key = ("sample", num_seqs, sampling_md.use_filters, sampling_md.num_logprobs,
+        logits = self._timed(("forward", is_decode, num_tokens, num_seqs, width, num_rows),
+                             forward)
+        results: list[list[SeqResult]] = [[] for _ in seqs]
+        if not rows:  # only non-final prompt chunks: nothing to draw
+            return results
+        sampling_md = self._sampling_metadata([row for _, row in rows], num_rows)
+        sampling_key = ("sample", num_rows, sampling_md.use_filters, sampling_md.num_logprobs,
                         *(None if a is None else a.shape[1] for a in (
                             sampling_md.prompt_token_ids, sampling_md.banned_token_ids)))
         out = self._timed(sampling_key, lambda: jax.device_get(_SAMPLE(logits, sampling_md)))
-        results: list[SeqResult | None] = []
-        for row, s in enumerate(seqs):
-            if s.sampling is None:
-                results.append(None)
-                continue
+        for r, (i, row) in enumerate(rows):
             top = None
-            if s.sampling.num_logprobs:
-                n = s.sampling.num_logprobs
-                top = dict(zip(out["top_ids"][row, :n].tolist(),
-                               out["top_logprobs"][row, :n].tolist(), strict=True))
-            results.append(SeqResult(int(out["tokens"][row]), float(out["logprob"][row]), top))
+            if row.num_logprobs:
+                n = row.num_logprobs
+                top = dict(zip(out["top_ids"][r, :n].tolist(),
+                               out["top_logprobs"][r, :n].tolist(), strict=True))
+            results[i].append(SeqResult(int(out["tokens"][r]), float(out["logprob"][r]), top))
         return results
 
     def _timed(self, key: tuple, fn):
@@ -241,9 +248,9 @@ class ModelRunner:
             self.compiled.add(key)
         return result
 
-    def _sampling_metadata(self, rows: list[SamplingRow | None], num_rows: int):
+    def _sampling_metadata(self, rows: list[SamplingRow], num_rows: int):
         greedy = SamplingRow(0.0, 1.0, 0, 0.0, 0, 0)
-        rows = [r or greedy for r in rows] + [greedy] * (num_rows - len(rows))
+        rows = rows + [greedy] * (num_rows - len(rows))
         use_penalties = any(r.uses_penalties for r in rows)
         md = dict(
             temperature=np.array([r.temperature for r in rows], np.float32),

@@ -33,6 +33,7 @@ class ScheduledChunk:
     num_new_tokens: int
     block_table: list[int]
     sample: bool
+    block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(slots=True)
@@ -71,44 +72,42 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
-        chunks: list[ScheduledChunk] = []
-        copies: list[tuple[int, int]] = []
+        scheduled: dict[Request, ScheduledChunk] = {}  # in running order
         preempted: list[Request] = []
 
         # 1. running requests, oldest first; preempt the newest when the pool runs dry
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while True:
-                block_copies = self.allocator.grow(
-                    request.request_id, request.num_computed_tokens + num_new
-                )
-                if block_copies is not None:
-                    break
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-            if block_copies is None:  # the request preempted itself
+        for request in list(self.running):
+            if budget <= 0:
                 break
-            copies.extend(block_copies)
-            chunks.append(self._chunk(request, num_new))
+            if request.status is not RequestStatus.RUNNING:  # preempted with a sibling
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while (copies := self.allocator.grow(
+                    request.seq_id, request.num_computed_tokens + num_new)) is None:
+                for victim in self._preempt_newest():
+                    preempted.append(victim)
+                    dropped = scheduled.pop(victim, None)
+                    if dropped is not None:  # an older sibling already scheduled this step
+                        budget += dropped.num_new_tokens
+                if request.status is not RequestStatus.RUNNING:
+                    break
+            if copies is None:  # the request itself was preempted: nothing newer is left
+                break
+            scheduled[request] = self._chunk(request, num_new, copies)
             budget -= num_new
-            index += 1
 
         # 2. waiting requests in arrival order (not in a step that had to preempt)
-        while (self.waiting and not preempted and budget > 0
-               and len(self.running) < self.max_num_seqs):
+        while self.waiting and not preempted and budget > 0:
             request = self.waiting[0]
+            if len(self.running) + request.num_slots > self.max_num_seqs:
+                break
             hit = None
             if self.enable_prefix_caching:
                 hit = self.allocator.lookup(request.token_ids, cache_salt=request.cache_salt)
             num_cached = hit.num_tokens if hit is not None else 0
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.allocator.allocate(
-                request.request_id, num_cached + num_new, hit,
+                request.seq_id, num_cached + num_new, hit,
                 final_num_tokens=request.max_num_tokens, cache_salt=request.cache_salt,
             ):
                 break
@@ -119,23 +118,39 @@ class Scheduler:
                 request.metrics.first_scheduled_time = time.perf_counter()
                 request.metrics.num_cached_tokens = num_cached
             self.running.append(request)
-            chunks.append(self._chunk(request, num_new))
+            scheduled[request] = self._chunk(request, num_new, [])
             budget -= num_new
 
+        chunks = list(scheduled.values())
+        copies = [copy for chunk in chunks for copy in chunk.block_copies]
         return SchedulerOutput(chunks, copies, preempted, self.max_num_batched_tokens - budget)
 
-    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    def _preempt_newest(self) -> list[Request]:
+        """Preempt the newest running request, together with its running siblings (the
+        samples of one request are recomputed as a group)."""
+        victim = self.running[-1]
+        group = victim.group
+        victims = [r for r in self.running if r is victim or (group is not None
+                                                                and r.group is group)]
+        for request in reversed(victims):
+            self.running.remove(request)
+            self._preempt(request)
+        return victims
+
+    def _chunk(self, request: Request, num_new: int,
+               copies: list[tuple[int, int]]) -> ScheduledChunk:
         start = request.num_computed_tokens
         return ScheduledChunk(
             request=request,
             num_computed_tokens=start,
             num_new_tokens=num_new,
-            block_table=self.allocator.block_table(request.request_id),
+            block_table=self.allocator.block_table(request.seq_id),
             sample=start + num_new == request.num_tokens,
+            block_copies=copies,
         )
 
     def _preempt(self, request: Request) -> None:
-        self.allocator.free(request.request_id)
+        self.allocator.free(request.seq_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.metrics.num_preemptions += 1
@@ -152,14 +167,24 @@ class Scheduler:
             computed = chunk.num_computed_tokens + chunk.num_new_tokens
             request.num_computed_tokens = computed
             tokens = request.token_ids  # called before the step's new tokens are appended
-            self.allocator.commit(request.request_id,
+            self.allocator.commit(request.seq_id,
                                   tokens if computed == len(tokens) else tokens[:computed])
+
+    def add_fork(self, parent: Request, child: Request) -> None:
+        """Run `child`, which shares all of `parent`'s blocks, right after its parent."""
+        self.allocator.fork(parent.seq_id, child.seq_id)
+        child.status = RequestStatus.RUNNING
+        child.num_computed_tokens = parent.num_computed_tokens
+        index = self.running.index(parent) + 1
+        while index < len(self.running) and self.running[index].group is parent.group:
+            index += 1
+        self.running.insert(index, child)
 
     def finish(self, request: Request, reason: str, stop_reason=None) -> None:
         """End a request (stop, length or abort) wherever it is and free its blocks."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-            self.allocator.free(request.request_id)
+            self.allocator.free(request.seq_id)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
