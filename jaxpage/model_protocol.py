@@ -101,7 +101,8 @@ def validate_model(model: Any, params: Any) -> None:
     name = type(model).__name__
     config = getattr(model, "config", None)
     if config is None:
-        raise ValueError(f"model {name} has no `config` (needs {', '.join(REQUIRED_CONFIG_FIELDS)})")
+        raise ValueError(f"model {name} has no `config` (the engine reads "
+                         f"{', '.join(REQUIRED_CONFIG_FIELDS)})")
     _check_forward_signature(model, name)
     _check_config(config, name)
     try:
@@ -135,7 +136,8 @@ def _check_config(config: Any, name: str) -> None:
     missing = [f for f in REQUIRED_CONFIG_FIELDS if not hasattr(config, f)]
     if missing:
         raise ValueError(f"model {name}.config ({type(config).__name__}) is missing "
-                         f"{', '.join(missing)}; the engine reads {', '.join(REQUIRED_CONFIG_FIELDS)}")
+                         f"{', '.join(missing)}; the engine reads "
+                         f"{', '.join(REQUIRED_CONFIG_FIELDS)}")
     for field in REQUIRED_CONFIG_FIELDS:
         value = getattr(config, field)
         if not _is_positive_int(value):
@@ -167,8 +169,9 @@ def _check_params(params: Any) -> None:
         raise ValueError("params must be a pytree of arrays, got one with no leaves")
     for path, leaf in leaves:
         if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
-            raise ValueError(f"params must be a pytree of arrays; params{jax.tree_util.keystr(path)}"
-                             f" is a {type(leaf).__name__}")
+            where = f"params{jax.tree_util.keystr(path)}"
+            raise ValueError(f"params must be a pytree of arrays; {where} is a "
+                             f"{type(leaf).__name__}")
 
 
 def _check_forward_trace(model: Any, params: Any, config: Any, name: str) -> None:
@@ -207,8 +210,9 @@ def _check_forward_trace(model: Any, params: Any, config: Any, name: str) -> Non
     given = jax.tree.structure(kv_pool)
     returned = jax.tree.structure(new_pool)
     if returned != given:
-        raise ValueError(f"model {name}.forward returned a kv_pool shaped as {returned}; "
-                         f"expected the structure it was given, {given}")
+        raise ValueError(f"model {name}.forward returned a kv_pool structured as {returned}; "
+                         f"expected the structure it was given, a list of config.num_layers="
+                         f"{config.num_layers} (k_pool, v_pool) pairs: {given}")
     for i, (got, want) in enumerate(zip(jax.tree.leaves(new_pool), jax.tree.leaves(kv_pool),
                                         strict=True)):
         if got.shape != want.shape or got.dtype != want.dtype:
