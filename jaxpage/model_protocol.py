@@ -92,8 +92,8 @@ def validate_model(model: Any, params: Any) -> None:
 
     Checks, in order: `config` and a callable `forward` taking the five arguments exist; the
     config fields are present, positive and consistent; the model is hashable; `params` is a
-    non-empty pytree of arrays; then an abstract trace (`jax.eval_shape`, nothing compiled
-    or run) of `forward` on a 3-token dummy step checks the logits shape and that the
+    non-empty pytree of arrays (no PRNG keys); then an abstract trace (`jax.eval_shape`, nothing
+    compiled or run) of `forward` on a 3-token dummy step checks the logits shape and that the
     returned KV pool matches the one given. A model whose attention writes more KV heads
     than `config.num_kv_heads` fails inside `paged_attention`; that error is re-raised as a
     ValueError naming the pool's shape.
@@ -172,6 +172,11 @@ def _check_params(params: Any) -> None:
             where = f"params{jax.tree_util.keystr(path)}"
             raise ValueError(f"params must be a pytree of arrays; {where} is a "
                              f"{type(leaf).__name__}")
+        if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            # the engine casts every leaf to its dtype (float32/bfloat16); a key cannot be
+            raise ValueError(f"params{jax.tree_util.keystr(path)} is a PRNG key array; serve "
+                             "weights only (e.g. build the module without nnx.Rngs-holding "
+                             "layers such as Dropout, or split out the nnx.Param state)")
 
 
 def _check_forward_trace(model: Any, params: Any, config: Any, name: str) -> None:

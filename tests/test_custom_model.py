@@ -251,6 +251,8 @@ def _broken(case: str):
         return UnhashableModel(graphdef, config), state
     if case == "params not arrays":
         return nnx_example.NNXModel(graphdef, config), {"embed": "weights.bin"}
+    if case == "rng key in params":  # e.g. the state of an nnx.Dropout's Rngs
+        return nnx_example.NNXModel(graphdef, config), {"dropout": jax.random.key(0)}
     raise AssertionError(case)
 
 
@@ -264,6 +266,7 @@ def _broken(case: str):
     ("no forward", r"no `forward"),
     ("unhashable", r"must be hashable"),
     ("params not arrays", r"params\['embed'\] is a str"),
+    ("rng key in params", r"params\['dropout'\] is a PRNG key array"),
 ])
 def test_protocol_violation_is_refused_at_llm(case, message):
     model, params = _broken(case)
