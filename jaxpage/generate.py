@@ -76,14 +76,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxpage import LLM, SamplingParams
+    from jaxpage import LLM, BeamSearchParams, SamplingParams
     from jaxpage.llm import chat_token_ids
 
     prompts = read_prompts(args)
     params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    if args.beam_width is not None:
-        raise ValueError("--beam-width: beam search is not available yet")
     start = time.perf_counter()
     llm = LLM(config=engine_config(args))
     load_seconds = time.perf_counter() - start
@@ -95,12 +93,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         inputs = list(prompts)
     start = time.perf_counter()
-    if args.stream:
+    if args.beam_width is not None:
+        outputs = llm.beam_search(inputs, BeamSearchParams(
+            beam_width=args.beam_width, max_tokens=args.max_tokens),
+            use_tqdm=len(inputs) > 1 and not args.json)
+    elif args.stream:
         outputs = stream(llm, prompts, inputs, params)
     else:
         outputs = llm.generate(inputs, params, use_tqdm=len(inputs) > 1 and not args.json)
     elapsed = time.perf_counter() - start
-    if not args.stream:
+    if not args.stream or args.beam_width is not None:
         for prompt, out in zip(prompts, outputs, strict=True):
             print_output(prompt, out, args.json)
     print_summary(llm, outputs, elapsed, load_seconds)

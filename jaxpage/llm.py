@@ -8,7 +8,7 @@ from typing import Any
 from jaxpage.config import EngineConfig
 from jaxpage.engine.engine import LLMEngine
 from jaxpage.outputs import CompletionOutput, RequestOutput
-from jaxpage.sampling_params import SamplingParams
+from jaxpage.sampling_params import BeamSearchParams, SamplingParams
 
 Prompt = str | Sequence[int]
 
@@ -70,6 +70,24 @@ class LLM:
                 request_ids.append(request_id)
         except ValueError:
             for request_id in request_ids:  # a bad prompt adds none of the batch
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, *,
+                    use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Beam search for each prompt; outputs[i].outputs are the `beam_width` best
+        hypotheses, best first (token_ids = generated tokens, cumulative_logprob set)."""
+        prompt_list = _as_prompt_list(prompts)
+        request_ids = []
+        try:
+            for prompt in prompt_list:
+                request_id = f"beam-{self._next_id}"
+                self._next_id += 1
+                self.engine.add_beam_request(request_id, prompt, params)
+                request_ids.append(request_id)
+        except ValueError:
+            for request_id in request_ids:
                 self.engine.abort_request(request_id)
             raise
         return self._run(request_ids, use_tqdm)

@@ -91,6 +91,7 @@ class BeamSearchParams:
     max_tokens: int = 16
     length_penalty: float = 1.0
     ignore_eos: bool = False
+    early_stopping: bool | str = False  # HF's: True, False (heuristic) or "never"
 
     def __post_init__(self) -> None:
         _check(_is_int(self.beam_width) and self.beam_width >= 1, "beam_width",
@@ -99,6 +100,8 @@ class BeamSearchParams:
                self.max_tokens, "an integer >= 1")
         _check(_is_real(self.length_penalty) and math.isfinite(self.length_penalty),
                "length_penalty", self.length_penalty, "a finite number")
+        _check(self.early_stopping in (True, False, "never"), "early_stopping",
+               self.early_stopping, 'True, False or "never"')
 
 
 def sample_seed(seed: int, index: int) -> int:

@@ -16,13 +16,14 @@ import jax
 import numpy as np
 
 from jaxpage.config import EngineConfig
+from jaxpage.engine.beam_search import BeamGroup
 from jaxpage.engine.block_allocator import BlockAllocator
 from jaxpage.engine.detokenizer import IncrementalDetokenizer
 from jaxpage.engine.request import Request, RequestGroup
 from jaxpage.engine.runner import ModelRunner, SamplingRow, SeqInput
 from jaxpage.engine.scheduler import Scheduler
 from jaxpage.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxpage.sampling_params import SamplingParams, sample_seed
+from jaxpage.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams, sample_seed
 
 _CPU_KV_BUDGET = 1 << 30  # default KV pool on CPU: 1 GiB
 
@@ -72,7 +73,7 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
         )
         self.runner = ModelRunner(
-            model, jax.tree.map(lambda a: np.asarray(a).astype(dtype), params),
+            model, jax.tree.map(lambda a: _cast_float(a, dtype), params),
             num_blocks=num_blocks, block_size=config.block_size,
             max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, dtype=dtype,
@@ -143,6 +144,34 @@ class LLMEngine:
         self.scheduler.add(parent)
         self._num_added += 1
 
+    def add_beam_request(self, request_id: str, prompt: str | Sequence[int],
+                         params: BeamSearchParams) -> None:
+        """Queue a beam-search request; its output (the `beam_width` best hypotheses, best
+        first) comes when it finishes."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        request_id = str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        group = BeamGroup(request_id, params.beam_width, [], beam=params,
+                          eos_token_ids=tuple(sorted(self.eos_token_ids)))
+        if group.num_candidates > MAX_LOGPROBS:
+            raise ValueError(f"beam_width must be <= {MAX_LOGPROBS // 2} (or "
+                             f"{MAX_LOGPROBS // 2} with ignore_eos), got {params.beam_width}")
+        # beams draw nothing themselves: the sampler only reports each beam's top tokens
+        sampling = SamplingParams(n=params.beam_width, max_tokens=params.max_tokens,
+                                  temperature=0.0, logprobs=group.num_candidates,
+                                  ignore_eos=True)
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_prompt(token_ids, sampling)
+        root = Request(request_id, token_ids, sampling, 0,
+                       RequestMetrics(arrival_time=time.perf_counter()),
+                       prompt=prompt if isinstance(prompt, str) else None, group=group)
+        group.samples.append(root)
+        group.scores[id(root)] = 0.0
+        self.requests[request_id] = group
+        self.scheduler.add(root)
+
     def _add_detokenizer(self, request: Request) -> None:
         if self.tokenizer is not None:
             self._detokenizers[request.seq_id] = IncrementalDetokenizer(
@@ -187,6 +216,13 @@ class LLMEngine:
         group = self.requests.get(str(request_id))
         if group is None:
             return
+        if isinstance(group, BeamGroup):
+            for beam in [b for b in group.samples if not b.finished]:
+                self.scheduler.finish(beam, "abort")
+            group.done = True
+            self._pending.append(self._beam_output(group, "abort"))
+            self._release(group)
+            return
         aborted = [s for s in group.samples if not s.finished]
         for sample in aborted:
             self.scheduler.finish(sample, "abort")
@@ -217,16 +253,30 @@ class LLMEngine:
         self.peak_kv_usage = max(self.peak_kv_usage, self.allocator.usage()["usage"])
         now = time.perf_counter()
         changed: dict[RequestGroup, dict[Request, int]] = {}  # sample -> first new token
+        for victim in scheduled.preempted:  # its draw will be recomputed
+            if isinstance(victim.group, BeamGroup):
+                victim.group.pending.pop(victim, None)
+        beam_groups: dict[BeamGroup, None] = {}
         for chunk, draws in zip(scheduled.chunks, results, strict=True):
             if not draws:
                 continue
             request = chunk.request
+            if isinstance(request.group, BeamGroup):
+                request.group.pending[request] = draws[0]
+                beam_groups[request.group] = None
+                continue
             samples = [request]
             if len(draws) > 1:  # end of the prompt's prefill: fork the other samples
                 samples += self._fork(request, len(draws) - 1)
             for sample, draw in zip(samples, draws, strict=True):
                 changed.setdefault(sample.group, {})[sample] = sample.num_output_tokens
                 self._append_token(sample, draw, now)
+        for group in beam_groups:
+            if group.ready():
+                group.advance(self.scheduler)
+                if group.finished:
+                    outputs.append(self._beam_output(group, "length"))
+                    self._release(group)
         for group, starts in changed.items():
             outputs.append(self._output(group, starts))
             if group.finished:
@@ -261,8 +311,8 @@ class LLMEngine:
                 banned = tuple(sorted(set(p.stop_token_ids) | (
                     set() if p.ignore_eos else self.eos_token_ids)))
             # one row per sample still to fork from this prompt, with its own seed
-            seeds = [request.seed] + [sample_seed(request.seed, i)
-                                      for i in range(1, request.num_slots)]
+            forks = 1 if isinstance(request.group, BeamGroup) else request.num_slots
+            seeds = [request.seed] + [sample_seed(request.seed, i) for i in range(1, forks)]
             sampling = [SamplingRow(
                 temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
                 seed=seed, step=request.num_output_tokens,
@@ -332,6 +382,23 @@ class LLMEngine:
         return RequestOutput(group.request_id, parent.prompt, parent.prompt_token_ids,
                              completions, group.finished, parent.metrics)
 
+    def _beam_output(self, group: BeamGroup, reason: str) -> RequestOutput:
+        """The best hypotheses, best first; one that ended on EOS has finish_reason "stop"."""
+        completions = []
+        for index, hyp in enumerate(group.best()):
+            ended = bool(hyp.token_ids) and hyp.token_ids[-1] in group.eos_token_ids and (
+                not group.beam.ignore_eos)
+            text = "" if self.tokenizer is None else self.tokenizer.decode(
+                hyp.token_ids, skip_special_tokens=True)
+            completions.append(CompletionOutput(
+                index=index, text=text, token_ids=list(hyp.token_ids),
+                cumulative_logprob=hyp.cumulative_logprob,
+                finish_reason="abort" if reason == "abort" else ("stop" if ended else "length"),
+                stop_reason=hyp.token_ids[-1] if ended else None))
+        root = group.samples[0]
+        return RequestOutput(group.request_id, root.prompt, root.prompt_token_ids, completions,
+                             True, root.metrics)
+
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:
         usage = self.allocator.usage()
@@ -355,6 +422,14 @@ class LLMEngine:
             "ttft": _summary(ttft),
             "tpot": _summary(tpot),
         }
+
+
+def _cast_float(leaf: Any, dtype) -> Any:
+    """Cast floating-point params to the engine dtype; leave integer buffers and keys alone."""
+    array = np.asarray(leaf) if not hasattr(leaf, "dtype") else leaf
+    if jax.numpy.issubdtype(array.dtype, jax.numpy.floating):
+        return np.asarray(array).astype(dtype)
+    return array
 
 
 def _summary(values: list[float]) -> dict[str, float]:

@@ -82,6 +82,8 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:  # preempted with a sibling
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:  # a beam waiting for its siblings' log-probs
+                continue
             while (copies := self.allocator.grow(
                     request.seq_id, request.num_computed_tokens + num_new)) is None:
                 for victim in self._preempt_newest():
