@@ -1,0 +1,94 @@
+"""The benchmark scripts' core functions on a tiny random model: accounting and invariants."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+
+import bench_memory  # noqa: E402
+import bench_prefix  # noqa: E402
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return bench_memory.tiny_model()
+
+
+@pytest.fixture(scope="module")
+def memory_results(tiny):
+    model, params = tiny
+    spec = bench_memory.TraceSpec(num_requests=12, prompt_median=24, output_median=40, seed=3)
+    return bench_memory.compare(model, params, None, spec, block_size=BLOCK, num_blocks=48,
+                                max_model_len=256, max_num_seqs=32,
+                                max_num_batched_tokens=256, check=True)
+
+
+def test_trace_is_seeded_and_bounded():
+    spec = bench_memory.TraceSpec(num_requests=50, rate=2.0, seed=1)
+    a = bench_memory.make_trace(spec, 512, 256)
+    assert a == bench_memory.make_trace(spec, 512, 256)
+    prompts, outs, arrivals = a
+    for p, o in zip(prompts, outs, strict=True):
+        assert len(p) + o <= 256 and len(p) >= 4 and o >= 4
+    assert arrivals[0] == 0 and all(np.diff(arrivals) >= 0) and arrivals[-1] > 0
+
+
+def test_memory_accounting_matches_requests(memory_results):
+    for policy, r in memory_results.items():
+        timeline = r["run"]["timeline"]
+        assert timeline
+        for snap in timeline:
+            # real tokens from the allocator == from the requests' lengths
+            assert snap["real"] == snap["real_from_requests"], policy
+            # no sharing (prefix caching off): every allocated slot is real, reserved or tail
+            assert snap["allocated"] == snap["table_slots"], policy
+            assert snap["allocated"] == snap["real"] + snap["reserved"] + snap["fragment"]
+            assert snap["allocated"] <= 48 * BLOCK
+        shares = r["real_share"] + r["reserved_share"] + r["fragment_share"]
+        assert shares == pytest.approx(1.0)
+    assert memory_results["paged"]["reserved_share"] == 0
+
+
+def test_policies_ordered_and_outputs_identical(memory_results):
+    paged, oracle, mx = (memory_results[p] for p in ("paged", "oracle", "max"))
+    for key in ("real_share", "real_share_by_step"):
+        assert paged[key] >= oracle[key] >= mx[key], key
+    assert paged["peak_running"] > mx["peak_running"]
+    tokens = paged["run"]["tokens"]
+    assert oracle["run"]["tokens"] == tokens and mx["run"]["tokens"] == tokens
+    spec = bench_memory.TraceSpec(num_requests=12, prompt_median=24, output_median=40, seed=3)
+    _, outs, _ = bench_memory.make_trace(spec, 512, 256)
+    assert [len(t) for t in tokens] == outs
+    assert all(r["useful_tokens"] == sum(outs) for r in memory_results.values())
+
+
+def test_prefix_caching_core(tiny):
+    model, params = tiny
+
+    def new_engine(caching):
+        return bench_memory.make_engine(model, params, None, "paged",
+                                        enable_prefix_caching=caching, block_size=BLOCK,
+                                        num_blocks=256, max_model_len=512, max_num_seqs=8,
+                                        max_num_batched_tokens=512)
+
+    res = bench_prefix.compare(new_engine, prefix_len=128, num_requests=3, turns=3,
+                               system_len=32, max_tokens=6, warmup=False)
+    head = bench_prefix.report(res, BLOCK)
+    assert head["shared_identical"] and head["chat_identical"]
+    assert head["salt_isolated"] and head["salt_own_hits"]
+    on, off = res["shared_on"], res["shared_off"]
+    assert all(r["cached"] == 0 for r in off) and on[0]["cached"] == 0
+    assert all(r["cached"] == 128 for r in on[1:])  # the prefix's 8 full blocks
+    assert all(r["computed"] == r["prompt"] - r["cached"] for r in on + off)
+    # prefill tokens computed drop by exactly the cached share
+    warm_on, warm_off = bench_prefix.summary(on[1:]), bench_prefix.summary(off[1:])
+    assert warm_on["computed"] == warm_off["computed"] - 128 * 2
+    assert head["shared_computed_reduction"] == pytest.approx(head["shared_hit_rate"])
+    assert all(r["cached"] > 0 for r in res["chat_on"][1:])
