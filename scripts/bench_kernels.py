@@ -1,0 +1,370 @@
+"""Benchmark the paged decode kernels against contiguous-cache attention and JAX's own kernel.
+
+    python scripts/bench_kernels.py --quick --out bench_kernels.json   # ~3-5 min on one H200
+    python scripts/bench_kernels.py --out bench_kernels.json           # the full grid
+    python scripts/bench_kernels.py --interpret                        # CPU smoke (interpret)
+    python scripts/bench_kernels.py --kernel-arg num_warps=8 ...       # pass knobs to ours
+
+On the accelerator JAX finds (a CUDA GPU or a TPU; on CPU it exits unless --interpret), for
+every (batch, context, block size) of the grid, bf16, 32 query / 8 KV heads of 128 (Llama-3-8B's
+attention), every sequence at full length, it runs:
+
+* paged:       our kernel (`paged_decode_attention_gpu` / `paged_decode_attention_tpu`);
+* contiguous:  dense decode attention in plain jnp/XLA over a contiguous [S, L, K, D] cache
+               holding the same K/V;
+* jax:         JAX's shipped paged attention kernel for the platform
+               (`jax.experimental.pallas.ops.gpu.paged_attention` / `...ops.tpu.paged_attention`,
+               which take the same [K, num_blocks, block_size, D] pool).
+
+Each method is first checked against `paged_attention_reference` (on the first sequences of the
+batch), then timed on the device: one jitted executable chains `iters x R` calls, each call's
+output being the next call's query (a true dependency, so XLA can neither hoist nor overlap
+calls), over R input sets (disjoint, randomly permuted blocks of one pool; R separate
+contiguous caches) rotating so that the sets together exceed the L2 cache where memory allows;
+`iters` is sized so one timed run lasts ~20-50 ms, and the median of several runs after a
+warm-up, divided by the calls in it, is reported. It prints a table of times and ratios
+(paged/contiguous, paged/jax) and writes every timing to --out as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import json
+import math
+import pathlib
+import platform as host_platform
+import statistics
+import sys
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from pallas_kernels.paged_decode_gpu import paged_decode_attention_gpu  # noqa: E402
+from pallas_kernels.paged_decode_tpu import paged_decode_attention_tpu  # noqa: E402
+from pallas_kernels.reference import paged_attention_reference  # noqa: E402
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
+DTYPE = jnp.bfloat16
+TOLERANCE = 2e-2
+MAX_TOKENS = 1 << 20  # batch x context per set: 4 GiB of K+V at these head counts
+L2_BYTES = 60 * 2**20  # H200's L2; the rotation aims at twice this
+MAX_SETS = 16
+CHECK_SEQS = 4  # sequences compared against the reference
+
+GRIDS = {
+    "full": dict(batches=(1, 4, 16, 64, 256), contexts=(128, 512, 2048, 8192, 32768),
+                 block_sizes=(16, 32), target_s=0.05, repeats=11),
+    "quick": dict(batches=(1, 8, 64, 256), contexts=(128, 2048, 32768),
+                  block_sizes=(16, 32), target_s=0.02, repeats=7),
+    # CPU interpret smoke: tiny heads, two sets, one timed run (times mean nothing there)
+    "interpret": dict(batches=(1, 3), contexts=(64, 128), block_sizes=(16, 32),
+                      target_s=0.0, repeats=1, heads=(4, 2, 128), max_sets=2),
+}
+
+
+# --- the methods: f(q, data, r) -> next q, for input set r ---------------------------------
+
+def contiguous_attention(q, k_cache, v_cache, lengths):
+    """Dense decode attention: q [S, H, D], caches [S, L, K, D], lengths [S] -> [S, H, D]."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, max_len, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    q = q.reshape(num_seqs, num_kv_heads, group, head_dim)
+    # [S, K, G, D] x [S, L, K, D] -> [S, K, G, L]
+    scores = jnp.einsum("skgd,slkd->skgl", q, k_cache, preferred_element_type=jnp.float32)
+    scores = scores * head_dim**-0.5
+    valid = jnp.arange(max_len)[None, :] < lengths[:, None]  # [S, L]
+    scores = jnp.where(valid[:, None, None, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
+    # [S, K, G, L] x [S, L, K, D] -> [S, K, G, D]
+    out = jnp.einsum("skgl,slkd->skgd", probs, v_cache, preferred_element_type=jnp.float32)
+    return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
+
+
+def largest_divisor(n: int, at_most: int) -> int:
+    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
+
+
+def load_jax_kernel(platform: str):
+    """JAX's own paged attention for the platform, or the reason it is unavailable."""
+    try:
+        with warnings.catch_warnings():
+            # jax 0.11 deprecates the GPU module itself (on import) and the Triton backend
+            warnings.filterwarnings("ignore", category=DeprecationWarning,
+                                    message=r".*(paged_attention is deprecated|Pallas Triton)")
+            if platform == "gpu":
+                from jax.experimental.pallas.ops.gpu import paged_attention as module
+            else:
+                from jax.experimental.pallas.ops.tpu import paged_attention as module
+        return module.paged_attention, None
+    except Exception as error:  # removed in a later jax, or fails to import
+        return None, f"{type(error).__name__}: {error}"
+
+
+def make_methods(platform: str, interpret: bool, kernel_args: dict, block_size: int,
+                 pages_per_seq: int):
+    """name -> f(q, data, r), and name -> why it is unavailable."""
+    unavailable = {}
+
+    def contiguous(q, data, r):
+        return contiguous_attention(q, data["k_dense"][r], data["v_dense"][r], data["lengths"])
+
+    if platform == "gpu":
+        def paged(q, data, r):
+            return paged_decode_attention_gpu(
+                q, data["k_pool"], data["v_pool"], data["tables"][r], data["lengths"],
+                interpret=interpret, **kernel_args)
+    else:
+        def paged(q, data, r):
+            return paged_decode_attention_tpu(
+                q, data["k_pool"], data["v_pool"], data["tables"][r], data["lengths"],
+                interpret=interpret, **kernel_args)
+
+    methods = {"paged": paged, "contiguous": contiguous}
+    # JAX's kernels apply no softmax scale: the query is pre-scaled for them
+    jax_kernel, reason = load_jax_kernel(platform)
+    if jax_kernel is None:
+        unavailable["jax"] = reason
+    elif platform == "gpu":
+        # its constraints: pages % k_splits == 0, (pages / k_splits) % pages_per_block == 0
+        k_splits = largest_divisor(pages_per_seq, 16)
+        per_block = largest_divisor(pages_per_seq // k_splits, 8)
+
+        def jax_paged(q, data, r):
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", category=DeprecationWarning,
+                                        message=r".*Pallas Triton")
+                q = (q * q.shape[-1] ** -0.5).astype(q.dtype)
+                return jax_kernel(q, data["k_pool"], data["v_pool"], data["tables"][r],
+                                  data["lengths"], k_splits=k_splits,
+                                  pages_per_compute_block=per_block, interpret=interpret)
+        methods["jax"] = jax_paged
+    else:
+        per_block = largest_divisor(pages_per_seq, max(1, 128 // block_size))
+
+        def jax_paged(q, data, r):
+            context = contextlib.nullcontext()
+            if interpret:
+                from jax.experimental.pallas import tpu as pltpu
+                context = pltpu.force_tpu_interpret_mode()
+            q = (q * q.shape[-1] ** -0.5).astype(q.dtype)
+            with context:
+                return jax_kernel(q, data["k_pool"], data["v_pool"], data["lengths"],
+                                  data["tables"][r], pages_per_compute_block=per_block)
+        methods["jax"] = jax_paged
+    return methods, unavailable
+
+
+# --- inputs ------------------------------------------------------------------------------
+
+def make_data(key, *, batch, context, block_size, num_sets, heads):
+    """One pool holding `num_sets` disjoint sets of pages (random block order), their block
+    tables, the same K/V as contiguous [S, L, K, D] caches, and a first query."""
+    num_heads, num_kv_heads, head_dim = heads
+    pages = context // block_size
+    num_blocks = 1 + num_sets * batch * pages
+    k_key, v_key, q_key, perm_key = jax.random.split(key, 4)
+    shape = (num_kv_heads, num_blocks, block_size, head_dim)
+    k_pool = jax.random.normal(k_key, shape, DTYPE)
+    v_pool = jax.random.normal(v_key, shape, DTYPE)
+    block_ids = 1 + jax.random.permutation(perm_key, num_blocks - 1).astype(jnp.int32)
+    tables = block_ids.reshape(num_sets, batch, pages)
+
+    @jax.jit
+    def contiguous_cache(pool, table):  # [K, N, B, D], [S, P] -> [S, P * B, K, D]
+        gathered = pool[:, table]  # [K, S, P, B, D]
+        return gathered.transpose(1, 2, 3, 0, 4).reshape(batch, context, num_kv_heads, head_dim)
+
+    return dict(
+        k_pool=k_pool, v_pool=v_pool, tables=[tables[r] for r in range(num_sets)],
+        lengths=jnp.full((batch,), context, jnp.int32),
+        k_dense=[contiguous_cache(k_pool, tables[r]) for r in range(num_sets)],
+        v_dense=[contiguous_cache(v_pool, tables[r]) for r in range(num_sets)],
+    ), jax.random.normal(q_key, (batch, num_heads, head_dim), DTYPE)
+
+
+def reference_chain(q, data, num_sets, num_seqs):
+    """The reference applied set after set (output -> next query) to the first sequences."""
+    q = q[:num_seqs]
+    starts = jnp.arange(num_seqs + 1, dtype=jnp.int32)
+    for r in range(num_sets):
+        q = paged_attention_reference(q, data["k_pool"], data["v_pool"],
+                                      data["tables"][r][:num_seqs], data["lengths"][:num_seqs],
+                                      starts, max_query_len=1)
+    return q
+
+
+def make_runner(method, num_sets):
+    """One executable: `iters` rounds of the R sets, each call's output the next query."""
+    @jax.jit
+    def run(q, data, iters):
+        def one_round(_, q):
+            for r in range(num_sets):
+                q = method(q, data, r)
+            return q
+        return jax.lax.fori_loop(0, iters, one_round, q)
+    return run
+
+
+def time_method(run, q, data, num_sets, target_s, repeats):
+    """Median seconds per call over `repeats` timed runs (the first call has compiled)."""
+    start = time.perf_counter()
+    run(q, data, 1).block_until_ready()
+    one_round = time.perf_counter() - start
+    iters = 1 if target_s <= 0 else int(min(10_000, max(1, math.ceil(target_s / one_round))))
+    per_call = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run(q, data, iters).block_until_ready()
+        per_call.append((time.perf_counter() - start) / (iters * num_sets))
+    return statistics.median(per_call), iters
+
+
+# --- the benchmark -------------------------------------------------------------------------
+
+def configs(grid):
+    for block_size in grid["block_sizes"]:
+        for batch in grid["batches"]:
+            for context in grid["contexts"]:
+                if batch * context <= MAX_TOKENS and context % block_size == 0:
+                    yield batch, context, block_size
+
+
+def bench_config(platform, interpret, kernel_args, grid, batch, context, block_size, seed):
+    heads = grid.get("heads", (NUM_HEADS, NUM_KV_HEADS, HEAD_DIM))
+    num_heads, num_kv_heads, head_dim = heads
+    set_bytes = 2 * batch * context * num_kv_heads * head_dim * jnp.dtype(DTYPE).itemsize
+    num_sets = int(min(grid.get("max_sets", MAX_SETS), max(2, math.ceil(2 * L2_BYTES / set_bytes))))
+    data, q = make_data(jax.random.key(seed), batch=batch, context=context,
+                        block_size=block_size, num_sets=num_sets, heads=heads)
+    check_seqs = min(batch, CHECK_SEQS)
+    expected = np.asarray(reference_chain(q, data, num_sets, check_seqs).astype(jnp.float32))
+    methods, unavailable = make_methods(platform, interpret, kernel_args, block_size,
+                                        context // block_size)
+    record = dict(batch=batch, context=context, block_size=block_size, num_heads=num_heads,
+                  num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=jnp.dtype(DTYPE).name,
+                  rotation_sets=num_sets, set_bytes=set_bytes,
+                  l2_resident=num_sets * set_bytes < 2 * L2_BYTES,
+                  seconds_per_call={}, iters={}, max_abs_error={}, matches_reference={},
+                  errors=dict(unavailable))
+    for name, method in methods.items():
+        try:
+            run = make_runner(method, num_sets)
+            out = np.asarray(run(q, data, 1)[:check_seqs].astype(jnp.float32))  # compiles
+            error = float(np.abs(out - expected).max())
+            record["max_abs_error"][name] = error
+            record["matches_reference"][name] = bool(
+                np.allclose(out, expected, atol=TOLERANCE, rtol=TOLERANCE))
+            seconds, iters = time_method(run, q, data, num_sets, grid["target_s"],
+                                         grid["repeats"])
+            record["seconds_per_call"][name] = seconds
+            record["iters"][name] = iters
+        except Exception as error:  # keep going: one method failing is a result too
+            record["errors"][name] = f"{type(error).__name__}: {str(error)[:500]}"
+    times = record["seconds_per_call"]
+    if "paged" in times:
+        record["paged_gb_per_s"] = set_bytes / times["paged"] / 1e9
+        for other in ("contiguous", "jax"):
+            if other in times:
+                record[f"paged_over_{other}"] = times["paged"] / times[other]
+    return record
+
+
+def print_row(record):
+    times = record["seconds_per_call"]
+
+    def us(name):
+        return f"{times[name] * 1e6:10.1f}" if name in times else f"{'-':>10}"
+
+    def ratio(name):
+        value = record.get(f"paged_over_{name}")
+        return f"{value:8.2f}" if value is not None else f"{'-':>8}"
+
+    checks = "".join(
+        ("." if record["matches_reference"].get(n) else "X") if n not in record["errors"]
+        else "E" for n in ("paged", "contiguous", "jax"))
+    bandwidth = record.get("paged_gb_per_s")
+    print(f"{record['batch']:>5} {record['context']:>6} {record['block_size']:>3} "
+          f"{record['rotation_sets']:>3} {us('paged')} {us('contiguous')} {us('jax')} "
+          f"{ratio('contiguous')} {ratio('jax')} "
+          f"{bandwidth if bandwidth is not None else float('nan'):8.1f} {checks:>6}",
+          flush=True)
+
+
+def parse_kernel_args(items):
+    args = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        try:
+            args[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            args[name] = value
+    return args
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the ~3-5 minute grid")
+    parser.add_argument("--interpret", action="store_true",
+                        help="tiny smoke run on CPU in Pallas interpret mode")
+    parser.add_argument("--out", type=pathlib.Path, help="write all timings here as JSON")
+    parser.add_argument("--kernel-arg", action="append", default=[], metavar="NAME=VALUE",
+                        help="keyword for our kernel, e.g. num_splits=8 (repeatable)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    backend = jax.default_backend()
+    if args.interpret:
+        platforms, grid_name = ("gpu", "tpu"), "interpret"
+    elif backend in ("gpu", "cuda", "rocm"):
+        platforms, grid_name = ("gpu",), "quick" if args.quick else "full"
+    elif backend == "tpu":
+        platforms, grid_name = ("tpu",), "quick" if args.quick else "full"
+    else:
+        sys.exit(f"bench_kernels: no accelerator (jax backend is {backend!r}); the kernels only "
+                 "run on a CUDA GPU or a TPU. Use --interpret for a CPU smoke run.")
+    grid = GRIDS[grid_name]
+    kernel_args = parse_kernel_args(args.kernel_arg)
+    device = jax.devices()[0]
+    meta = dict(command=" ".join(sys.argv), jax=jax.__version__, backend=backend,
+                device_kind=device.device_kind, host=host_platform.node(), grid=grid_name,
+                kernel_args=kernel_args, tolerance=TOLERANCE)
+    print(f"jax {jax.__version__} on {backend} ({device.device_kind}); grid {grid_name}; "
+          f"kernel args {kernel_args or 'default'}")
+    records = []
+    started = time.perf_counter()
+    for platform in platforms:
+        print(f"\n[{platform}] times in us per call; ratios paged/contiguous, paged/jax; "
+              "checks paged,contiguous,jax: . ok, X mismatch, E error")
+        print(f"{'batch':>5} {'ctx':>6} {'blk':>3} {'R':>3} {'paged':>10} {'contig':>10} "
+              f"{'jax':>10} {'p/contig':>8} {'p/jax':>8} {'GB/s':>8} {'checks':>6}")
+        for i, (batch, context, block_size) in enumerate(configs(grid)):
+            record = bench_config(platform, args.interpret, kernel_args, grid, batch, context,
+                                  block_size, args.seed + i)
+            record["platform"] = platform
+            records.append(record)
+            print_row(record)
+            for name, error in record["errors"].items():
+                print(f"      {name}: {error}")
+    meta["seconds"] = time.perf_counter() - started
+    print(f"\n{len(records)} configs in {meta['seconds']:.0f} s")
+    if args.out:
+        args.out.write_text(json.dumps(dict(meta=meta, records=records), indent=1))
+        print(f"wrote {args.out}")
+    failed = [r for r in records if not all(r["matches_reference"].values())
+              or "paged" in r["errors"]]
+    if failed:
+        print(f"{len(failed)} configs where a method disagrees with the reference or ours failed")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
