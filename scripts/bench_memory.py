@@ -24,7 +24,7 @@ is off, so no block is shared and allocated slots = used blocks x block_size):
 
 Shares are time-averaged (each step weighted by its wall time): real / allocated slots.
 
-    python scripts/bench_memory.py              # SmolLM2-135M, 48 requests (~5 minutes)
+    python scripts/bench_memory.py              # SmolLM2-135M, 24 requests (~6 minutes)
     python scripts/bench_memory.py --quick      # tiny random model, 24 requests (seconds)
 """
 
@@ -46,7 +46,7 @@ POLICIES = ("paged", "oracle", "max")
 
 @dataclasses.dataclass(frozen=True)
 class TraceSpec:
-    num_requests: int = 48
+    num_requests: int = 24
     prompt_median: float = 96.0
     prompt_sigma: float = 0.8
     output_median: float = 160.0
@@ -201,7 +201,7 @@ def summarize(run: dict, block_size: int, num_blocks: int) -> dict:
 
 def compare(model, params, tokenizer, spec: TraceSpec, *, block_size: int, num_blocks: int,
             max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-            policies=POLICIES, check: bool = False) -> dict[str, dict]:
+            policies=POLICIES, check: bool = False, log=None) -> dict[str, dict]:
     """Serve one trace under each policy with the same budget; per-policy summary + run."""
     prompts, output_lens, arrivals = make_trace(spec, model.config.vocab_size, max_model_len)
     results = {}
@@ -212,6 +212,8 @@ def compare(model, params, tokenizer, spec: TraceSpec, *, block_size: int, num_b
                              max_num_batched_tokens=max_num_batched_tokens)
         run = serve(engine, prompts, output_lens, arrivals, check=check)
         results[policy] = {**summarize(run, block_size, num_blocks), "run": run}
+        if log:
+            log(f"  {policy}: {run['elapsed']:.1f}s ({run['compile_s']:.1f}s compiling)")
         del engine
         gc.collect()
     return results
@@ -278,7 +280,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget-seqs", type=int, default=None,
-                    help="KV budget in max_model_len sequences (default 12; quick 6)")
+                    help="KV budget in max_model_len sequences (default 8; quick 6)")
     ap.add_argument("--plot", default="docs/kv_memory.png")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -297,8 +299,8 @@ def main() -> None:
         model, params, tokenizer = llm.engine.model, llm.engine.runner.params, llm.engine.tokenizer
         del llm
         name, max_model_len = "SmolLM2-135M float32", 1024
-        spec = TraceSpec(num_requests=args.requests or 48, rate=args.rate, seed=args.seed)
-        budget_seqs = args.budget_seqs or 12
+        spec = TraceSpec(num_requests=args.requests or 24, rate=args.rate, seed=args.seed)
+        budget_seqs = args.budget_seqs or 8
     num_blocks = budget_seqs * -(-max_model_len // block_size)
     budget = kv_budget_bytes(model.config, block_size, num_blocks)
     prompts, output_lens, _ = make_trace(spec, model.config.vocab_size, max_model_len)
@@ -312,7 +314,7 @@ def main() -> None:
           f"{max_model_len}")
     results = compare(model, params, tokenizer, spec, block_size=block_size,
                       num_blocks=num_blocks, max_model_len=max_model_len, max_num_seqs=64,
-                      max_num_batched_tokens=512)
+                      max_num_batched_tokens=512, log=lambda m: print(m, flush=True))
     print_table(results)
     if args.plot:
         plot(results, args.plot, block_size=block_size, num_blocks=num_blocks,
