@@ -44,7 +44,9 @@ class AttentionMetadata:
         for all T rows.
     Static fields (part of the compiled shape):
       max_query_len: most tokens any sequence has in this step (1 for pure decode).
-      backend: one of BACKENDS.
+      backend: one of BACKENDS. The Pallas backends run decode steps
+        (max_query_len 1) in their kernel and prefill chunks on the jnp path.
+      interpret: run the Pallas kernel in interpret mode (any platform, slow).
     """
 
     slot_mapping: jax.Array
@@ -54,12 +56,13 @@ class AttentionMetadata:
     logits_indices: jax.Array | None = None
     max_query_len: int = 1
     backend: str = "jnp"
+    interpret: bool = False  # run Pallas kernels in interpret mode (CPU testing)
 
 
 jax.tree_util.register_dataclass(
     AttentionMetadata,
     data_fields=["slot_mapping", "block_tables", "seq_lens", "query_start_loc", "logits_indices"],
-    meta_fields=["max_query_len", "backend"],
+    meta_fields=["max_query_len", "backend", "interpret"],
 )
 
 
@@ -87,8 +90,14 @@ def paged_attention(
     if metadata.backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {metadata.backend!r}; choose from {BACKENDS}")
     k_pool, v_pool = write_kv(*layer_kv, k, v, metadata.slot_mapping)
-    if metadata.backend not in ("jnp", "reference"):
-        raise NotImplementedError(f"attention backend {metadata.backend!r} is not built yet")
+    if metadata.backend in ("pallas_gpu", "pallas_tpu") and metadata.max_query_len == 1:
+        # decode: one query per sequence, token i belongs to sequence i
+        kernel = _pallas_kernel(metadata.backend)
+        num_seqs = metadata.seq_lens.shape[0]
+        out = kernel(q[:num_seqs], k_pool, v_pool, metadata.block_tables, metadata.seq_lens,
+                     scale=scale, interpret=metadata.interpret)
+        out = jnp.zeros_like(q).at[:num_seqs].set(out.astype(q.dtype))
+        return out, (k_pool, v_pool)
     attend = paged_attention_reference if metadata.backend == "reference" else (
         paged_attention_blockwise)
     out = attend(
@@ -102,6 +111,16 @@ def paged_attention(
         scale=scale,
     )
     return out, (k_pool, v_pool)
+
+
+def _pallas_kernel(backend: str):
+    if backend == "pallas_gpu":
+        from pallas_kernels.paged_decode_gpu import paged_decode_attention_gpu
+
+        return paged_decode_attention_gpu
+    from pallas_kernels.paged_decode_tpu import paged_decode_attention_tpu
+
+    return paged_decode_attention_tpu
 
 
 def init_kv_pool(
@@ -140,6 +159,7 @@ def build_metadata(
     logits_indices: list[int] | None = None,
     num_logits: int | None = None,
     backend: str = "jnp",
+    interpret: bool = False,
 ) -> tuple[np.ndarray, AttentionMetadata]:
     """Host-side packing of one step: `(positions [T], metadata)` as numpy int32 arrays.
 
@@ -186,5 +206,6 @@ def build_metadata(
         logits_indices=indices,
         max_query_len=max_query_len or max(num_new, default=1),
         backend=backend,
+        interpret=interpret,
     )
     return positions, metadata

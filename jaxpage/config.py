@@ -36,6 +36,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    kernel_interpret: bool = False  # Pallas kernels in interpret mode (tests on CPU)
     reservation_policy: str = "paged"
     seed: int = 0
 

@@ -28,13 +28,17 @@ from jaxpage.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingPara
 _CPU_KV_BUDGET = 1 << 30  # default KV pool on CPU: 1 GiB
 
 
-def _pick_backend(requested: str) -> str:
-    """The attention backend to run. The Pallas decode kernels are not built yet, so "auto"
-    is the blockwise jnp path on every platform and forcing a kernel is refused."""
-    if requested in ("pallas_gpu", "pallas_tpu"):
-        raise ValueError(f"attention_backend {requested!r} is not available yet; use 'auto', "
-                         "'jnp' or 'reference'")
-    return "jnp" if requested == "auto" else requested
+def _pick_backend(requested: str, interpret: bool) -> str:
+    """The attention backend: "auto" is the platform's Pallas decode kernel on TPU and GPU and
+    the blockwise jnp path on CPU. A kernel forced onto another platform needs interpret."""
+    platform = jax.default_backend()
+    if requested == "auto":
+        return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(platform, "jnp")
+    native = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}.get(requested)
+    if native is not None and native != platform and not interpret:
+        raise ValueError(f"attention_backend {requested!r} needs a {native.upper()} (this is "
+                         f"{platform!r}); set kernel_interpret=True to run it interpreted")
+    return requested
 
 
 class LLMEngine:
@@ -77,7 +81,8 @@ class LLMEngine:
             num_blocks=num_blocks, block_size=config.block_size,
             max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, dtype=dtype,
-            backend=_pick_backend(config.attention_backend),
+            backend=_pick_backend(config.attention_backend, config.kernel_interpret),
+            interpret=config.kernel_interpret,
         )
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}

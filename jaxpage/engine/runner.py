@@ -121,12 +121,14 @@ class ModelRunner:
         max_num_batched_tokens: int,
         dtype: Any = jnp.float32,
         backend: str = "jnp",
+        interpret: bool = False,
     ) -> None:
         config = model.config
         self.model = model
         self.vocab_size = config.vocab_size
         self.block_size = block_size
         self.backend = backend
+        self.interpret = interpret
         self.params = jax.device_put(params)
         self.kv_pool = init_kv_pool(config.num_layers, num_blocks, block_size,
                                     config.num_kv_heads, config.head_dim, dtype)
@@ -208,6 +210,7 @@ class ModelRunner:
             logits_indices=[int(last_token[i]) for i, _ in rows],
             num_logits=num_rows,
             backend=self.backend,
+            interpret=self.interpret,
         )
         token_ids = np.zeros(num_tokens, np.int32)
         token_ids[:total] = [t for s in seqs for t in s.token_ids]

@@ -1,0 +1,33 @@
+"""The engine with a Pallas decode kernel forced (interpret mode on CPU) generates exactly
+the reference backend's greedy tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxpage import LLM, SamplingParams
+
+pytestmark = pytest.mark.kernels
+
+
+@pytest.mark.parametrize("backend", ["pallas_gpu", "pallas_tpu"])
+def test_engine_greedy_tokens_match_reference_backend(hf_model_dir, backend):
+    path, _ = hf_model_dir("qwen3")  # 6 query heads on 2 KV heads, head_dim 16
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 97, size=n).tolist() for n in (5, 16, 23)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    kwargs = dict(block_size=8, num_blocks=32, max_num_batched_tokens=64, max_num_seqs=4)
+    reference = LLM(path, attention_backend="reference", **kwargs).generate(
+        prompts, params, use_tqdm=False)
+    kernel_llm = LLM(path, attention_backend=backend, kernel_interpret=True, **kwargs)
+    assert kernel_llm.engine.runner.backend == backend
+    outs = kernel_llm.generate(prompts, params, use_tqdm=False)
+    for ref, out in zip(reference, outs, strict=True):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_kernel_backend_on_the_wrong_platform_is_refused(hf_model_dir):
+    path, _ = hf_model_dir("qwen3")
+    with pytest.raises(ValueError, match="kernel_interpret"):
+        LLM(path, attention_backend="pallas_tpu", num_blocks=8)
