@@ -47,6 +47,7 @@ class SamplingMetadata:
     use_penalties: bool = False
     use_filters: bool = False
     num_logprobs: int = 0
+    all_greedy: bool = False  # every row has temperature 0: no noise to draw
 
 
 jax.tree_util.register_dataclass(
@@ -54,7 +55,7 @@ jax.tree_util.register_dataclass(
     data_fields=["temperature", "top_p", "top_k", "min_p", "seeds", "steps", "presence",
                  "frequency", "repetition", "prompt_token_ids", "output_token_ids",
                  "banned_token_ids"],
-    meta_fields=["use_penalties", "use_filters", "num_logprobs"],
+    meta_fields=["use_penalties", "use_filters", "num_logprobs", "all_greedy"],
 )
 
 
@@ -147,6 +148,8 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> dict[str, jax.Array]:
     if md.use_penalties:
         logits = apply_penalties(logits, md)
     greedy_tokens = jnp.argmax(logits, axis=-1)
+    if md.all_greedy:
+        return _outputs(greedy_tokens.astype(jnp.int32), raw_logprobs, md)
     temperature = jnp.where(md.temperature > 0, md.temperature, 1.0)
     scaled = logits / temperature[:, None]
     if md.use_filters:
@@ -155,6 +158,10 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> dict[str, jax.Array]:
     noise = gumbel_noise(md.seeds, md.steps, logits.shape[-1])  # [R, V]
     sampled = jnp.argmax(scaled + noise, axis=-1)
     tokens = jnp.where(md.temperature > 0, sampled, greedy_tokens).astype(jnp.int32)
+    return _outputs(tokens, raw_logprobs, md)
+
+
+def _outputs(tokens: jax.Array, raw_logprobs: jax.Array, md: SamplingMetadata):
     out = {
         "tokens": tokens,
         "logprob": jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0],

@@ -105,7 +105,7 @@ def decode_step_rate(llm, batch: int, context: int) -> tuple[float, float]:
     runner = llm.engine.runner
     blocks = -(-(context + 1) // runner.block_size)
     seqs = [SeqInput(list(range(1 + s * blocks, 1 + (s + 1) * blocks)), context, [5],
-                     SamplingRow(0.0, 1.0, 0, 0.0, 0, 0)) for s in range(batch)]
+                     [SamplingRow(0.0, 1.0, 0, 0.0, 0, 0)]) for s in range(batch)]
     runner.execute(seqs)  # compile
     times = []
     for _ in range(5):

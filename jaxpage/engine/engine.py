@@ -19,10 +19,11 @@ from jaxpage.config import EngineConfig
 from jaxpage.engine.beam_search import BeamGroup
 from jaxpage.engine.block_allocator import BlockAllocator
 from jaxpage.engine.detokenizer import IncrementalDetokenizer
+from jaxpage.engine.output_builder import beam_output, sample_deltas
 from jaxpage.engine.request import Request, RequestGroup
 from jaxpage.engine.runner import ModelRunner, SamplingRow, SeqInput
 from jaxpage.engine.scheduler import Scheduler
-from jaxpage.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxpage.outputs import RequestMetrics, RequestOutput
 from jaxpage.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams, sample_seed
 
 _CPU_KV_BUDGET = 1 << 30  # default KV pool on CPU: 1 GiB
@@ -225,14 +226,15 @@ class LLMEngine:
             for beam in [b for b in group.samples if not b.finished]:
                 self.scheduler.finish(beam, "abort")
             group.done = True
-            self._pending.append(self._beam_output(group, "abort"))
+            self._pending.append(beam_output(group, "abort", self.tokenizer))
             self._release(group)
             return
         aborted = [s for s in group.samples if not s.finished]
         for sample in aborted:
             self.scheduler.finish(sample, "abort")
         group.forked = True  # no fork will happen any more
-        self._pending.append(self._output(group, {s: s.num_output_tokens for s in aborted}))
+        starts = {s: s.num_output_tokens for s in aborted}
+        self._pending.append(sample_deltas(group, starts, self._detokenizers))
         self._release(group)
 
     def has_unfinished_requests(self) -> bool:
@@ -280,10 +282,10 @@ class LLMEngine:
             if group.ready():
                 group.advance(self.scheduler)
                 if group.finished:
-                    outputs.append(self._beam_output(group, "length"))
+                    outputs.append(beam_output(group, "length", self.tokenizer))
                     self._release(group)
         for group, starts in changed.items():
-            outputs.append(self._output(group, starts))
+            outputs.append(sample_deltas(group, starts, self._detokenizers))
             if group.finished:
                 self._release(group)
         self.step_seconds += time.perf_counter() - start
@@ -365,44 +367,6 @@ class LLMEngine:
         del self.requests[group.request_id]
         for sample in group.samples:
             self._detokenizers.pop(sample.seq_id, None)
-
-    def _output(self, group: RequestGroup, starts: dict[Request, int]) -> RequestOutput:
-        """The group's deltas: for each changed sample, its tokens from `starts[sample]`."""
-        completions = []
-        for sample, first in sorted(starts.items(), key=lambda kv: kv[0].sample_index):
-            detok = self._detokenizers.get(sample.seq_id)
-            text = detok.streamable_text(sample.finished) if detok is not None else sample.text
-            start_char = sample.num_text_emitted
-            sample.num_text_emitted = max(len(text), start_char)
-            completions.append(CompletionOutput(
-                index=sample.sample_index,
-                text=text[start_char:],
-                token_ids=sample.output_token_ids[first:],
-                cumulative_logprob=sample.cumulative_logprob,
-                logprobs=None if sample.logprobs is None else sample.logprobs[first:],
-                finish_reason=sample.finish_reason,
-                stop_reason=sample.stop_reason,
-            ))
-        parent = group.samples[0]
-        return RequestOutput(group.request_id, parent.prompt, parent.prompt_token_ids,
-                             completions, group.finished, parent.metrics)
-
-    def _beam_output(self, group: BeamGroup, reason: str) -> RequestOutput:
-        """The best hypotheses, best first; one that ended on EOS has finish_reason "stop"."""
-        completions = []
-        for index, hyp in enumerate(group.best()):
-            ended = bool(hyp.token_ids) and hyp.token_ids[-1] in group.eos_token_ids and (
-                not group.beam.ignore_eos)
-            text = "" if self.tokenizer is None else self.tokenizer.decode(
-                hyp.token_ids, skip_special_tokens=True)
-            completions.append(CompletionOutput(
-                index=index, text=text, token_ids=list(hyp.token_ids),
-                cumulative_logprob=hyp.cumulative_logprob,
-                finish_reason="abort" if reason == "abort" else ("stop" if ended else "length"),
-                stop_reason=hyp.token_ids[-1] if ended else None))
-        root = group.samples[0]
-        return RequestOutput(group.request_id, root.prompt, root.prompt_token_ids, completions,
-                             True, root.metrics)
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:

@@ -159,10 +159,11 @@ class ModelRunner:
         """Upper bound on compilations over any trace: every bucket combination."""
         widths = len(self.width_buckets)
         rows = len(self.decode_buckets)  # logits rows
-        forward = (len(self.decode_buckets)
-                   + len(self.token_buckets) * len(self.prefill_seq_buckets)) * widths * rows
-        # filters x logprobs x (no penalties + widths) x (no bans + widths)
-        sampling = rows * 2 * 2 * (1 + len(self.len_buckets)) * (1 + len(self.ban_buckets))
+        query_lens = len(self.token_buckets)  # prefill max_query_len <= its token bucket
+        forward = (len(self.decode_buckets) + len(self.token_buckets) * query_lens
+                   * len(self.prefill_seq_buckets)) * widths * rows
+        # greedy x filters x logprobs x (no penalties + widths) x (no bans + widths)
+        sampling = rows * 2 * 2 * 2 * (1 + len(self.len_buckets)) * (1 + len(self.ban_buckets))
         return forward + sampling + len(self.copy_buckets)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -194,6 +195,10 @@ class ModelRunner:
         num_tokens = num_seqs if is_decode else bucket_for(total, self.token_buckets)
         width = bucket_for(max(-(-(s.num_computed + len(s.token_ids)) // self.block_size)
                                for s in seqs), self.width_buckets)
+        # Attention pads every sequence's queries to max_query_len ([S, Qm, L] scores), so it
+        # is bucketed from the longest chunk, not from the whole token count.
+        max_query_len = 1 if is_decode else min(
+            bucket_for(max(len(s.token_ids) for s in seqs), self.token_buckets), num_tokens)
         # one logits row per draw: a sequence's last token, repeated for forking samples
         last_token = np.cumsum([len(s.token_ids) for s in seqs]) - 1
         rows = [(i, row) for i, s in enumerate(seqs) for row in s.sampling]
@@ -206,7 +211,7 @@ class ModelRunner:
             max_blocks_per_seq=width,
             num_tokens=num_tokens,
             num_seqs=num_seqs,
-            max_query_len=1 if is_decode else num_tokens,
+            max_query_len=max_query_len,
             logits_indices=[int(last_token[i]) for i, _ in rows],
             num_logits=num_rows,
             backend=self.backend,
@@ -220,13 +225,14 @@ class ModelRunner:
                                             positions, attn_md)
             return logits
 
-        logits = self._timed(("forward", is_decode, num_tokens, num_seqs, width, num_rows),
+        logits = self._timed(("forward", num_tokens, max_query_len, num_seqs, width, num_rows),
                              forward)
         results: list[list[SeqResult]] = [[] for _ in seqs]
         if not rows:  # only non-final prompt chunks: nothing to draw
             return results
         sampling_md = self._sampling_metadata([row for _, row in rows], num_rows)
         sampling_key = ("sample", num_rows, sampling_md.use_filters, sampling_md.num_logprobs,
+                        sampling_md.all_greedy,
                         *(None if a is None else a.shape[1] for a in (
                             sampling_md.prompt_token_ids, sampling_md.banned_token_ids)))
         out = self._timed(sampling_key, lambda: jax.device_get(_SAMPLE(logits, sampling_md)))
@@ -263,6 +269,7 @@ class ModelRunner:
             seeds=np.array([r.seed & 0xFFFFFFFF for r in rows], np.uint32),
             steps=np.array([r.step for r in rows], np.int32),
             use_filters=any(r.uses_filters for r in rows),
+            all_greedy=all(r.temperature == 0 for r in rows),
             num_logprobs=MAX_LOGPROBS if any(r.num_logprobs for r in rows) else 0,
         )
         if any(r.banned_token_ids for r in rows):

@@ -1,0 +1,52 @@
+"""RequestOutputs from request state: per-sample streaming deltas and beam results (no JAX)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxpage.engine.beam_search import BeamGroup
+from jaxpage.engine.detokenizer import IncrementalDetokenizer
+from jaxpage.engine.request import Request, RequestGroup
+from jaxpage.outputs import CompletionOutput, RequestOutput
+
+
+def sample_deltas(group: RequestGroup, starts: dict[Request, int],
+                  detokenizers: dict[str, IncrementalDetokenizer]) -> RequestOutput:
+    """The group's deltas: for each changed sample, its tokens from `starts[sample]` and the
+    text not shown yet (a possible partial stop string is held back while it runs)."""
+    completions = []
+    for sample, first in sorted(starts.items(), key=lambda kv: kv[0].sample_index):
+        detok = detokenizers.get(sample.seq_id)
+        text = detok.streamable_text(sample.finished) if detok is not None else sample.text
+        start_char = sample.num_text_emitted
+        sample.num_text_emitted = max(len(text), start_char)
+        completions.append(CompletionOutput(
+            index=sample.sample_index,
+            text=text[start_char:],
+            token_ids=sample.output_token_ids[first:],
+            cumulative_logprob=sample.cumulative_logprob,
+            logprobs=None if sample.logprobs is None else sample.logprobs[first:],
+            finish_reason=sample.finish_reason,
+            stop_reason=sample.stop_reason,
+        ))
+    parent = group.samples[0]
+    return RequestOutput(group.request_id, parent.prompt, parent.prompt_token_ids,
+                         completions, group.finished, parent.metrics)
+
+
+def beam_output(group: BeamGroup, reason: str, tokenizer: Any) -> RequestOutput:
+    """The best hypotheses, best first; one that ended on EOS has finish_reason "stop"."""
+    completions = []
+    for index, hyp in enumerate(group.best()):
+        ended = bool(hyp.token_ids) and hyp.token_ids[-1] in group.eos_token_ids and (
+            not group.beam.ignore_eos)
+        text = "" if tokenizer is None else tokenizer.decode(hyp.token_ids,
+                                                              skip_special_tokens=True)
+        completions.append(CompletionOutput(
+            index=index, text=text, token_ids=list(hyp.token_ids),
+            cumulative_logprob=hyp.cumulative_logprob,
+            finish_reason="abort" if reason == "abort" else ("stop" if ended else "length"),
+            stop_reason=hyp.token_ids[-1] if ended else None))
+    root = group.samples[0]
+    return RequestOutput(group.request_id, root.prompt, root.prompt_token_ids, completions,
+                         True, root.metrics)
