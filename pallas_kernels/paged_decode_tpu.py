@@ -31,6 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.checks import check_decode_inputs
+
 LANES = 128  # TPU vector lane count: head_dim and the compute block are padded to it
 SUBLANES = 8  # f32 rows per vreg (bf16 packs 16): block sizes and query groups align to it
 MAX_UNROLLED_HEADS = 8  # KV heads past this loop instead of unrolling
@@ -329,26 +331,10 @@ def paged_decode_attention_tpu(
     zero-padded here, which copies the pools: size pools to 128 lanes to avoid it.
     """
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads, _, block_size, pool_head_dim = k_pool.shape
-    if k_pool.shape != v_pool.shape:
-        raise ValueError(f"k_pool {k_pool.shape} and v_pool {v_pool.shape} differ in shape")
-    if pool_head_dim != head_dim:
-        raise ValueError(f"q head_dim {head_dim} != pool head_dim {pool_head_dim}")
-    if q.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"q dtype {q.dtype} not supported (float32 or bfloat16)")
-    if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
-        raise ValueError(f"pool dtypes {k_pool.dtype}/{v_pool.dtype} must equal q's {q.dtype}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    num_kv_heads, _, block_size, _ = k_pool.shape
+    check_decode_inputs(q, k_pool, v_pool, block_tables, seq_lens)
     if block_size % SUBLANES:
         raise ValueError(f"block_size {block_size} must be a multiple of {SUBLANES}")
-    if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables shape {block_tables.shape} must be [{num_seqs}, W]")
-    if seq_lens.shape != (num_seqs,):
-        raise ValueError(f"seq_lens shape {seq_lens.shape} must be ({num_seqs},)")
-    if block_tables.dtype != jnp.int32 or seq_lens.dtype != jnp.int32:
-        raise ValueError(
-            f"block_tables/seq_lens dtypes {block_tables.dtype}/{seq_lens.dtype} must be int32")
     if pages_per_compute_block is None:
         pages_per_compute_block = max(1, -(-DEFAULT_TOKENS_PER_COMPUTE_BLOCK // block_size))
     if pages_per_compute_block < 1 or (pages_per_compute_block * block_size) % LANES:

@@ -1,0 +1,35 @@
+"""Input checks shared by the paged decode kernels' public wrappers."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def check_decode_inputs(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                        block_tables: jax.Array, seq_lens: jax.Array) -> None:
+    """Raise ValueError naming the first bad argument of a decode-attention call.
+
+    q: [S, num_heads, head_dim]; k_pool, v_pool: [num_kv_heads, num_blocks, block_size,
+    head_dim] in q's dtype (float32 or bfloat16); block_tables: [S, W] int32;
+    seq_lens: [S] int32.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, _, _, pool_head_dim = k_pool.shape
+    if k_pool.shape != v_pool.shape:
+        raise ValueError(f"k_pool {k_pool.shape} and v_pool {v_pool.shape} differ in shape")
+    if pool_head_dim != head_dim:
+        raise ValueError(f"q head_dim {head_dim} != pool head_dim {pool_head_dim}")
+    if q.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"q dtype {q.dtype} not supported (float32 or bfloat16)")
+    if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+        raise ValueError(f"pool dtypes {k_pool.dtype}/{v_pool.dtype} must equal q's {q.dtype}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables shape {block_tables.shape} must be [{num_seqs}, W]")
+    if seq_lens.shape != (num_seqs,):
+        raise ValueError(f"seq_lens shape {seq_lens.shape} must be ({num_seqs},)")
+    if block_tables.dtype != jnp.int32 or seq_lens.dtype != jnp.int32:
+        raise ValueError(
+            f"block_tables/seq_lens dtypes {block_tables.dtype}/{seq_lens.dtype} must be int32")
