@@ -61,36 +61,33 @@ class LLM:
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"got {len(params_list)} SamplingParams for "
                                  f"{len(prompt_list)} prompts")
-        request_ids = []
-        try:
-            for prompt, p in zip(prompt_list, params_list, strict=True):
-                request_id = f"gen-{self._next_id}"
-                self._next_id += 1
-                self.engine.add_request(request_id, prompt, p)
-                request_ids.append(request_id)
-        except ValueError:
-            for request_id in request_ids:  # a bad prompt adds none of the batch
-                self.engine.abort_request(request_id)
-            raise
-        return self._run(request_ids, use_tqdm)
+        adds = [lambda rid, prompt=prompt, p=p: self.engine.add_request(rid, prompt, p)
+                for prompt, p in zip(prompt_list, params_list, strict=True)]
+        return self._run(self._add_all("gen", adds), use_tqdm)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, *,
                     use_tqdm: bool | None = None) -> list[RequestOutput]:
         """Beam search for each prompt; outputs[i].outputs are the `beam_width` best
         hypotheses, best first (token_ids = generated tokens, cumulative_logprob set)."""
-        prompt_list = _as_prompt_list(prompts)
-        request_ids = []
+        adds = [lambda rid, prompt=prompt: self.engine.add_beam_request(rid, prompt, params)
+                for prompt in _as_prompt_list(prompts)]
+        return self._run(self._add_all("beam", adds), use_tqdm)
+
+    def _add_all(self, prefix: str, adds: list) -> list[str]:
+        """Add a batch of requests (each `add(request_id)`) all or nothing: a bad one aborts
+        those already added and re-raises its ValueError."""
+        request_ids: list[str] = []
         try:
-            for prompt in prompt_list:
-                request_id = f"beam-{self._next_id}"
+            for add in adds:
+                request_id = f"{prefix}-{self._next_id}"
                 self._next_id += 1
-                self.engine.add_beam_request(request_id, prompt, params)
+                add(request_id)
                 request_ids.append(request_id)
         except ValueError:
             for request_id in request_ids:
                 self.engine.abort_request(request_id)
             raise
-        return self._run(request_ids, use_tqdm)
+        return request_ids
 
     def chat(self, messages: list[dict] | list[list[dict]],
              params: SamplingParams | None = None, **kwargs: Any) -> list[RequestOutput]:

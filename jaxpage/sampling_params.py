@@ -74,10 +74,6 @@ class SamplingParams:
                "finite and > 0")
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
-
-    @property
     def uses_penalties(self) -> bool:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)

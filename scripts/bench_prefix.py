@@ -115,6 +115,17 @@ def compare(new_engine, *, prefix_len: int = 512, num_requests: int = 8, turns: 
     return out
 
 
+def compare_on_off(head: dict, name: str, on: list, off: list) -> tuple[dict, dict]:
+    """Record caching on vs off for the requests after the first (the ones that can hit):
+    TTFT speedup, prefill tokens saved, hit rate, identical tokens. Returns both summaries."""
+    s_on, s_off = summary(on[1:]), summary(off[1:])
+    head[f"{name}_ttft_speedup"] = s_off["ttft"] / s_on["ttft"]
+    head[f"{name}_computed_reduction"] = 1 - s_on["computed"] / s_off["computed"]
+    head[f"{name}_hit_rate"] = s_on["hit_rate"]
+    head[f"{name}_identical"] = [r["tokens"] for r in on] == [r["tokens"] for r in off]
+    return s_on, s_off
+
+
 def summary(rows: list[dict]) -> dict:
     prompt = sum(r["prompt"] for r in rows)
     cached = sum(r["cached"] for r in rows)
@@ -136,11 +147,7 @@ def report(res: dict, block_size: int) -> dict:
         print(f"{name:<26}{sa['ttft'] * 1e3:>8.1f}ms{sb['ttft'] * 1e3:>8.1f}ms"
               f"{sb['ttft'] / sa['ttft']:>8.1f}x{sa['computed']:>13}{sb['computed']:>7}"
               f"{sa['hit_rate']:>10.1%}")
-    warm_on, warm_off = summary(on[1:]), summary(off[1:])
-    head["shared_ttft_speedup"] = warm_off["ttft"] / warm_on["ttft"]
-    head["shared_computed_reduction"] = 1 - warm_on["computed"] / warm_off["computed"]
-    head["shared_hit_rate"] = warm_on["hit_rate"]
-    head["shared_identical"] = [r["tokens"] for r in on] == [r["tokens"] for r in off]
+    warm_on, warm_off = compare_on_off(head, "shared", on, off)
     print(f"cached requests: TTFT {head['shared_ttft_speedup']:.1f}x faster, prefill tokens "
           f"computed -{head['shared_computed_reduction']:.1%} (cached share "
           f"{head['shared_hit_rate']:.1%}); identical tokens on/off: {head['shared_identical']}")
@@ -151,11 +158,7 @@ def report(res: dict, block_size: int) -> dict:
     for turn, (a, b) in enumerate(zip(on, off, strict=True)):
         print(f"{turn:<6}{a['prompt']:>8}{a['cached']:>8}{a['ttft'] * 1e3:>8.1f}ms"
               f"{b['ttft'] * 1e3:>8.1f}ms{b['ttft'] / a['ttft']:>8.1f}x")
-    sa, sb = summary(on[1:]), summary(off[1:])
-    head["chat_ttft_speedup"] = sb["ttft"] / sa["ttft"]
-    head["chat_computed_reduction"] = 1 - sa["computed"] / sb["computed"]
-    head["chat_hit_rate"] = sa["hit_rate"]
-    head["chat_identical"] = [r["tokens"] for r in on] == [r["tokens"] for r in off]
+    sa, sb = compare_on_off(head, "chat", on, off)
     print(f"turns 1..: TTFT {head['chat_ttft_speedup']:.1f}x faster, prefill tokens computed "
           f"{sa['computed']} vs {sb['computed']} (-{head['chat_computed_reduction']:.1%}), "
           f"hit rate {sa['hit_rate']:.1%}; identical tokens on/off: {head['chat_identical']}")

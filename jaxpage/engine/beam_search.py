@@ -49,6 +49,10 @@ class BeamGroup(RequestGroup):
         num_eos = 0 if self.beam.ignore_eos else len(self.eos_token_ids)
         return max(2, 1 + num_eos) * self.beam.beam_width
 
+    @property
+    def forks_by_drawing(self) -> bool:
+        return False  # beams split in advance(), from each beam's top log-probs
+
     def ready(self) -> bool:
         return len(self.pending) == len(self.samples)
 

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxpage.attention import kv_bytes_per_block
 from jaxpage.config import EngineConfig
 from jaxpage.engine.beam_search import BeamGroup
 from jaxpage.engine.block_allocator import BlockAllocator
@@ -96,8 +97,6 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- sizing
     def _num_blocks(self, model_config: Any, dtype) -> int:
-        from jaxpage.attention import kv_bytes_per_block
-
         if self.config.num_blocks is not None:
             return self.config.num_blocks
         per_block = kv_bytes_per_block(model_config.num_layers, self.config.block_size,
@@ -232,7 +231,6 @@ class LLMEngine:
         aborted = [s for s in group.samples if not s.finished]
         for sample in aborted:
             self.scheduler.finish(sample, "abort")
-        group.forked = True  # no fork will happen any more
         starts = {s: s.num_output_tokens for s in aborted}
         self._pending.append(sample_deltas(group, starts, self._detokenizers))
         self._release(group)
@@ -318,8 +316,8 @@ class LLMEngine:
                 banned = tuple(sorted(set(p.stop_token_ids) | (
                     set() if p.ignore_eos else self.eos_token_ids)))
             # one row per sample still to fork from this prompt, with its own seed
-            forks = 1 if isinstance(request.group, BeamGroup) else request.num_slots
-            seeds = [request.seed] + [sample_seed(request.seed, i) for i in range(1, forks)]
+            seeds = [request.seed] + [sample_seed(request.seed, i)
+                                      for i in range(1, request.num_draws)]
             sampling = [SamplingRow(
                 temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
                 seed=seed, step=request.num_output_tokens,
@@ -394,10 +392,11 @@ class LLMEngine:
 
 
 def _cast_float(leaf: Any, dtype) -> Any:
-    """Cast floating-point params to the engine dtype; leave integer buffers and keys alone."""
+    """Cast floating-point params to the engine dtype (no copy when the loader already made
+    them that dtype); leave integer buffers and keys alone."""
     array = np.asarray(leaf) if not hasattr(leaf, "dtype") else leaf
     if jax.numpy.issubdtype(array.dtype, jax.numpy.floating):
-        return np.asarray(array).astype(dtype)
+        return np.asarray(array).astype(dtype, copy=False)
     return array
 
 

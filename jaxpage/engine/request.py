@@ -57,10 +57,17 @@ class Request:
 
     @property
     def num_slots(self) -> int:
-        """Running slots this sequence will occupy: n for a parent that will fork its
-        samples at the end of its prefill, else 1."""
+        """Running slots this sequence will occupy: n for a parent whose samples (or beams)
+        have not split off yet, else 1."""
         group = self.group
         return group.n if group is not None and not group.forked else 1
+
+    @property
+    def num_draws(self) -> int:
+        """Tokens to draw from this sequence's next logits row: n for a parent whose n
+        samples fork at the end of its prefill, else 1."""
+        group = self.group
+        return group.n if group is not None and group.forks_by_drawing else 1
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -100,5 +107,9 @@ class RequestGroup:
 
     @property
     def finished(self) -> bool:
-        return self.forked and all(s.finished for s in self.samples) or (
-            not self.forked and self.samples[0].finished)
+        return all(s.finished for s in self.samples)  # before forking: just the parent
+
+    @property
+    def forks_by_drawing(self) -> bool:
+        """Whether the next draw of the parent yields all n samples' first tokens."""
+        return not self.forked

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpage.attention import build_metadata, init_kv_pool, kv_bytes_per_block
+from jaxpage.attention import build_metadata, init_kv_pool
 from jaxpage.sampling import SamplingMetadata, sample
 from jaxpage.sampling_params import MAX_LOGPROBS
 
@@ -132,8 +132,6 @@ class ModelRunner:
         self.params = jax.device_put(params)
         self.kv_pool = init_kv_pool(config.num_layers, num_blocks, block_size,
                                     config.num_kv_heads, config.head_dim, dtype)
-        self.kv_bytes = num_blocks * kv_bytes_per_block(
-            config.num_layers, block_size, config.num_kv_heads, config.head_dim, dtype)
         max_blocks = -(-max_model_len // block_size)
         # Smallest buckets are set where padding is nearly free (a decode step of 8 rows costs
         # what one row costs: both read every weight once) to keep compilations few.
