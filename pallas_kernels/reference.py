@@ -118,7 +118,8 @@ def write_kv(
     return scatter(k_pool, k), scatter(v_pool, v)
 
 
-@functools.partial(jax.jit, static_argnames=("max_query_len", "scale", "blocks_per_chunk"))
+@functools.partial(jax.jit,
+                   static_argnames=("max_query_len", "scale", "blocks_per_chunk", "query_tile"))
 def paged_attention_blockwise(
     q: jax.Array,
     k_pool: jax.Array,
@@ -130,80 +131,205 @@ def paged_attention_blockwise(
     max_query_len: int,
     scale: float | None = None,
     blocks_per_chunk: int | None = None,
+    query_tile: int | None = None,
 ) -> jax.Array:
     """Same contract as `paged_attention_reference`, computed chunk by chunk of KV blocks
-    with an online softmax (flash-decoding in plain jnp).
+    with an online softmax (flash attention in plain jnp): the CPU path.
 
-    The dense reference materializes every sequence's gathered K/V ([S, L, K, D]) and
-    transposes it, which on CPU costs far more than the arithmetic; here a loop gathers
-    `blocks_per_chunk` blocks of every sequence at a time (a few MB that stay in cache) and
-    runs only as many iterations as the longest sequence in the batch needs.
+    The dense reference materializes every sequence's gathered K/V and pads every sequence's
+    queries to `max_query_len`, which on CPU costs far more than the arithmetic. Here a loop
+    gathers one chunk of blocks at a time and runs only as many iterations as the longest
+    sequence needs. Decode batches (one query per sequence) and prefill chunks take
+    different loops, each shaped for what XLA:CPU runs fast (see `_decode` and `_prefill`).
+    `blocks_per_chunk` and `query_tile` override the measured defaults (tests use them).
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    args = (q, k_pool, v_pool, block_tables, seq_lens, query_start_loc)
+    if max_query_len == 1:
+        return _decode(*args, scale=scale, blocks_per_chunk=blocks_per_chunk)
+    return _prefill(*args, max_query_len=max_query_len, scale=scale,
+                    blocks_per_chunk=blocks_per_chunk, query_tile=query_tile)
+
+
+def _online_softmax_step(carry, scores, key_axis: int, attend_values):
+    """Fold one chunk of masked scores (-inf = masked) into (row_max, denom, acc).
+
+    `attend_values(probs)` returns this chunk's probs @ V in acc's layout."""
+    row_max, denom, acc = carry
+    new_max = jnp.maximum(row_max, scores.max(key_axis))
+    safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)  # rows with no key yet
+    probs = jnp.exp(scores - jnp.expand_dims(safe_max, key_axis))
+    had_keys = jnp.isfinite(row_max)
+    correction = jnp.where(had_keys, jnp.exp(jnp.where(had_keys, row_max, 0.0) - safe_max), 0.0)
+    denom = denom * correction + probs.sum(key_axis)
+    acc = acc * correction[..., None] + attend_values(probs)
+    return new_max, denom, acc
+
+
+def _decode(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, scale,
+            blocks_per_chunk):
+    """One query per sequence: loop over 64-token chunks of the sequences' blocks.
+
+    A loop over chunks runs as long as the longest sequence it serves, so the sequences are
+    sorted by length and served in tiers (the longest eighth, the next eighth, quarter,
+    half): in a long-tailed batch the short half stops after its own few chunks instead of
+    idling through the longest sequence's.
     """
     num_tokens, num_heads, head_dim = q.shape
-    num_seqs, max_blocks = block_tables.shape
-    num_kv_heads, _, block_size, _ = k_pool.shape
+    num_seqs = block_tables.shape[0]
+    num_kv_heads = k_pool.shape[0]
     group = num_heads // num_kv_heads
-    scale = head_dim**-0.5 if scale is None else scale
-    # ~16 tokens per iteration measured fastest on CPU (the gather stays in L2)
-    blocks_per_chunk = blocks_per_chunk or max(1, 16 // block_size)
+    # sequence s's query (if it has one) is token query_start_loc[s]
+    has_query = query_start_loc[1:] > query_start_loc[:-1]  # [S]
+    token_index = jnp.where(has_query, query_start_loc[:-1], num_tokens)  # T = none
+    order = jnp.argsort(-seq_lens)  # longest first
+    token_index, tables, lens = token_index[order], block_tables[order], seq_lens[order]
+    q_seq = q.at[token_index].get(mode="fill", fill_value=0) * scale  # [S, H, D]
+    q_seq = q_seq.reshape(num_seqs, num_kv_heads, group, head_dim).astype(jnp.float32)
+    out = jnp.concatenate([
+        _decode_tier(q_seq[lo:hi], k_pool, v_pool, tables[lo:hi], lens[lo:hi], blocks_per_chunk)
+        for lo, hi in _tiers(num_seqs)])  # [S, K, G, D]
+    out = out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
+    return jnp.zeros_like(q).at[token_index].set(out, mode="drop")
+
+
+
+
+def _tiers(num_seqs: int) -> list[tuple[int, int]]:
+    """[lo, hi) row ranges: halves from the short end, down to tiers of 8 rows."""
+    bounds = [num_seqs]
+    while bounds[-1] > 8 and bounds[-1] % 2 == 0 and len(bounds) < 4:
+        bounds.append(bounds[-1] // 2)
+    bounds.append(0)
+    return list(zip(bounds[::-1][:-1], bounds[::-1][1:], strict=True))
+
+
+def _decode_tier(q_seq, k_pool, v_pool, tables, seq_lens, blocks_per_chunk):
+    """Attention of one query per sequence, [S, K, G, D], over its blocks.
+
+    The per-(sequence, head) matrices are tiny (a GQA group of query rows by one chunk of
+    keys), so the contractions are broadcast-multiply-reduce loops that XLA fuses with the
+    gather and keeps in cache; measured faster than gathered einsums or a dense pass."""
+    num_seqs, num_kv_heads, group, head_dim = q_seq.shape
+    max_blocks = tables.shape[1]
+    block_size = k_pool.shape[2]
+    blocks_per_chunk = blocks_per_chunk or max(1, 64 // block_size)  # measured best on CPU
     chunk = blocks_per_chunk * block_size
     num_chunks = -(-max_blocks // blocks_per_chunk)
-    # pad the table to whole chunks (padding entries point at block 0 and are masked)
-    pad = num_chunks * blocks_per_chunk - max_blocks
-    tables = jnp.pad(block_tables, ((0, 0), (0, pad)))
-
-    query_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
-    offsets = jnp.arange(max_query_len, dtype=jnp.int32)  # [Qm]
-    query_valid = offsets[None, :] < query_lens[:, None]  # [S, Qm]
-    token_index = jnp.where(query_valid, query_start_loc[:-1, None] + offsets, num_tokens)
-    q_dense = q.at[token_index].get(mode="fill", fill_value=0) * scale  # [S, Qm, H, D]
-    # [S, K, G*Qm, D]: all query heads of a KV head and all queries of a sequence together
-    q_dense = q_dense.reshape(num_seqs, max_query_len, num_kv_heads, group, head_dim)
-    q_dense = q_dense.transpose(0, 2, 3, 1, 4).reshape(
-        num_seqs, num_kv_heads, group * max_query_len, head_dim).astype(jnp.float32)
-    query_pos = seq_lens[:, None] - query_lens[:, None] + offsets[None, :]  # [S, Qm]
-    query_pos = jnp.tile(query_pos, (1, group))  # [S, G*Qm], matching q_dense's rows
+    tables = jnp.pad(tables, ((0, 0), (0, num_chunks * blocks_per_chunk - max_blocks)))
 
     def body(c, carry):
-        row_max, denom, acc = carry  # [S, K, GQ], [S, K, GQ], [S, K, GQ, D]
         ids = jax.lax.dynamic_slice_in_dim(tables, c * blocks_per_chunk, blocks_per_chunk, 1)
         k = k_pool[:, ids].reshape(num_kv_heads, num_seqs, chunk, head_dim)  # [K, S, C, D]
         v = v_pool[:, ids].reshape(num_kv_heads, num_seqs, chunk, head_dim)  # [K, S, C, D]
         key_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)  # [C]
         key_valid = key_pos[None, :] < seq_lens[:, None]  # [S, C]
+        # slots past a sequence's length may hold anything (even NaN): 0 * NaN must not leak
         v = jnp.where(key_valid[None, :, :, None], v, 0).astype(jnp.float32)
-        # [S, K, GQ, D] x [K, S, C, D] -> [S, K, GQ, C]
-        scores = _contract_d(q_dense, k.astype(jnp.float32))
-        mask = key_valid[:, None, None, :] & (
-            key_pos[None, None, None, :] <= query_pos[:, None, :, None])  # [S, 1, GQ, C]
-        scores = jnp.where(mask, scores, -jnp.inf)
-        new_max = jnp.maximum(row_max, scores.max(-1))
-        safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
-        probs = jnp.exp(scores - safe_max[..., None])
-        correction = jnp.exp(jnp.where(jnp.isfinite(row_max), row_max, 0.0) - safe_max)
-        correction = jnp.where(jnp.isfinite(row_max), correction, 0.0)
-        denom = denom * correction + probs.sum(-1)
-        # [S, K, GQ, C] x [K, S, C, D] -> [S, K, GQ, D]
-        acc = acc * correction[..., None] + _contract_c(probs, v)
-        return new_max, denom, acc
+        # [S, K, G, D] x [K, S, C, D] -> [S, K, G, C]
+        scores = _contract_d(q_seq, k.astype(jnp.float32))
+        scores = jnp.where(key_valid[:, None, None, :], scores, -jnp.inf)
+        # [S, K, G, C] x [K, S, C, D] -> [S, K, G, D]
+        return _online_softmax_step(carry, scores, 3, lambda p: _contract_c(p, v))
 
-    rows = group * max_query_len
-    init = (jnp.full((num_seqs, num_kv_heads, rows), -jnp.inf, jnp.float32),
-            jnp.zeros((num_seqs, num_kv_heads, rows), jnp.float32),
-            jnp.zeros((num_seqs, num_kv_heads, rows, head_dim), jnp.float32))
-    # only as many chunks as the longest sequence needs
+    init = (jnp.full((num_seqs, num_kv_heads, group), -jnp.inf, jnp.float32),
+            jnp.zeros((num_seqs, num_kv_heads, group), jnp.float32),
+            jnp.zeros((num_seqs, num_kv_heads, group, head_dim), jnp.float32))
+    needed = (jnp.max(seq_lens) + chunk - 1) // chunk  # only as many chunks as needed
+    _, denom, acc = jax.lax.fori_loop(0, jnp.minimum(needed, num_chunks), body, init)
+    return acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+
+
+def _prefill(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, max_query_len,
+             scale, blocks_per_chunk, query_tile):
+    """Ragged prefill chunks: queries cut into tiles, keys in 128-token chunks.
+
+    Padding every sequence's queries to `max_query_len` costs S x max_query_len rows (a
+    step with one long chunk and many short ones pays up to S times the work), so the
+    queries are cut into tiles of `query_tile` tokens, each belonging to one sequence: at
+    most T / tile + S tiles, and tile * S <= T keeps that under 2T rows. Per KV head and
+    tile, the contractions are real matmuls ([chunk, D] x [D, G * tile]).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs, max_blocks = block_tables.shape
+    num_kv_heads, num_blocks, block_size, _ = k_pool.shape
+    group = num_heads // num_kv_heads
+    tile = query_tile or _default_tile(max_query_len, num_seqs, num_tokens)
+    num_tiles = min(num_tokens, -(-num_tokens // tile) + num_seqs)
+    rows = group * tile
+
+    # Tile t belongs to sequence tile_seq[t] and holds its queries first[t] * tile + [0, tile).
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
+    tiles_per_seq = (query_lens + tile - 1) // tile
+    tiles_end = jnp.cumsum(tiles_per_seq)  # [S]
+    tile_ids = jnp.arange(num_tiles, dtype=jnp.int32)
+    tile_seq = jnp.searchsorted(tiles_end, tile_ids, side="right").astype(jnp.int32)
+    real_tile = tile_seq < num_seqs  # trailing tiles are padding
+    tile_seq = jnp.minimum(tile_seq, num_seqs - 1)
+    first = tile_ids - (tiles_end - tiles_per_seq)[tile_seq]
+    offset = first[:, None] * tile + jnp.arange(tile, dtype=jnp.int32)[None, :]  # [NT, tile]
+    tile_qlen = query_lens[tile_seq][:, None]
+    valid = real_tile[:, None] & (offset < tile_qlen)
+    token_index = jnp.where(valid, query_start_loc[tile_seq][:, None] + offset, num_tokens)
+    lens = jnp.where(real_tile, seq_lens[tile_seq], 0)  # [NT] keys visible to the tile
+    query_pos = lens[:, None] - tile_qlen + offset  # [NT, tile]: the queries are the last tokens
+    query_pos = jnp.tile(query_pos, (1, group))  # [NT, G*tile], matching q_tiles' rows
+    q_tiles = q.at[token_index].get(mode="fill", fill_value=0) * scale  # [NT, tile, H, D]
+    q_tiles = q_tiles.reshape(num_tiles, tile, num_kv_heads, group, head_dim)
+    q_tiles = q_tiles.transpose(2, 0, 3, 1, 4).reshape(num_kv_heads, num_tiles, rows, head_dim)
+    q_tiles = q_tiles.astype(jnp.float32)
+
+    blocks_per_chunk = min(blocks_per_chunk or max(1, 128 // block_size), max_blocks)
+    chunk = blocks_per_chunk * block_size
+    num_chunks = -(-max_blocks // blocks_per_chunk)
+    tables = jnp.pad(block_tables, ((0, 0), (0, num_chunks * blocks_per_chunk - max_blocks)))
+    tables = tables[tile_seq]  # [NT, width]
+    # Pools as rows of one (head, block): a row gather is a memcpy per row on CPU.
+    k_rows = k_pool.reshape(num_kv_heads * num_blocks, block_size * head_dim)
+    v_rows = v_pool.reshape(num_kv_heads * num_blocks, block_size * head_dim)
+    head_base = (jnp.arange(num_kv_heads, dtype=jnp.int32) * num_blocks)[:, None, None]
+
+    def body(c, carry):
+        ids = jax.lax.dynamic_slice_in_dim(tables, c * blocks_per_chunk, blocks_per_chunk, 1)
+        ids = (ids[None] + head_base).reshape(-1)  # [K * NT * blocks]
+        k = k_rows[ids].reshape(num_kv_heads, num_tiles, chunk, head_dim)  # [K, NT, C, D]
+        v = v_rows[ids].reshape(num_kv_heads, num_tiles, chunk, head_dim)
+        key_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)  # [C]
+        key_valid = key_pos[None, :] < lens[:, None]  # [NT, C]
+        v = jnp.where(key_valid[None, :, :, None], v, 0).astype(jnp.float32)
+        # keys as the matmul's long side: [K, NT, C, D] x [K, NT, R, D] -> [K, NT, C, R]
+        scores = jnp.einsum("ktcd,ktrd->ktcr", k.astype(jnp.float32), q_tiles)
+        mask = key_valid[:, :, None] & (key_pos[None, :, None] <= query_pos[:, None, :])
+        scores = jnp.where(mask[None], scores, -jnp.inf)
+        # [K, NT, C, R] x [K, NT, C, D] -> [K, NT, R, D]
+        return _online_softmax_step(
+            carry, scores, 2, lambda p: jnp.einsum("ktcr,ktcd->ktrd", p, v))
+
+    init = (jnp.full((num_kv_heads, num_tiles, rows), -jnp.inf, jnp.float32),
+            jnp.zeros((num_kv_heads, num_tiles, rows), jnp.float32),
+            jnp.zeros((num_kv_heads, num_tiles, rows, head_dim), jnp.float32))
     needed = (jnp.max(seq_lens) + chunk - 1) // chunk
     _, denom, acc = jax.lax.fori_loop(0, jnp.minimum(needed, num_chunks), body, init)
-    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # [S, K, G*Qm, D]
-    out = out.reshape(num_seqs, num_kv_heads, group, max_query_len, head_dim)
-    out = out.transpose(0, 3, 1, 2, 4).reshape(num_seqs * max_query_len, num_heads, head_dim)
+    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # [K, NT, G*tile, D]
+    out = out.reshape(num_kv_heads, num_tiles, group, tile, head_dim).transpose(1, 3, 0, 2, 4)
+    out = out.reshape(num_tiles * tile, num_heads, head_dim)
     result = jnp.zeros_like(q)
     return result.at[token_index.reshape(-1)].set(out.astype(q.dtype), mode="drop")
 
 
-# The per-(sequence, head) matrices here are tiny (a few query rows by one chunk of keys):
-# as dot_generals, XLA:CPU issues one small GEMM per batch element; as broadcast-multiply-
-# reduce they fuse into a single loop over memory that stays in cache.
+
+
+def _default_tile(max_query_len: int, num_seqs: int, num_tokens: int) -> int:
+    """Largest power of two <= min(max_query_len, 128) with tile * num_seqs <= num_tokens."""
+    tile = 1
+    while tile * 2 <= min(max_query_len, 128) and tile * 2 * num_seqs <= num_tokens:
+        tile *= 2
+    return tile
+
+
+# The per-(sequence, head) matrices of a decode step are tiny (a few query rows by one chunk
+# of keys): as dot_generals, XLA:CPU issues one small GEMM per batch element; as
+# broadcast-multiply-reduce they fuse into a single loop over memory that stays in cache.
 def _contract_d(q: jax.Array, k: jax.Array) -> jax.Array:
     """[S, K, Q, D] x [K, S, C, D] -> [S, K, Q, C] (sum over D)."""
     k = k.transpose(1, 0, 2, 3)  # [S, K, C, D]

@@ -54,8 +54,8 @@ def test_cli_greedy_chat_matches_hf_transformers():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from jaxpage.loading import default_model_path
     from jaxpage.llm import chat_token_ids
+    from jaxpage.loading import default_model_path
 
     args = [sys.executable, "-m", "jaxpage.generate", "--chat", "--json", "--max-tokens", "32"]
     for prompt in CHAT_PROMPTS:

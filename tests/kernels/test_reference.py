@@ -47,8 +47,8 @@ def test_hand_worked_one_head():
     k_pool[2, 0, 0], k_pool[2, 1, 0], k_pool[1, 0, 0] = [0, 0], [2, 0], [0, 0]
     v_pool[2, 0, 0], v_pool[2, 1, 0], v_pool[1, 0, 0] = [1, 0], [2, 0], [3, 0]
     out = paged_attention_reference(
-        q, head_major(k_pool), head_major(v_pool), np.array([[2, 1]], np.int32), np.array([3], np.int32),
-        np.array([0, 1], np.int32), max_query_len=1, scale=1.0,
+        q, head_major(k_pool), head_major(v_pool), np.array([[2, 1]], np.int32),
+        np.array([3], np.int32), np.array([0, 1], np.int32), max_query_len=1, scale=1.0,
     )
     # scores (0, 2, 0) -> weights (1, e^2, 1) / (2 + e^2)
     e2 = math.exp(2)
@@ -63,8 +63,8 @@ def test_hand_worked_causal_chunk():
     v_pool = np.full((2, 4, 1, 1), np.nan, np.float32)
     v_pool[1, :3, 0, 0] = [10.0, 20.0, 60.0]
     out = paged_attention_reference(
-        q, head_major(k_pool), head_major(v_pool), np.array([[1]], np.int32), np.array([3], np.int32),
-        np.array([0, 2], np.int32), max_query_len=2,
+        q, head_major(k_pool), head_major(v_pool), np.array([[1]], np.int32),
+        np.array([3], np.int32), np.array([0, 2], np.int32), max_query_len=2,
     )
     # query 0 sits at position 1: mean(10, 20); query 1 at position 2: mean(10, 20, 60)
     np.testing.assert_allclose(np.asarray(out)[:, 0, 0], [15.0, 30.0], rtol=1e-6)
@@ -84,6 +84,40 @@ def test_blockwise_chunking_does_not_change_results(blocks_per_chunk):
     blockwise = paged_attention_blockwise(q, k_pool, v_pool, tables, seq_lens, qsl,
                                           max_query_len=6, blocks_per_chunk=blocks_per_chunk)
     np.testing.assert_allclose(np.asarray(blockwise), np.asarray(dense), atol=1e-5)
+
+
+@pytest.mark.parametrize("query_tile", [1, 2, 4, 8])
+def test_blockwise_query_tiles_do_not_change_results(query_tile):
+    """Prefill queries cut into tiles (some partial, a zero-query sequence in the middle,
+    padding tiles at the end) give the dense reference's result."""
+    rng = np.random.default_rng(6)
+    k_pool = rng.standard_normal((2, 20, 4, 8)).astype(np.float32)
+    v_pool = rng.standard_normal((2, 20, 4, 8)).astype(np.float32)
+    tables = rng.permutation(np.arange(1, 20))[:16].reshape(4, 4).astype(np.int32)
+    seq_lens = np.array([13, 5, 9, 0], np.int32)
+    qsl = np.array([0, 7, 7, 10, 10], np.int32)  # 7 new tokens, none, 3 new, padding seq
+    q = rng.standard_normal((12, 4, 8)).astype(np.float32)
+    dense = paged_attention_reference(q, k_pool, v_pool, tables, seq_lens, qsl, max_query_len=7)
+    tiled = paged_attention_blockwise(q, k_pool, v_pool, tables, seq_lens, qsl, max_query_len=7,
+                                      blocks_per_chunk=2, query_tile=query_tile)
+    np.testing.assert_allclose(np.asarray(tiled), np.asarray(dense), atol=1e-5)
+    assert not np.asarray(tiled)[10:].any(), "padding rows must be zero"
+
+
+def test_blockwise_decode_with_a_queryless_sequence_between():
+    """Decode contract: sequence s's query sits at query_start_loc[s], whatever came before."""
+    rng = np.random.default_rng(7)
+    k_pool = rng.standard_normal((1, 6, 4, 8)).astype(np.float32)
+    v_pool = rng.standard_normal((1, 6, 4, 8)).astype(np.float32)
+    tables = np.array([[1, 2], [3, 0], [4, 5]], np.int32)
+    seq_lens = np.array([6, 2, 7], np.int32)
+    qsl = np.array([0, 1, 1, 2], np.int32)  # the middle sequence has no query this step
+    q = rng.standard_normal((3, 2, 8)).astype(np.float32)
+    dense = paged_attention_reference(q, k_pool, v_pool, tables, seq_lens, qsl, max_query_len=1)
+    blockwise = paged_attention_blockwise(q, k_pool, v_pool, tables, seq_lens, qsl,
+                                          max_query_len=1)
+    np.testing.assert_allclose(np.asarray(blockwise), np.asarray(dense), atol=1e-5)
+    assert not np.asarray(blockwise)[2].any()
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -120,7 +154,8 @@ def test_random_ragged_batches_match_naive(seed, num_heads, num_kv_heads, block_
     num_tokens = int(new.sum()) + int(rng.integers(0, 5))  # trailing padding tokens
     q = rng.standard_normal((num_tokens, num_heads, head_dim)).astype(np.float32)
     query_start_loc = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
-    args = (q, head_major(k_pool), head_major(v_pool), tables, seq_lens.astype(np.int32), query_start_loc)
+    args = (q, head_major(k_pool), head_major(v_pool), tables, seq_lens.astype(np.int32),
+            query_start_loc)
     for attend in (paged_attention_reference, paged_attention_blockwise):
         out = np.asarray(attend(*args, max_query_len=int(new.max())))
         assert np.isfinite(out).all(), "an unowned (NaN) slot leaked into the output"
