@@ -101,6 +101,10 @@ class LLM:
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing done) while requests are in flight."""
+        return self.engine.reset_prefix_cache()
+
     def _run(self, request_ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
         pending = set(request_ids)
         final: dict[str, RequestOutput] = {}

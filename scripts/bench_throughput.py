@@ -1,16 +1,22 @@
-"""Throughput of jaxpage vs HF transformers static batching on a long-tailed trace.
+"""Throughput of jaxpage vs HF transformers (static and continuous batching) on a trace.
 
-Both run the default model (SmolLM2-135M-Instruct, float32, same dequantized weights) on the
+All run the default model (SmolLM2-135M-Instruct, float32, same dequantized weights) on the
 same synthetic trace in one process: log-normal prompt and output lengths, ignore_eos, so
-both generate exactly the requested tokens. HF runs the classic pre-paging way: fixed-size
-batches in arrival order, left padded, each batch running until its longest request ends.
+each generates exactly the requested tokens. HF runs twice: the classic pre-paging way
+(fixed-size batches in arrival order, left padded, each batch running until its longest
+request ends) and with its own continuous batching (`continuous_batching_context_manager`,
+the engine behind `generate_batch`, with each request's own max_new_tokens).
+
+jaxpage runs the trace twice: cold (compiling every shape) and warm (shapes compiled). The
+prefix cache is reset before the warm run, so it recomputes every prompt as HF does.
 
 Prints useful tokens/s for each and their ratio, the trace's FLOP count and the compute roof
 it implies at this machine's measured float32 matmul rate, the decode step's share of that
 rate at batch 64, compile count and time, mean TTFT/TPOT and the host share of step time.
 
-    python scripts/bench_throughput.py            # 64 requests (several minutes)
+    python scripts/bench_throughput.py            # 64 requests (~15 minutes)
     python scripts/bench_throughput.py --quick    # 16 requests
+    python scripts/bench_throughput.py --skip-hf-continuous   # HF's continuous batching is slow
 """
 
 from __future__ import annotations
@@ -98,6 +104,29 @@ def run_hf(model, prompts, output_lens, batch_size: int):
     return time.perf_counter() - start
 
 
+def run_hf_continuous(model, prompts, output_lens):
+    """HF's continuous batching (paged KV cache, the engine of `generate_batch`), greedy."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, max_new_tokens=max(output_lens),
+                              eos_token_id=None, pad_token_id=0)  # no EOS: ignore_eos
+    start = time.perf_counter()
+    with model.continuous_batching_context_manager(generation_config=config, block=True,
+                                                   timeout=5) as manager:
+        ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts, output_lens,
+                                                                         strict=True)]
+        done = {}
+        while len(done) < len(ids):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                done[result.request_id] = result
+            elif result is None and not manager.is_running():
+                raise RuntimeError("HF continuous batching stopped before finishing")
+    elapsed = time.perf_counter() - start
+    assert [len(done[i].generated_tokens) for i in ids] == list(output_lens)
+    return elapsed, [list(done[i].generated_tokens) for i in ids]
+
+
 def decode_step_rate(llm, batch: int, context: int) -> tuple[float, float]:
     """(seconds, FLOPs) of one decode step at `batch` sequences of `context` tokens."""
     from jaxpage.engine.runner import SamplingRow, SeqInput
@@ -121,6 +150,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=None)
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-hf-continuous", action="store_true",
+                    help="skip HF's continuous batching (the slowest part)")
     ap.add_argument("--json", default=None, help="write all numbers to this JSON file")
     args = ap.parse_args()
     num_requests = args.requests or (16 if args.quick else 64)
@@ -138,6 +169,7 @@ def main() -> None:
 
     cold, _ = run_jaxpage(llm, prompts, output_lens)  # includes compilation
     stats_cold = llm.stats()
+    assert llm.reset_prefix_cache()  # the warm run recomputes every prompt, as HF does
     runner = llm.engine.runner
     before = (runner.device_seconds, runner.compile_seconds, llm.engine.step_seconds)
     warm, outs = run_jaxpage(llm, prompts, output_lens)
@@ -148,7 +180,8 @@ def main() -> None:
     host_share = 1 - device / (llm.engine.step_seconds - before[2] - compiling)
     step_s, step_flops = decode_step_rate(llm, 64, 256)
 
-    hf_seconds = None
+    hf_seconds = hf_cb_seconds = None
+    same_tokens = None
     if not args.skip_hf:
         import torch
         from transformers import AutoModelForCausalLM
@@ -158,6 +191,10 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(
             os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
         hf_seconds = run_hf(model, prompts, output_lens, args.hf_batch)
+        if not args.skip_hf_continuous:
+            hf_cb_seconds, hf_tokens = run_hf_continuous(model, prompts, output_lens)
+            ours = [o.outputs[0].token_ids for o in outs]
+            same_tokens = sum(a == b for a, b in zip(ours, hf_tokens, strict=True))
 
     roof_seconds = flops / (rate * 1e9)
     result = {
@@ -169,6 +206,9 @@ def main() -> None:
         "jaxpage_tok_s": useful / warm, "jaxpage_cold_tok_s": useful / cold,
         "hf_static_s": hf_seconds,
         "hf_static_tok_s": useful / hf_seconds if hf_seconds else None,
+        "hf_continuous_s": hf_cb_seconds,
+        "hf_continuous_tok_s": useful / hf_cb_seconds if hf_cb_seconds else None,
+        "requests_with_identical_tokens_to_hf_continuous": same_tokens,
         "decode_step_b64_ctx256_ms": step_s * 1e3,
         "decode_step_gflops": step_flops / step_s / 1e9,
         "decode_step_share_of_matmul_rate": step_flops / step_s / 1e9 / rate,
@@ -181,14 +221,21 @@ def main() -> None:
           f"{useful} output tokens, {flops / 1e9:.0f} GFLOP")
     print(f"matmul rate (2048^3 f32): {rate:.1f} GFLOP/s -> compute roof "
           f"{result['compute_roof_tok_s']:.1f} useful tok/s")
-    print(f"{'system':<28}{'seconds':>10}{'tok/s':>10}{'vs HF':>8}{'of roof':>9}")
+    print(f"{'system':<30}{'seconds':>9}{'tok/s':>8}{'vs HF static':>14}{'vs HF cont.':>13}"
+          f"{'of roof':>9}")
     rows = [("jaxpage (warm)", warm), ("jaxpage (cold, compiling)", cold)]
     if hf_seconds:
         rows.append((f"HF static batch {args.hf_batch}", hf_seconds))
+    if hf_cb_seconds:
+        rows.append(("HF continuous batching", hf_cb_seconds))
     for name, seconds in rows:
-        ratio = f"{hf_seconds / seconds:.2f}x" if hf_seconds else "-"
-        print(f"{name:<28}{seconds:>10.1f}{useful / seconds:>10.1f}{ratio:>8}"
+        static = f"{hf_seconds / seconds:.2f}x" if hf_seconds else "-"
+        cont = f"{hf_cb_seconds / seconds:.2f}x" if hf_cb_seconds else "-"
+        print(f"{name:<30}{seconds:>9.1f}{useful / seconds:>8.1f}{static:>14}{cont:>13}"
               f"{roof_seconds / seconds:>9.0%}")
+    if same_tokens is not None:
+        print(f"greedy tokens identical to HF continuous batching: {same_tokens}/{num_requests} "
+              "requests")
     print(f"decode step, batch 64, context 256: {step_s * 1e3:.0f} ms, "
           f"{result['decode_step_gflops']:.1f} GFLOP/s = "
           f"{result['decode_step_share_of_matmul_rate']:.0%} of the matmul rate")

@@ -238,6 +238,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._pending)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (e.g. between benchmark runs, or after new weights are
+        loaded). Refused (False) while requests hold blocks."""
+        return not self.has_unfinished_requests() and self.allocator.reset_prefix_cache()
+
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
         """Schedule, run and post-process one step.

@@ -82,3 +82,25 @@ def test_shared_prefix(tiny, prefix_caching):
         assert stats["prefix_cache_hits"] == 3 * 96
     else:
         assert stats["prefix_cache_hits"] == 0
+
+
+def test_reset_prefix_cache(tiny):
+    """After reset_prefix_cache() a repeated prompt gets no hits (and the same tokens); the
+    reset is refused while a request holds blocks."""
+    _, model = tiny
+    prompt = np.random.default_rng(2).integers(3, 97, size=70).tolist()
+    exp = [hf_greedy(model, prompt, MAX_TOKENS)]
+    llm = LLM(tiny[0], block_size=16, num_blocks=64, max_num_batched_tokens=256)
+    run_and_check(llm, [prompt], exp)
+    run_and_check(llm, [prompt], exp)
+    assert llm.stats()["prefix_cache_hits"] == 64  # the second run hit 4 full blocks
+    assert llm.reset_prefix_cache()
+    run_and_check(llm, [prompt], exp)
+    assert llm.stats()["prefix_cache_hits"] == 64  # no new hits after the reset
+    llm.engine.add_request("busy", prompt, GREEDY)
+    llm.engine.step()
+    assert not llm.reset_prefix_cache()
+    llm.engine.abort_request("busy")
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert llm.reset_prefix_cache()
