@@ -305,12 +305,48 @@ def load_gguf(path: str, dtype) -> tuple[ModelConfig, dict[str, Any]]:
     return config, params
 
 
+# GGUF tokenizer metadata key (after "tokenizer.") -> the name transformers' GGUF tokenizer
+# converter expects, split as transformers splits it: the tokenizer proper and its config.
+_TOKENIZER_KEYS = {
+    "ggml.model": "tokenizer_type", "ggml.pre": "pre_tokenizer_type", "ggml.tokens": "tokens",
+    "ggml.scores": "scores", "ggml.token_type": "token_type", "ggml.merges": "merges",
+    "ggml.precompiled_charsmap": "precompiled_charsmap", "ggml.bos_token_id": "bos_token_id",
+    "ggml.eos_token_id": "eos_token_id", "ggml.unknown_token_id": "unk_token_id",
+    "ggml.padding_token_id": "pad_token_id", "ggml.add_space_prefix": "add_prefix_space",
+}
+_TOKENIZER_CONFIG_KEYS = {"chat_template": "chat_template", "ggml.add_bos_token": "add_bos_token",
+                          "ggml.add_eos_token": "add_eos_token"}
+_SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
+                   "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
+
+
 def gguf_tokenizer(path: str):
-    """The transformers tokenizer embedded in a GGUF file (built by transformers' GGUF
-    converter; chat template included when the file has one)."""
-    from transformers import AutoTokenizer
+    """The transformers tokenizer embedded in a GGUF file, chat template included when the
+    file has one.
+
+    `AutoTokenizer.from_pretrained(gguf_file=...)` reads the metadata with a reader that
+    imports torch (transformers 5.x), which a JAX install need not have. The metadata is read
+    here with `gguf` instead and handed to the same converter, so the tokenizer is the one
+    AutoTokenizer builds (tests check token ids and chat templates against it).
+    """
+    from gguf import GGUFReader
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf import convert_gguf_tokenizer
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file {path!r} does not exist")
-    path = os.path.abspath(path)
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    reader = GGUFReader(path)
+    architecture = _field(reader, "general.architecture", required=True)
+
+    def group(keys: dict[str, str]) -> dict[str, Any]:
+        return {name: _field(reader, f"tokenizer.{key}") for key, name in keys.items()
+                if f"tokenizer.{key}" in reader.fields}
+
+    tokenizer, config = group(_TOKENIZER_KEYS), group(_TOKENIZER_CONFIG_KEYS)
+    if tokenizer.get("tokenizer_type") == "llama":  # llama.cpp adds BOS to sentencepiece vocabs
+        config.setdefault("add_bos_token", True)
+    for name, key in _SPECIAL_TOKENS.items():
+        token_id = _field(reader, f"tokenizer.ggml.{key}")
+        config[name] = tokenizer["tokens"][token_id] if token_id is not None else None
+    backend, extra = convert_gguf_tokenizer(architecture, tokenizer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)

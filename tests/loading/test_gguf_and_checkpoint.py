@@ -554,3 +554,32 @@ def test_default_model_checkpoint_and_greedy_parity_with_transformers(tmp_path, 
             )
         theirs = generated[0, len(prompt) :].tolist()
         assert ours == theirs, (text, tokenizer.decode(ours), tokenizer.decode(theirs))
+
+
+def test_gguf_tokenizer_matches_transformers_and_needs_no_torch(hf_model_dir, tmp_path):
+    """The GGUF tokenizer equals the one `AutoTokenizer(gguf_file=...)` builds (which needs
+    torch in transformers 5) and loads in a process where torch cannot be imported, as on a
+    plain `pip install -e .`."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    _, hf_model = hf_model_dir("llama")
+    file = write_gguf(hf_model, tmp_path / "tok.gguf", edit=lambda w: w.add_chat_template(
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"))
+    ours = gguf_tokenizer(file)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tok.gguf")
+    for text in ["hello world, he said!", "  spaced\nlines", "", "hhhe eh"]:
+        assert ours(text)["input_ids"] == theirs(text)["input_ids"], text
+    messages = [{"role": "user", "content": "hey"}]
+    assert ours.apply_chat_template(messages, tokenize=False) == theirs.apply_chat_template(
+        messages, tokenize=False)
+    assert (ours.bos_token, ours.eos_token) == (theirs.bos_token, theirs.eos_token)
+    code = ("import sys; sys.modules['torch'] = None\n"  # any `import torch` now fails
+            "from jaxpage.loading.gguf import gguf_tokenizer\n"
+            f"print(gguf_tokenizer({file!r})('hello world')['input_ids'])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == str(ours("hello world")["input_ids"])
