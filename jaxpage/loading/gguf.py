@@ -331,7 +331,10 @@ def gguf_tokenizer(path: str):
     """
     from gguf import GGUFReader
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf import convert_gguf_tokenizer
+    try:
+        from transformers.integrations.gguf import convert_gguf_tokenizer
+    except ImportError:  # transformers 4.x kept the converter in integrations.ggml
+        from transformers.integrations.ggml import convert_gguf_tokenizer
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file {path!r} does not exist")
