@@ -1,0 +1,101 @@
+"""CPU attention paths on SmolLM2-shaped batches: the blockwise `jnp` backend vs the dense
+`reference`, in one process.
+
+Each case is one engine-like step (K/V pool of 4096 blocks x 16 tokens, 3 KV heads, 9 query
+heads, head_dim 64, float32, permuted block tables) timed over 30 layers, as a decode or
+prefill step of the 30-layer SmolLM2 runs it. Cases: decode batches with uniform and
+long-tailed (log-normal) contexts, and prefill steps mixing chunk lengths as the scheduler
+packs them. Prints milliseconds for both paths, their ratio, the K/V bytes the step must
+read and the rate the blockwise path reads them at, and the largest difference between the
+two (they compute the same function).
+
+    python scripts/bench_attention.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.reference import paged_attention_blockwise, paged_attention_reference
+
+KV_HEADS, GROUP, HEAD_DIM, BLOCK, POOL_BLOCKS, LAYERS = 3, 3, 64, 16, 4096, 30
+
+
+def cases(rng):
+    """(name, sequence lengths after the step, new tokens per sequence, max_query_len)."""
+    def lognormal(n):
+        return [int(x) for x in np.clip(rng.lognormal(np.log(150), 0.8, n), 10, 760)]
+
+    chunks = [72, 56, 121, 71, 37, 91, 64]
+    return [
+        ("decode b64, context 257", [257] * 64, [1] * 64, 1),
+        ("decode b64, log-normal context", lognormal(64), [1] * 64, 1),
+        ("decode b32, log-normal context", lognormal(32), [1] * 32, 1),
+        ("decode b8, mixed context", [700, 30, 50, 100, 200, 20, 10, 300], [1] * 8, 1),
+        ("prefill 7 chunks ~70 tokens", chunks + [0], chunks + [0], 128),
+        ("prefill 374 (after 80) + 92", [454, 92, 0, 0], [374, 92, 0, 0], 512),
+        ("prefill 1 long + 40 short", [300] + [20] * 40 + [0] * 23,
+         [200] + [20] * 15 + [2] * 25 + [0] * 23, 256),
+    ]
+
+
+def make_step(rng, lens, new):
+    num_seqs = len(lens)
+    width = max(4, 1 << (-(-max(lens) // BLOCK) - 1).bit_length())
+    tables = np.zeros((num_seqs, width), np.int32)
+    physical = rng.permutation(np.arange(1, POOL_BLOCKS))
+    used = 0
+    for s, length in enumerate(lens):
+        n = -(-length // BLOCK)
+        tables[s, :n] = physical[used : used + n]
+        used += n
+    query_start_loc = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    num_tokens = max(int(query_start_loc[-1]), num_seqs)
+    num_tokens = 1 << (num_tokens - 1).bit_length()
+    q = rng.standard_normal((num_tokens, KV_HEADS * GROUP, HEAD_DIM)).astype(np.float32)
+    kv_bytes = 2 * sum(lens) * KV_HEADS * HEAD_DIM * 4 * LAYERS
+    return q, tables, np.asarray(lens, np.int32), query_start_loc, kv_bytes
+
+
+def timed(fn, *args, repeats=5) -> float:
+    jax.block_until_ready(fn(*args))  # compile
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def main() -> None:
+    rng = np.random.default_rng(0)
+    shape = (KV_HEADS, POOL_BLOCKS, BLOCK, HEAD_DIM)
+    k_pool = jnp.asarray(rng.standard_normal(shape, np.float32))
+    v_pool = jnp.asarray(rng.standard_normal(shape, np.float32))
+    print(f"{'case':<34}{'dense ms':>10}{'blockwise ms':>14}{'ratio':>8}{'KV MB':>8}"
+          f"{'GB/s':>7}{'max diff':>10}")
+    for name, lens, new, max_query_len in cases(rng):
+        q, tables, seq_lens, qsl, kv_bytes = make_step(rng, lens, new)
+        results = {}
+        for label, attend in (("dense", paged_attention_reference),
+                              ("blockwise", paged_attention_blockwise)):
+            def layers(q, k, v, t, n, s, attend=attend, qm=max_query_len):  # 30 layers
+                return sum(attend(q + i * 1e-3, k, v, t, n, s, max_query_len=qm)
+                           for i in range(LAYERS))
+
+            fn = jax.jit(layers)
+            results[label] = (timed(fn, q, k_pool, v_pool, tables, seq_lens, qsl),
+                              fn(q, k_pool, v_pool, tables, seq_lens, qsl))
+        (dense_s, dense_out), (block_s, block_out) = results["dense"], results["blockwise"]
+        diff = float(jnp.abs(dense_out - block_out).max()) / LAYERS
+        print(f"{name:<34}{dense_s * 1e3:>10.1f}{block_s * 1e3:>14.1f}"
+              f"{dense_s / block_s:>7.2f}x{kv_bytes / 1e6:>8.0f}{kv_bytes / block_s / 1e9:>7.1f}"
+              f"{diff:>10.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
