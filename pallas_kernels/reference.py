@@ -193,6 +193,22 @@ def _decode(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, scale
     return jnp.zeros_like(q).at[token_index].set(out, mode="drop")
 
 
+def _pad_to_chunks(tables: jax.Array, blocks_per_chunk: int) -> tuple[jax.Array, int]:
+    """The block table padded to whole chunks (padding entries point at block 0 and are
+    masked by length), and the number of chunks."""
+    width = tables.shape[1]
+    num_chunks = -(-width // blocks_per_chunk)
+    return jnp.pad(tables, ((0, 0), (0, num_chunks * blocks_per_chunk - width))), num_chunks
+
+
+def _attend_chunks(body, rows_shape, head_dim, seq_lens, chunk, num_chunks):
+    """Run `body(c, (row_max, denom, acc))` over key chunks, only as many as the longest
+    sequence needs; returns acc / denom (rows with no key: 0), shape rows_shape + (D,)."""
+    init = (jnp.full(rows_shape, -jnp.inf, jnp.float32), jnp.zeros(rows_shape, jnp.float32),
+            jnp.zeros((*rows_shape, head_dim), jnp.float32))
+    needed = (jnp.max(seq_lens) + chunk - 1) // chunk
+    _, denom, acc = jax.lax.fori_loop(0, jnp.minimum(needed, num_chunks), body, init)
+    return acc / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
 def _tiers(num_seqs: int) -> list[tuple[int, int]]:
@@ -208,15 +224,15 @@ def _decode_tier(q_seq, k_pool, v_pool, tables, seq_lens, blocks_per_chunk):
     """Attention of one query per sequence, [S, K, G, D], over its blocks.
 
     The per-(sequence, head) matrices are tiny (a GQA group of query rows by one chunk of
-    keys), so the contractions are broadcast-multiply-reduce loops that XLA fuses with the
-    gather and keeps in cache; measured faster than gathered einsums or a dense pass."""
+    keys), so the contractions are broadcast-multiply-reduce loops over memory that stays in
+    cache; measured faster than einsums over the same chunks. (A dense pass over the whole
+    table, as the reference does, is as fast when all lengths are alike or the batch is
+    small: scripts/bench_attention.py.)"""
     num_seqs, num_kv_heads, group, head_dim = q_seq.shape
-    max_blocks = tables.shape[1]
     block_size = k_pool.shape[2]
     blocks_per_chunk = blocks_per_chunk or max(1, 64 // block_size)  # measured best on CPU
     chunk = blocks_per_chunk * block_size
-    num_chunks = -(-max_blocks // blocks_per_chunk)
-    tables = jnp.pad(tables, ((0, 0), (0, num_chunks * blocks_per_chunk - max_blocks)))
+    tables, num_chunks = _pad_to_chunks(tables, blocks_per_chunk)
 
     def body(c, carry):
         ids = jax.lax.dynamic_slice_in_dim(tables, c * blocks_per_chunk, blocks_per_chunk, 1)
@@ -232,12 +248,8 @@ def _decode_tier(q_seq, k_pool, v_pool, tables, seq_lens, blocks_per_chunk):
         # [S, K, G, C] x [K, S, C, D] -> [S, K, G, D]
         return _online_softmax_step(carry, scores, 3, lambda p: _contract_c(p, v))
 
-    init = (jnp.full((num_seqs, num_kv_heads, group), -jnp.inf, jnp.float32),
-            jnp.zeros((num_seqs, num_kv_heads, group), jnp.float32),
-            jnp.zeros((num_seqs, num_kv_heads, group, head_dim), jnp.float32))
-    needed = (jnp.max(seq_lens) + chunk - 1) // chunk  # only as many chunks as needed
-    _, denom, acc = jax.lax.fori_loop(0, jnp.minimum(needed, num_chunks), body, init)
-    return acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return _attend_chunks(body, (num_seqs, num_kv_heads, group), head_dim, seq_lens, chunk,
+                          num_chunks)
 
 
 def _prefill(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, max_query_len,
@@ -281,8 +293,7 @@ def _prefill(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, max_
 
     blocks_per_chunk = min(blocks_per_chunk or max(1, 128 // block_size), max_blocks)
     chunk = blocks_per_chunk * block_size
-    num_chunks = -(-max_blocks // blocks_per_chunk)
-    tables = jnp.pad(block_tables, ((0, 0), (0, num_chunks * blocks_per_chunk - max_blocks)))
+    tables, num_chunks = _pad_to_chunks(block_tables, blocks_per_chunk)
     tables = tables[tile_seq]  # [NT, width]
     # Pools as rows of one (head, block): a row gather is a memcpy per row on CPU.
     k_rows = k_pool.reshape(num_kv_heads * num_blocks, block_size * head_dim)
@@ -305,18 +316,12 @@ def _prefill(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, max_
         return _online_softmax_step(
             carry, scores, 2, lambda p: jnp.einsum("ktcr,ktcd->ktrd", p, v))
 
-    init = (jnp.full((num_kv_heads, num_tiles, rows), -jnp.inf, jnp.float32),
-            jnp.zeros((num_kv_heads, num_tiles, rows), jnp.float32),
-            jnp.zeros((num_kv_heads, num_tiles, rows, head_dim), jnp.float32))
-    needed = (jnp.max(seq_lens) + chunk - 1) // chunk
-    _, denom, acc = jax.lax.fori_loop(0, jnp.minimum(needed, num_chunks), body, init)
-    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # [K, NT, G*tile, D]
+    out = _attend_chunks(body, (num_kv_heads, num_tiles, rows), head_dim, seq_lens, chunk,
+                         num_chunks)  # [K, NT, G*tile, D]
     out = out.reshape(num_kv_heads, num_tiles, group, tile, head_dim).transpose(1, 3, 0, 2, 4)
     out = out.reshape(num_tiles * tile, num_heads, head_dim)
     result = jnp.zeros_like(q)
     return result.at[token_index.reshape(-1)].set(out.astype(q.dtype), mode="drop")
-
-
 
 
 def _default_tile(max_query_len: int, num_seqs: int, num_tokens: int) -> int:
