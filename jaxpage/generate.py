@@ -10,11 +10,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
 
 DEFAULT_PROMPT = "What is the capital of France?"
+DEFAULT_COMPILE_CACHE = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
+    os.path.expanduser("~"), ".cache", "jaxpage", "xla")
+
+
+def enable_compile_cache(path: str, min_compile_seconds: float = 0.5) -> None:
+    """Persist compiled executables under `path` (JAX's compilation cache), so a later
+    process with the same model, shapes and jax version loads them instead of compiling.
+    The CLI turns it on; library users call this once at start-up if they want it."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--compile-cache", default=DEFAULT_COMPILE_CACHE, metavar="DIR",
+                   help="keep compiled steps here so later runs skip most compilation "
+                        "(default %(default)s; '' turns it off)")
     return p.parse_args(argv)
 
 
@@ -82,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
     prompts = read_prompts(args)
     params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    if args.compile_cache:
+        enable_compile_cache(args.compile_cache)
     start = time.perf_counter()
     llm = LLM(config=engine_config(args))
     load_seconds = time.perf_counter() - start

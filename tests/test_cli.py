@@ -81,3 +81,31 @@ def test_cli_greedy_chat_matches_hf_transformers():
         assert got == expected[: len(got)], prompt
         # the engine stops at EOS like HF; HF may pad after it
         assert len(got) == len(expected) or got[-1] == tokenizer.eos_token_id
+
+
+def test_compile_cache_persists_compiled_steps(hf_model_dir, tmp_path):
+    """With the CLI's compile cache on, a first process writes executables and a second one
+    loads them (JAX logs the cache hits) and generates the same tokens."""
+    path, _ = hf_model_dir("llama")
+    cache = tmp_path / "xla"
+    code = ("import logging\n"
+            "logging.basicConfig()\n"
+            "logging.getLogger('jax._src.compiler').setLevel(logging.DEBUG)\n"
+            "from jaxpage.generate import enable_compile_cache\n"
+            f"enable_compile_cache({str(cache)!r}, min_compile_seconds=0)\n"
+            "from jaxpage import LLM, SamplingParams\n"
+            f"llm = LLM({path!r}, num_blocks=32)\n"
+            "out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=6, temperature=0),"
+            " use_tqdm=False)\n"
+            "print(out[0].outputs[0].token_ids)\n")
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=300, cwd=ROOT) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+    assert runs[0].stdout == runs[1].stdout and runs[0].stdout.strip().startswith("[")
+    assert len(list(cache.rglob("*"))) >= 2, "no executables were written to the cache"
+    assert "Persistent compilation cache hit" not in runs[0].stderr
+    assert "Persistent compilation cache hit" in runs[1].stderr
+    parsed = __import__("jaxpage.generate", fromlist=["parse_args"]).parse_args(
+        ["--compile-cache", ""])
+    assert parsed.compile_cache == ""
