@@ -285,6 +285,8 @@ def _prefill(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, max_
     token_index = jnp.where(valid, query_start_loc[tile_seq][:, None] + offset, num_tokens)
     lens = jnp.where(real_tile, seq_lens[tile_seq], 0)  # [NT] keys visible to the tile
     query_pos = lens[:, None] - tile_qlen + offset  # [NT, tile]: the queries are the last tokens
+    # causal reach of each tile: keys past its last query's position are masked anyway
+    reach = jnp.max(jnp.where(valid, query_pos + 1, 0), axis=1)  # [NT]
     query_pos = jnp.tile(query_pos, (1, group))  # [NT, G*tile], matching q_tiles' rows
     q_tiles = q.at[token_index].get(mode="fill", fill_value=0) * scale  # [NT, tile, H, D]
     q_tiles = q_tiles.reshape(num_tiles, tile, num_kv_heads, group, head_dim)
@@ -300,24 +302,37 @@ def _prefill(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, max_
     v_rows = v_pool.reshape(num_kv_heads * num_blocks, block_size * head_dim)
     head_base = (jnp.arange(num_kv_heads, dtype=jnp.int32) * num_blocks)[:, None, None]
 
-    def body(c, carry):
-        ids = jax.lax.dynamic_slice_in_dim(tables, c * blocks_per_chunk, blocks_per_chunk, 1)
-        ids = (ids[None] + head_base).reshape(-1)  # [K * NT * blocks]
-        k = k_rows[ids].reshape(num_kv_heads, num_tiles, chunk, head_dim)  # [K, NT, C, D]
-        v = v_rows[ids].reshape(num_kv_heads, num_tiles, chunk, head_dim)
-        key_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)  # [C]
-        key_valid = key_pos[None, :] < lens[:, None]  # [NT, C]
-        v = jnp.where(key_valid[None, :, :, None], v, 0).astype(jnp.float32)
-        # keys as the matmul's long side: [K, NT, C, D] x [K, NT, R, D] -> [K, NT, C, R]
-        scores = jnp.einsum("ktcd,ktrd->ktcr", k.astype(jnp.float32), q_tiles)
-        mask = key_valid[:, :, None] & (key_pos[None, :, None] <= query_pos[:, None, :])
-        scores = jnp.where(mask[None], scores, -jnp.inf)
-        # [K, NT, C, R] x [K, NT, C, D] -> [K, NT, R, D]
-        return _online_softmax_step(
-            carry, scores, 2, lambda p: jnp.einsum("ktcr,ktcd->ktrd", p, v))
+    def attend_tier(q_tiles, tables, lens, query_pos, reach):
+        num = tables.shape[0]
 
-    out = _attend_chunks(body, (num_kv_heads, num_tiles, rows), head_dim, seq_lens, chunk,
-                         num_chunks)  # [K, NT, G*tile, D]
+        def body(c, carry):
+            ids = jax.lax.dynamic_slice_in_dim(tables, c * blocks_per_chunk, blocks_per_chunk, 1)
+            ids = (ids[None] + head_base).reshape(-1)  # [K * n * blocks]
+            k = k_rows[ids].reshape(num_kv_heads, num, chunk, head_dim)  # [K, n, C, D]
+            v = v_rows[ids].reshape(num_kv_heads, num, chunk, head_dim)
+            key_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)  # [C]
+            key_valid = key_pos[None, :] < lens[:, None]  # [n, C]
+            v = jnp.where(key_valid[None, :, :, None], v, 0).astype(jnp.float32)
+            # keys as the matmul's long side: [K, n, C, D] x [K, n, R, D] -> [K, n, C, R]
+            scores = jnp.einsum("ktcd,ktrd->ktcr", k.astype(jnp.float32), q_tiles)
+            mask = key_valid[:, :, None] & (key_pos[None, :, None] <= query_pos[:, None, :])
+            scores = jnp.where(mask[None], scores, -jnp.inf)
+            # [K, n, C, R] x [K, n, C, D] -> [K, n, R, D]
+            return _online_softmax_step(
+                carry, scores, 2, lambda p: jnp.einsum("ktcr,ktcd->ktrd", p, v))
+
+        return _attend_chunks(body, (num_kv_heads, num, rows), head_dim, reach, chunk,
+                              num_chunks)
+
+    # Tiles sorted by reach and served in tiers, as decode's sequences are: a tile early in
+    # a long chunk, or of a short sequence, stops at its own last key.
+    order = jnp.argsort(-reach)
+    q_tiles, tables, lens, query_pos, reach = (
+        q_tiles[:, order], tables[order], lens[order], query_pos[order], reach[order])
+    out = jnp.concatenate([
+        attend_tier(q_tiles[:, lo:hi], tables[lo:hi], lens[lo:hi], query_pos[lo:hi],
+                    reach[lo:hi]) for lo, hi in _tiers(num_tiles)], axis=1)
+    out = out[:, jnp.argsort(order)]  # [K, NT, G*tile, D], back in tile order
     out = out.reshape(num_kv_heads, num_tiles, group, tile, head_dim).transpose(1, 3, 0, 2, 4)
     out = out.reshape(num_tiles * tile, num_heads, head_dim)
     result = jnp.zeros_like(q)
