@@ -106,6 +106,6 @@ def test_compile_cache_persists_compiled_steps(hf_model_dir, tmp_path):
     assert len(list(cache.rglob("*"))) >= 2, "no executables were written to the cache"
     assert "Persistent compilation cache hit" not in runs[0].stderr
     assert "Persistent compilation cache hit" in runs[1].stderr
-    parsed = __import__("jaxpage.generate", fromlist=["parse_args"]).parse_args(
-        ["--compile-cache", ""])
-    assert parsed.compile_cache == ""
+    from jaxpage.generate import parse_args
+
+    assert parse_args(["--compile-cache", ""]).compile_cache == ""
