@@ -9,7 +9,7 @@ import pytest
 from conftest import hf_logits
 
 from jaxpage import LLM, SamplingParams
-from jaxpage.sampling import SamplingMetadata, apply_penalties, sample
+from jaxpage.sampling import SamplingMetadata, apply_penalties, argmax, sample
 
 
 def metadata(rows, **overrides):
@@ -154,6 +154,29 @@ def test_logprobs_are_raw_model_logprobs(llm, hf_model_dir):
     for token, value in entry.items():
         assert abs(value - ref[token]) < 1e-4
     assert abs(out.outputs[0].cumulative_logprob - ref[top5[0]]) < 1e-4
+
+
+def test_argmax_matches_numpy_on_ties_nan_and_inf():
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 3, (6, 37)).astype(np.float32)  # many tied maxima
+    x[1, [4, 9]] = np.nan  # NaN wins, the first one (as np.argmax / jnp.argmax)
+    x[2] = -np.inf
+    x[3, :5] = np.inf
+    x[4, -1] = 100.0
+    np.testing.assert_array_equal(np.asarray(argmax(jnp.asarray(x))), np.argmax(x, axis=-1))
+
+
+def test_greedy_logprob_without_top_logprobs(llm, hf_model_dir):
+    """The sampled token's log-probability when no top logprobs are asked for (computed
+    without the full log-softmax) is still the raw model's."""
+    _, model = hf_model_dir("llama")
+    prompt = [5, 17, 42, 8, 61]
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    logits = hf_logits(model, prompt)[-1].astype(np.float64)
+    ref = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+    assert out.token_ids == [int(np.argmax(ref))]
+    assert abs(out.cumulative_logprob - ref.max()) < 1e-4
 
 
 def test_min_tokens_bans_eos_and_stop_tokens(llm):
