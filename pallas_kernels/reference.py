@@ -193,6 +193,14 @@ def _decode(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, scale
     return jnp.zeros_like(q).at[token_index].set(out, mode="drop")
 
 
+def _as_rows(pool: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The pool [K, NB, B, D] as rows of one (head, block), [K * NB, B * D], and each head's
+    first row [K]: on CPU a gather of whole rows is a memcpy per row."""
+    num_kv_heads, num_blocks, block_size, head_dim = pool.shape
+    rows = pool.reshape(num_kv_heads * num_blocks, block_size * head_dim)
+    return rows, jnp.arange(num_kv_heads, dtype=jnp.int32) * num_blocks
+
+
 def _pad_to_chunks(tables: jax.Array, blocks_per_chunk: int) -> tuple[jax.Array, int]:
     """The block table padded to whole chunks (padding entries point at block 0 and are
     masked by length), and the number of chunks."""
@@ -223,29 +231,34 @@ def _tiers(num_seqs: int) -> list[tuple[int, int]]:
 def _decode_tier(q_seq, k_pool, v_pool, tables, seq_lens, blocks_per_chunk):
     """Attention of one query per sequence, [S, K, G, D], over its blocks.
 
-    The per-(sequence, head) matrices are tiny (a GQA group of query rows by one chunk of
-    keys), so the contractions are broadcast-multiply-reduce loops over memory that stays in
-    cache; measured faster than einsums over the same chunks. (A dense pass over the whole
-    table, as the reference does, is as fast when all lengths are alike or the batch is
-    small: scripts/bench_attention.py.)"""
+    Each chunk's K/V is gathered as whole (head, block) rows of the flattened pool, straight
+    into [S, K, C, D] (a row gather is a memcpy per row; indexing the head-major pool as
+    `pool[:, ids]` and transposing measured 13-19% slower per step). The per-(sequence,
+    head) matrices are tiny (a GQA group of query rows by one chunk of keys), so the
+    contractions are broadcast-multiply-reduce over memory that stays in cache; measured
+    faster than einsums over the same chunks. (A dense pass over the whole table, as the
+    reference does, is as fast when all lengths are alike or the batch is small:
+    scripts/bench_attention.py.)"""
     num_seqs, num_kv_heads, group, head_dim = q_seq.shape
     block_size = k_pool.shape[2]
     blocks_per_chunk = blocks_per_chunk or max(1, 64 // block_size)  # measured best on CPU
     chunk = blocks_per_chunk * block_size
     tables, num_chunks = _pad_to_chunks(tables, blocks_per_chunk)
+    (k_rows, head_row), (v_rows, _) = _as_rows(k_pool), _as_rows(v_pool)
 
     def body(c, carry):
         ids = jax.lax.dynamic_slice_in_dim(tables, c * blocks_per_chunk, blocks_per_chunk, 1)
-        k = k_pool[:, ids].reshape(num_kv_heads, num_seqs, chunk, head_dim)  # [K, S, C, D]
-        v = v_pool[:, ids].reshape(num_kv_heads, num_seqs, chunk, head_dim)  # [K, S, C, D]
+        rows = (ids[:, None, :] + head_row[None, :, None]).reshape(-1)  # [S * K * blocks]
+        k = k_rows[rows].reshape(num_seqs, num_kv_heads, chunk, head_dim)  # [S, K, C, D]
+        v = v_rows[rows].reshape(num_seqs, num_kv_heads, chunk, head_dim)
         key_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)  # [C]
         key_valid = key_pos[None, :] < seq_lens[:, None]  # [S, C]
         # slots past a sequence's length may hold anything (even NaN): 0 * NaN must not leak
-        v = jnp.where(key_valid[None, :, :, None], v, 0).astype(jnp.float32)
-        # [S, K, G, D] x [K, S, C, D] -> [S, K, G, C]
+        v = jnp.where(key_valid[:, None, :, None], v, 0).astype(jnp.float32)
+        # [S, K, G, D] x [S, K, C, D] -> [S, K, G, C]
         scores = _contract_d(q_seq, k.astype(jnp.float32))
         scores = jnp.where(key_valid[:, None, None, :], scores, -jnp.inf)
-        # [S, K, G, C] x [K, S, C, D] -> [S, K, G, D]
+        # [S, K, G, C] x [S, K, C, D] -> [S, K, G, D]
         return _online_softmax_step(carry, scores, 3, lambda p: _contract_c(p, v))
 
     return _attend_chunks(body, (num_seqs, num_kv_heads, group), head_dim, seq_lens, chunk,
@@ -264,7 +277,7 @@ def _prefill(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, max_
     """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, max_blocks = block_tables.shape
-    num_kv_heads, num_blocks, block_size, _ = k_pool.shape
+    num_kv_heads, _, block_size, _ = k_pool.shape
     group = num_heads // num_kv_heads
     tile = query_tile or _default_tile(max_query_len, num_seqs, num_tokens)
     num_tiles = min(num_tokens, -(-num_tokens // tile) + num_seqs)
@@ -297,19 +310,16 @@ def _prefill(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, max_
     chunk = blocks_per_chunk * block_size
     tables, num_chunks = _pad_to_chunks(block_tables, blocks_per_chunk)
     tables = tables[tile_seq]  # [NT, width]
-    # Pools as rows of one (head, block): a row gather is a memcpy per row on CPU.
-    k_rows = k_pool.reshape(num_kv_heads * num_blocks, block_size * head_dim)
-    v_rows = v_pool.reshape(num_kv_heads * num_blocks, block_size * head_dim)
-    head_base = (jnp.arange(num_kv_heads, dtype=jnp.int32) * num_blocks)[:, None, None]
+    (k_rows, head_row), (v_rows, _) = _as_rows(k_pool), _as_rows(v_pool)
 
     def attend_tier(q_tiles, tables, lens, query_pos, reach):
         num = tables.shape[0]
 
         def body(c, carry):
             ids = jax.lax.dynamic_slice_in_dim(tables, c * blocks_per_chunk, blocks_per_chunk, 1)
-            ids = (ids[None] + head_base).reshape(-1)  # [K * n * blocks]
-            k = k_rows[ids].reshape(num_kv_heads, num, chunk, head_dim)  # [K, n, C, D]
-            v = v_rows[ids].reshape(num_kv_heads, num, chunk, head_dim)
+            rows = (ids[None] + head_row[:, None, None]).reshape(-1)  # [K * n * blocks]
+            k = k_rows[rows].reshape(num_kv_heads, num, chunk, head_dim)  # [K, n, C, D]
+            v = v_rows[rows].reshape(num_kv_heads, num, chunk, head_dim)
             key_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)  # [C]
             key_valid = key_pos[None, :] < lens[:, None]  # [n, C]
             v = jnp.where(key_valid[None, :, :, None], v, 0).astype(jnp.float32)
@@ -351,12 +361,10 @@ def _default_tile(max_query_len: int, num_seqs: int, num_tokens: int) -> int:
 # of keys): as dot_generals, XLA:CPU issues one small GEMM per batch element; as
 # broadcast-multiply-reduce they fuse into a single loop over memory that stays in cache.
 def _contract_d(q: jax.Array, k: jax.Array) -> jax.Array:
-    """[S, K, Q, D] x [K, S, C, D] -> [S, K, Q, C] (sum over D)."""
-    k = k.transpose(1, 0, 2, 3)  # [S, K, C, D]
+    """[S, K, Q, D] x [S, K, C, D] -> [S, K, Q, C] (sum over D)."""
     return (q[:, :, :, None, :] * k[:, :, None, :, :]).sum(-1)
 
 
 def _contract_c(p: jax.Array, v: jax.Array) -> jax.Array:
-    """[S, K, Q, C] x [K, S, C, D] -> [S, K, Q, D] (sum over C)."""
-    v = v.transpose(1, 0, 2, 3)  # [S, K, C, D]
+    """[S, K, Q, C] x [S, K, C, D] -> [S, K, Q, D] (sum over C)."""
     return (p[..., None] * v[:, :, None, :, :]).sum(-2)
