@@ -1,13 +1,17 @@
 """CPU attention paths on SmolLM2-shaped batches: the blockwise `jnp` backend vs the dense
 `reference`, in one process.
 
-Each case is one engine-like step (K/V pool of 4096 blocks x 16 tokens, 3 KV heads, 9 query
-heads, head_dim 64, float32, permuted block tables) timed over 30 layers, as a decode or
-prefill step of the 30-layer SmolLM2 runs it. Cases: decode batches with uniform and
+Each case is one engine-like step (per layer a K/V pool of 2048 blocks x 16 tokens, 3 KV
+heads, 9 query heads, head_dim 64, float32, permuted block tables) timed over 30 layers, as a
+decode or prefill step of the 30-layer SmolLM2 runs it. Every layer reads its own pool, as in
+the model: with one pool shared by all layers XLA would gather the dense path's K/V once and
+reuse it 30 times. Cases: decode batches with uniform and
 long-tailed (log-normal) contexts, and prefill steps mixing chunk lengths as the scheduler
 packs them. Prints milliseconds for both paths, their ratio, the K/V bytes the step must
 read and the rate the blockwise path reads them at, and the largest difference between the
-two (they compute the same function).
+two (they compute the same function). First it prints this machine's memory ceilings in the
+same process: a `jnp.sum` over all K pools (read only) and an elementwise copy of them (read +
+write, the traffic of materializing gathered K/V).
 
     python scripts/bench_attention.py
 """
@@ -22,7 +26,7 @@ import numpy as np
 
 from pallas_kernels.reference import paged_attention_blockwise, paged_attention_reference
 
-KV_HEADS, GROUP, HEAD_DIM, BLOCK, POOL_BLOCKS, LAYERS = 3, 3, 64, 16, 4096, 30
+KV_HEADS, GROUP, HEAD_DIM, BLOCK, POOL_BLOCKS, LAYERS = 3, 3, 64, 16, 2048, 30
 
 
 def cases(rng):
@@ -72,10 +76,16 @@ def timed(fn, *args, repeats=5) -> float:
 
 
 def main() -> None:
-    rng = np.random.default_rng(0)
+    rng, pool_rng = np.random.default_rng(0), np.random.default_rng(1)
     shape = (KV_HEADS, POOL_BLOCKS, BLOCK, HEAD_DIM)
-    k_pool = jnp.asarray(rng.standard_normal(shape, np.float32))
-    v_pool = jnp.asarray(rng.standard_normal(shape, np.float32))
+    k_pools = [jnp.asarray(pool_rng.standard_normal(shape, np.float32)) for _ in range(LAYERS)]
+    v_pools = [jnp.asarray(pool_rng.standard_normal(shape, np.float32)) for _ in range(LAYERS)]
+    pool_bytes = LAYERS * k_pools[0].nbytes
+    read_s = timed(jax.jit(lambda pools: sum(p.sum() for p in pools)), k_pools)
+    copy_s = timed(jax.jit(lambda pools: [p + 1.0 for p in pools]), k_pools)
+    print(f"memory ceilings over {pool_bytes / 1e6:.0f} MB of K pools: jnp.sum reads "
+          f"{pool_bytes / read_s / 1e9:.1f} GB/s; a copy moves "
+          f"{pool_bytes / copy_s / 1e9:.1f} GB/s each way")
     print(f"{'case':<34}{'dense ms':>10}{'blockwise ms':>14}{'ratio':>8}{'KV MB':>8}"
           f"{'GB/s':>7}{'max diff':>10}")
     for name, lens, new, max_query_len in cases(rng):
@@ -83,13 +93,13 @@ def main() -> None:
         results = {}
         for label, attend in (("dense", paged_attention_reference),
                               ("blockwise", paged_attention_blockwise)):
-            def layers(q, k, v, t, n, s, attend=attend, qm=max_query_len):  # 30 layers
-                return sum(attend(q + i * 1e-3, k, v, t, n, s, max_query_len=qm)
+            def layers(q, ks, vs, t, n, s, attend=attend, qm=max_query_len):  # 30 layers
+                return sum(attend(q + i * 1e-3, ks[i], vs[i], t, n, s, max_query_len=qm)
                            for i in range(LAYERS))
 
             fn = jax.jit(layers)
-            results[label] = (timed(fn, q, k_pool, v_pool, tables, seq_lens, qsl),
-                              fn(q, k_pool, v_pool, tables, seq_lens, qsl))
+            results[label] = (timed(fn, q, k_pools, v_pools, tables, seq_lens, qsl),
+                              fn(q, k_pools, v_pools, tables, seq_lens, qsl))
         (dense_s, dense_out), (block_s, block_out) = results["dense"], results["blockwise"]
         diff = float(jnp.abs(dense_out - block_out).max()) / LAYERS
         print(f"{name:<34}{dense_s * 1e3:>10.1f}{block_s * 1e3:>14.1f}"
