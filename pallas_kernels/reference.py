@@ -220,7 +220,9 @@ def _attend_chunks(body, rows_shape, head_dim, seq_lens, chunk, num_chunks):
 
 
 def _tiers(num_seqs: int) -> list[tuple[int, int]]:
-    """[lo, hi) row ranges: halves from the short end, down to tiers of 8 rows."""
+    """[lo, hi) row ranges over rows sorted longest first: the last (shortest) half, then the
+    shortest half of the rest, while the rest is over 8 rows and even; at most 4 tiers
+    (64 rows -> sizes 8, 8, 16, 32; 48 -> 6, 6, 12, 24; 12 -> 6, 6)."""
     bounds = [num_seqs]
     while bounds[-1] > 8 and bounds[-1] % 2 == 0 and len(bounds) < 4:
         bounds.append(bounds[-1] // 2)

@@ -6,7 +6,8 @@ row. Each step runs as at most two calls of one jitted function: the decode toke
 token per sequence, `max_query_len` 1) and the prefill chunks (several tokens per sequence),
 so the attention of a decode batch never pays for the longest prompt chunk.
 
-Every array dimension is padded to a bucket (powers of two), so the number of compilations
+Every array dimension is padded to a bucket (powers of two; decode batches also at the
+1.5x points between them from 8 rows on), so the number of compilations
 over any trace is bounded by `max_compiles`; `compiles` counts them as they happen.
 """
 
