@@ -172,14 +172,14 @@ def argmax(x: jax.Array) -> jax.Array:
 
 
 def _outputs(tokens: jax.Array, raw_logits: jax.Array, md: SamplingMetadata):
-    # the chosen token's log-probability without materializing the [R, V] log-softmax
-    row_max = raw_logits.max(axis=-1, keepdims=True)
-    log_denom = row_max[:, 0] + jnp.log(jnp.exp(raw_logits - row_max).sum(axis=-1))
-    chosen = jnp.take_along_axis(raw_logits, tokens[:, None], axis=-1)[:, 0]
-    out = {"tokens": tokens, "logprob": chosen - log_denom}
     if md.num_logprobs:
         raw_logprobs = jax.nn.log_softmax(raw_logits, axis=-1)
         top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, min(md.num_logprobs, MAX_LOGPROBS))
-        out["top_ids"] = top_ids.astype(jnp.int32)
-        out["top_logprobs"] = top_logprobs
-    return out
+        chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+        return {"tokens": tokens, "logprob": chosen, "top_ids": top_ids.astype(jnp.int32),
+                "top_logprobs": top_logprobs}
+    # only the chosen token's log-probability: logit - logsumexp, no [R, V] log-softmax
+    row_max = raw_logits.max(axis=-1, keepdims=True)
+    log_denom = row_max[:, 0] + jnp.log(jnp.exp(raw_logits - row_max).sum(axis=-1))
+    chosen = jnp.take_along_axis(raw_logits, tokens[:, None], axis=-1)[:, 0]
+    return {"tokens": tokens, "logprob": chosen - log_denom}

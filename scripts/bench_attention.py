@@ -5,13 +5,13 @@ Each case is one engine-like step (per layer a K/V pool of 2048 blocks x 16 toke
 heads, 9 query heads, head_dim 64, float32, permuted block tables) timed over 30 layers, as a
 decode or prefill step of the 30-layer SmolLM2 runs it. Every layer reads its own pool, as in
 the model: with one pool shared by all layers XLA would gather the dense path's K/V once and
-reuse it 30 times. Cases: decode batches with uniform and
-long-tailed (log-normal) contexts, and prefill steps mixing chunk lengths as the scheduler
-packs them. Prints milliseconds for both paths, their ratio, the K/V bytes the step must
-read and the rate the blockwise path reads them at, and the largest difference between the
-two (they compute the same function). First it prints this machine's memory ceilings in the
-same process: a `jnp.sum` over all K pools (read only) and an elementwise copy of them (read +
-write, the traffic of materializing gathered K/V).
+reuse it 30 times. Cases: decode batches with uniform and long-tailed (log-normal) contexts,
+and prefill steps mixing chunk lengths as the scheduler packs them. Prints milliseconds for
+both paths, their ratio, the K/V bytes the step must read and the rate the blockwise path
+reads them at, and the largest difference between the two (they compute the same function).
+First it prints this machine's memory ceilings in the same process: a `jnp.sum` over all K
+pools (read only) and an elementwise copy of them (read + write, the traffic of
+materializing gathered K/V).
 
     python scripts/bench_attention.py
 """

@@ -14,7 +14,7 @@ Prints useful tokens/s for each and their ratio, the trace's FLOP count and the 
 it implies at this machine's measured float32 matmul rate, the decode step's share of that
 rate at batch 64, compile count and time, mean TTFT/TPOT and the host share of step time.
 
-    python scripts/bench_throughput.py            # 64 requests (~15 minutes)
+    python scripts/bench_throughput.py            # 64 requests (~8 minutes)
     python scripts/bench_throughput.py --quick    # 16 requests
     python scripts/bench_throughput.py --skip-hf-continuous   # HF's continuous batching is slow
 """
