@@ -235,9 +235,9 @@ def _decode_tier(q_seq, k_pool, v_pool, tables, seq_lens, blocks_per_chunk):
 
     Each chunk's K/V is gathered as whole (head, block) rows of the flattened pool, straight
     into [S, K, C, D] (a row gather is a memcpy per row; indexing the head-major pool as
-    `pool[:, ids]` and transposing measured 13-19% slower per step). The per-(sequence,
-    head) matrices are tiny (a GQA group of query rows by one chunk of keys), so the
-    contractions are broadcast-multiply-reduce over memory that stays in cache; measured
+    `pool[:, ids]` and transposing made 30 layers of decode attention 13-19% slower). The
+    per-(sequence, head) matrices are tiny (a GQA group of query rows by one chunk of keys),
+    so the contractions are broadcast-multiply-reduce over memory that stays in cache; measured
     faster than einsums over the same chunks. Gathering is the cost: a b64 step reads K/V at
     ~5 GB/s where this 2-core machine copies at ~6.6 GB/s (scripts/bench_attention.py)."""
     num_seqs, num_kv_heads, group, head_dim = q_seq.shape
