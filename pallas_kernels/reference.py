@@ -188,7 +188,7 @@ def _decode(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, scale
     q_seq = q_seq.reshape(num_seqs, num_kv_heads, group, head_dim).astype(jnp.float32)
     out = jnp.concatenate([
         _decode_tier(q_seq[lo:hi], k_pool, v_pool, tables[lo:hi], lens[lo:hi], blocks_per_chunk)
-        for lo, hi in _tiers(num_seqs, smallest=8, most=4)])  # [S, K, G, D]
+        for lo, hi in _tiers(num_seqs, smallest=8)])  # [S, K, G, D]
     out = out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
     return jnp.zeros_like(q).at[token_index].set(out, mode="drop")
 
@@ -219,13 +219,13 @@ def _attend_chunks(body, rows_shape, head_dim, seq_lens, chunk, num_chunks):
     return acc / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
-def _tiers(num_rows: int, *, smallest: int, most: int) -> list[tuple[int, int]]:
+def _tiers(num_rows: int, *, smallest: int) -> list[tuple[int, int]]:
     """[lo, hi) row ranges over rows sorted longest first: the last (shortest) half, then the
-    shortest half of the rest, while the rest is over `smallest` rows and even; at most
-    `most` tiers. Decode (smallest 8, most 4): 64 rows -> sizes 8, 8, 16, 32; 48 -> 6, 6,
-    12, 24; 12 -> 6, 6. Prefill tiles (smallest 1, most 3): 8 -> 2, 2, 4; 16 -> 4, 4, 8."""
+    shortest half of the rest, while the rest is over `smallest` rows and even; at most 4
+    tiers. Decode (smallest 8): 64 rows -> sizes 8, 8, 16, 32; 48 -> 6, 6, 12, 24; 12 -> 6,
+    6. Prefill tiles (smallest 1): 8 -> 1, 1, 2, 4; 12 -> 3, 3, 6."""
     bounds = [num_rows]
-    while bounds[-1] > smallest and bounds[-1] % 2 == 0 and len(bounds) < most:
+    while bounds[-1] > smallest and bounds[-1] % 2 == 0 and len(bounds) < 4:
         bounds.append(bounds[-1] // 2)
     bounds.append(0)
     return list(zip(bounds[::-1][:-1], bounds[::-1][1:], strict=True))
@@ -340,14 +340,14 @@ def _prefill(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, max_
     # a long chunk, or of a short sequence, stops at its own last key. Tiles are few (often 8
     # or 16, the last S of them padding) and heavy (G * tile query rows), so tiers go down to
     # single tiles: a 512-token chunk's 4 tiles reach 4, 3, 2, 1 key chunks and its 4 padding
-    # tiles none; as one tier all 8 ran 4 chunks (32 tile-chunks), as 2, 2, 4 they run 12.
-    # A fourth tier saved little more and costs compile time (a loop per tier and layer).
+    # tiles none; as one tier all 8 ran 4 chunks (32 tile-chunks), as 1, 1, 2, 4 they run 11.
+    # Costs compile time: a loop per tier and layer.
     order = jnp.argsort(-reach)
     q_tiles, tables, lens, query_pos, reach = (
         q_tiles[:, order], tables[order], lens[order], query_pos[order], reach[order])
     out = jnp.concatenate([
         attend_tier(q_tiles[:, lo:hi], tables[lo:hi], lens[lo:hi], query_pos[lo:hi],
-                    reach[lo:hi]) for lo, hi in _tiers(num_tiles, smallest=1, most=3)], axis=1)
+                    reach[lo:hi]) for lo, hi in _tiers(num_tiles, smallest=1)], axis=1)
     out = out[:, jnp.argsort(order)]  # [K, NT, G*tile, D], back in tile order
     out = out.reshape(num_kv_heads, num_tiles, group, tile, head_dim).transpose(1, 3, 0, 2, 4)
     out = out.reshape(num_tiles * tile, num_heads, head_dim)

@@ -184,11 +184,11 @@ def test_write_kv_scatters_through_slot_mapping():
 
 def test_tiers_hand_worked():
     """Rows sorted longest first are served in tiers: halving from the end while the rest is
-    even and over `smallest`, at most `most` tiers."""
-    assert _tiers(64, smallest=8, most=4) == [(0, 8), (8, 16), (16, 32), (32, 64)]
-    assert _tiers(48, smallest=8, most=4) == [(0, 6), (6, 12), (12, 24), (24, 48)]
-    assert _tiers(12, smallest=8, most=4) == [(0, 6), (6, 12)]
-    assert _tiers(8, smallest=8, most=4) == [(0, 8)]
-    assert _tiers(8, smallest=1, most=3) == [(0, 2), (2, 4), (4, 8)]
-    assert _tiers(10, smallest=1, most=3) == [(0, 5), (5, 10)]  # 5 is odd: stop
-    assert _tiers(1, smallest=1, most=3) == [(0, 1)]
+    even and over `smallest`, at most 4 tiers."""
+    assert _tiers(64, smallest=8) == [(0, 8), (8, 16), (16, 32), (32, 64)]
+    assert _tiers(48, smallest=8) == [(0, 6), (6, 12), (12, 24), (24, 48)]
+    assert _tiers(12, smallest=8) == [(0, 6), (6, 12)]
+    assert _tiers(8, smallest=8) == [(0, 8)]
+    assert _tiers(8, smallest=1) == [(0, 1), (1, 2), (2, 4), (4, 8)]
+    assert _tiers(10, smallest=1) == [(0, 5), (5, 10)]  # 5 is odd: stop
+    assert _tiers(1, smallest=1) == [(0, 1)]
