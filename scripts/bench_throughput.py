@@ -17,6 +17,12 @@ rate at batch 64, compile count and time, mean TTFT/TPOT and the host share of s
     python scripts/bench_throughput.py            # 64 requests (~8 minutes)
     python scripts/bench_throughput.py --quick    # 16 requests
     python scripts/bench_throughput.py --skip-hf-continuous   # HF's continuous batching is slow
+    python scripts/bench_throughput.py --attention-free  # also: the trace with attention skipped
+
+`--attention-free` finally runs jaxpage's trace again in a fresh process with every layer's
+attention replaced by a pass-through (same schedule, same matmuls, no K/V read or written; the
+tokens are garbage, lengths are fixed by ignore_eos): the floor this engine's projections,
+MLP, logits and sampling set, whatever attention kernel it gets.
 """
 
 from __future__ import annotations
@@ -127,6 +133,30 @@ def run_hf_continuous(model, prompts, output_lens):
     return elapsed, [list(done[i].generated_tokens) for i in ids]
 
 
+def attention_free_seconds(num_requests: int) -> float:
+    """Warm seconds of the trace with attention replaced by a pass-through (see the module
+    docstring), measured in a fresh process: in this one, after the real steps, the same
+    pass-through run measured ~25% slower (jax.clear_caches and recompiling in a process
+    that has run the real steps), so the child never compiles attention at all."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_attention_free_child, (num_requests,))
+
+
+def _attention_free_child(num_requests: int) -> float:
+    import jaxpage.models.llama as llama
+    from jaxpage import LLM
+
+    llama.paged_attention = lambda q, k, v, layer_kv, metadata: (q, layer_kv)
+    llm = LLM(max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=512,
+              kv_cache_memory=1 << 30)
+    prompts, output_lens = make_trace(num_requests, 0, llm.engine.model.config.vocab_size)
+    run_jaxpage(llm, prompts, output_lens)  # compile
+    assert llm.reset_prefix_cache()
+    return run_jaxpage(llm, prompts, output_lens)[0]
+
+
 def decode_step_rate(llm, batch: int, context: int) -> tuple[float, float]:
     """(seconds, FLOPs) of one decode step at `batch` sequences of `context` tokens."""
     from jaxpage.engine.runner import SamplingRow, SeqInput
@@ -152,6 +182,9 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-hf-continuous", action="store_true",
                     help="skip HF's continuous batching (the slowest part)")
+    ap.add_argument("--attention-free", action="store_true",
+                    help="finally run the trace with attention skipped, in a fresh process "
+                         "(~2.5 minutes)")
     ap.add_argument("--json", default=None, help="write all numbers to this JSON file")
     args = ap.parse_args()
     num_requests = args.requests or (16 if args.quick else 64)
@@ -196,13 +229,14 @@ def main() -> None:
             ours = [o.outputs[0].token_ids for o in outs]
             same_tokens = sum(a == b for a, b in zip(ours, hf_tokens, strict=True))
 
+    free_seconds = attention_free_seconds(num_requests) if args.attention_free else None
     roof_seconds = flops / (rate * 1e9)
     result = {
         "requests": num_requests, "useful_tokens": useful,
         "prompt_tokens": sum(len(p) for p in prompts),
         "matmul_gflops": rate, "trace_gflop": flops / 1e9,
         "compute_roof_tok_s": useful / roof_seconds,
-        "jaxpage_cold_s": cold, "jaxpage_warm_s": warm,
+        "jaxpage_cold_s": cold, "jaxpage_warm_s": warm, "jaxpage_attention_free_s": free_seconds,
         "jaxpage_tok_s": useful / warm, "jaxpage_cold_tok_s": useful / cold,
         "hf_static_s": hf_seconds,
         "hf_static_tok_s": useful / hf_seconds if hf_seconds else None,
@@ -224,6 +258,8 @@ def main() -> None:
     print(f"{'system':<30}{'seconds':>9}{'tok/s':>8}{'vs HF static':>14}{'vs HF cont.':>13}"
           f"{'of roof':>9}")
     rows = [("jaxpage (warm)", warm), ("jaxpage (cold, compiling)", cold)]
+    if free_seconds:
+        rows.append(("jaxpage, attention skipped", free_seconds))
     if hf_seconds:
         rows.append((f"HF static batch {args.hf_batch}", hf_seconds))
     if hf_cb_seconds:
