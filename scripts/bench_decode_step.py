@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_throughput import decode_step_rate, matmul_gflops  # noqa: E402
+from bench_throughput import decode_step_rate, make_llm, matmul_gflops  # noqa: E402
 
 
 def main() -> None:
@@ -31,11 +31,8 @@ def main() -> None:
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
 
-    from jaxpage import LLM
-
     rate = matmul_gflops()
-    llm = LLM(max_model_len=1024, max_num_seqs=max(batches), max_num_batched_tokens=512,
-              kv_cache_memory=1 << 30)
+    llm = make_llm(max(batches))
     print(f"matmul rate (2048^3 f32): {rate:.1f} GFLOP/s; context {args.context}; decode "
           f"buckets {llm.engine.runner.decode_buckets}")
     print(f"{'batch':>6}{'ms/step':>10}{'ms/seq':>9}{'GFLOP/s':>10}{'of matmul':>11}")

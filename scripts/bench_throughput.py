@@ -79,6 +79,14 @@ def trace_flops(config, prompts, output_lens) -> float:
     return total
 
 
+def make_llm(max_num_seqs: int = 64):
+    """The engine every throughput figure is measured on (the default model, float32)."""
+    from jaxpage import LLM
+
+    return LLM(max_model_len=1024, max_num_seqs=max_num_seqs, max_num_batched_tokens=512,
+               kv_cache_memory=1 << 30)
+
+
 def run_jaxpage(llm, prompts, output_lens):
     from jaxpage import SamplingParams
 
@@ -146,11 +154,9 @@ def attention_free_seconds(num_requests: int) -> float:
 
 def _attention_free_child(num_requests: int) -> float:
     import jaxpage.models.llama as llama
-    from jaxpage import LLM
 
     llama.paged_attention = lambda q, k, v, layer_kv, metadata: (q, layer_kv)
-    llm = LLM(max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=512,
-              kv_cache_memory=1 << 30)
+    llm = make_llm()
     prompts, output_lens = make_trace(num_requests, 0, llm.engine.model.config.vocab_size)
     run_jaxpage(llm, prompts, output_lens)  # compile
     assert llm.reset_prefix_cache()
@@ -189,12 +195,10 @@ def main() -> None:
     args = ap.parse_args()
     num_requests = args.requests or (16 if args.quick else 64)
 
-    from jaxpage import LLM
     from jaxpage.loading import default_model_path
 
     rate = matmul_gflops()
-    llm = LLM(max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=512,
-              kv_cache_memory=1 << 30)
+    llm = make_llm()
     config = llm.engine.model.config
     prompts, output_lens = make_trace(num_requests, 0, config.vocab_size)
     useful = sum(output_lens)
