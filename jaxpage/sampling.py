@@ -179,7 +179,5 @@ def _outputs(tokens: jax.Array, raw_logits: jax.Array, md: SamplingMetadata):
         return {"tokens": tokens, "logprob": chosen, "top_ids": top_ids.astype(jnp.int32),
                 "top_logprobs": top_logprobs}
     # only the chosen token's log-probability: logit - logsumexp, no [R, V] log-softmax
-    row_max = raw_logits.max(axis=-1, keepdims=True)
-    log_denom = row_max[:, 0] + jnp.log(jnp.exp(raw_logits - row_max).sum(axis=-1))
     chosen = jnp.take_along_axis(raw_logits, tokens[:, None], axis=-1)[:, 0]
-    return {"tokens": tokens, "logprob": chosen - log_denom}
+    return {"tokens": tokens, "logprob": chosen - jax.nn.logsumexp(raw_logits, axis=-1)}

@@ -240,7 +240,8 @@ def _decode_tier(q_seq, k_pool, v_pool, tables, seq_lens, blocks_per_chunk):
     per-(sequence, head) matrices are tiny (a GQA group of query rows by one chunk of keys),
     so the contractions are broadcast-multiply-reduce over memory that stays in cache; measured
     faster than einsums over the same chunks. Gathering is the cost: a b64 step reads K/V at
-    ~5 GB/s where this 2-core machine copies at ~6.6 GB/s (scripts/bench_attention.py)."""
+    5-6 GB/s, at or below the 6.6-12.4 GB/s this 2-core machine copies at across runs
+    (scripts/bench_attention.py)."""
     num_seqs, num_kv_heads, group, head_dim = q_seq.shape
     block_size = k_pool.shape[2]
     blocks_per_chunk = blocks_per_chunk or max(1, 64 // block_size)  # measured best on CPU
