@@ -121,53 +121,61 @@ def test_blockwise_decode_with_a_queryless_sequence_between():
     assert not np.asarray(blockwise)[2].any()
 
 
+def random_batch(rng, *, num_heads, num_kv_heads, head_dim, block_size, max_cached=40,
+                 max_new=20, num_seqs=None):
+    """A ragged batch over a permuted pool whose unowned slots are NaN, plus each sequence's
+    contiguous K/V for the naive oracle."""
+    num_seqs = num_seqs or int(rng.integers(1, 6))
+    cached = rng.integers(0, max_cached, num_seqs)
+    new = np.where(rng.random(num_seqs) < 0.5, 1, rng.integers(1, max_new, num_seqs))
+    seq_lens = cached + new
+    blocks_needed = -(-seq_lens // block_size)
+    num_blocks = int(blocks_needed.sum()) + 3
+    physical = rng.permutation(np.arange(1, num_blocks))
+    k_pool = np.full((num_blocks, block_size, num_kv_heads, head_dim), np.nan, np.float32)
+    v_pool = np.full_like(k_pool, np.nan)
+    tables = np.zeros((num_seqs, int(blocks_needed.max()) + 2), np.int32)
+    keys, values, used = [], [], 0
+    for s in range(num_seqs):
+        n = int(blocks_needed[s])
+        tables[s, :n] = physical[used : used + n]
+        used += n
+        k = rng.standard_normal((seq_lens[s], num_kv_heads, head_dim)).astype(np.float32)
+        v = rng.standard_normal((seq_lens[s], num_kv_heads, head_dim)).astype(np.float32)
+        keys.append(k)
+        values.append(v)
+        for pos in range(seq_lens[s]):
+            block, offset = tables[s, pos // block_size], pos % block_size
+            k_pool[block, offset], v_pool[block, offset] = k[pos], v[pos]
+    num_tokens = int(new.sum()) + int(rng.integers(0, 5))  # trailing padding tokens
+    q = rng.standard_normal((num_tokens, num_heads, head_dim)).astype(np.float32)
+    qsl = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    args = (q, head_major(k_pool), head_major(v_pool), tables, seq_lens.astype(np.int32), qsl)
+    return args, keys, values
+
+
+def assert_matches_naive(out, args, keys, values, scale):
+    q, qsl = args[0], args[5]
+    assert np.isfinite(out).all(), "an unowned (NaN) slot leaked into the output"
+    for s in range(len(keys)):
+        rows = slice(qsl[s], qsl[s + 1])
+        expected = naive_attention(q[rows].astype(np.float64), keys[s].astype(np.float64),
+                                   values[s].astype(np.float64), scale)
+        np.testing.assert_allclose(out[rows], expected, atol=2e-5, rtol=0, err_msg=f"seq {s}")
+    assert not out[qsl[-1]:].any(), "padding rows must be zero"
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("num_heads,num_kv_heads,block_size", [(4, 4, 4), (6, 2, 16), (9, 3, 1),
                                                                 (8, 1, 8)])
 def test_random_ragged_batches_match_naive(seed, num_heads, num_kv_heads, block_size):
     rng = np.random.default_rng(seed)
-    head_dim = 8
-    num_seqs = int(rng.integers(1, 6))
-    # per sequence: tokens already cached and new query tokens (decode = 1)
-    cached = rng.integers(0, 40, num_seqs)
-    new = np.where(rng.random(num_seqs) < 0.5, 1, rng.integers(1, 20, num_seqs))
-    seq_lens = cached + new
-    blocks_needed = -(-seq_lens // block_size)
-    num_blocks = int(blocks_needed.sum()) + 3
-    max_blocks = int(blocks_needed.max()) + 2
-    physical = rng.permutation(np.arange(1, num_blocks))  # never block 0
-    k_pool = np.full((num_blocks, block_size, num_kv_heads, head_dim), np.nan, np.float32)
-    v_pool = np.full_like(k_pool, np.nan)
-    tables = np.zeros((num_seqs, max_blocks), np.int32)
-    contiguous_k, contiguous_v = [], []
-    next_block = 0
-    for s in range(num_seqs):
-        n = int(blocks_needed[s])
-        tables[s, :n] = physical[next_block : next_block + n]
-        next_block += n
-        keys = rng.standard_normal((seq_lens[s], num_kv_heads, head_dim)).astype(np.float32)
-        values = rng.standard_normal((seq_lens[s], num_kv_heads, head_dim)).astype(np.float32)
-        contiguous_k.append(keys)
-        contiguous_v.append(values)
-        for pos in range(seq_lens[s]):  # only owned slots get data; the rest stay NaN
-            block, offset = tables[s, pos // block_size], pos % block_size
-            k_pool[block, offset], v_pool[block, offset] = keys[pos], values[pos]
-    num_tokens = int(new.sum()) + int(rng.integers(0, 5))  # trailing padding tokens
-    q = rng.standard_normal((num_tokens, num_heads, head_dim)).astype(np.float32)
-    query_start_loc = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
-    args = (q, head_major(k_pool), head_major(v_pool), tables, seq_lens.astype(np.int32),
-            query_start_loc)
+    args, keys, values = random_batch(rng, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                      head_dim=8, block_size=block_size)
+    max_query_len = int(np.diff(args[5]).max())
     for attend in (paged_attention_reference, paged_attention_blockwise):
-        out = np.asarray(attend(*args, max_query_len=int(new.max())))
-        assert np.isfinite(out).all(), "an unowned (NaN) slot leaked into the output"
-        for s in range(num_seqs):
-            rows = slice(query_start_loc[s], query_start_loc[s + 1])
-            expected = naive_attention(q[rows].astype(np.float64),
-                                       contiguous_k[s].astype(np.float64),
-                                       contiguous_v[s].astype(np.float64), head_dim**-0.5)
-            np.testing.assert_allclose(out[rows], expected, atol=2e-5, rtol=0,
-                                       err_msg=f"{attend.__name__} seq {s}")
-        assert not out[query_start_loc[-1]:].any(), "padding rows must be zero"
+        out = np.asarray(attend(*args, max_query_len=max_query_len))
+        assert_matches_naive(out, args, keys, values, 8**-0.5)
 
 
 def test_write_kv_scatters_through_slot_mapping():

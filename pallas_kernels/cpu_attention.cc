@@ -1,0 +1,359 @@
+// Paged attention on CPU as an XLA FFI custom call: K/V are read where they lie in the pool.
+//
+// Same contract as pallas_kernels/reference.py (`paged_attention_reference`): a ragged,
+// token-flat batch of T queries from S sequences, each sequence's queries being its last
+// tokens, attending causally to everything the sequence has in the pool. XLA:CPU cannot fuse
+// a gather into a contraction, so the jnp path copies every block it reads into a buffer
+// first; here each (sequence, KV head, query tile) work item walks its block table and
+// contracts each [block_size, head_dim] tile of K and V in place, with an online softmax.
+// Work items are shared among XLA's intra-op threads.
+//
+// Built on first use by pallas_kernels/cpu_attention.py (g++ -O3 -march=native).
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kMaxTile = 256;  // largest head_dim and block_size served
+
+// exp(x) for x <= 0, written so that loops over it vectorize (no libm call): Cephes' expf
+// polynomial on [-ln2/2, ln2/2] times 2^n. Inputs below -87 give ~1e-38 instead of smaller.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return y * __builtin_bit_cast(float, bits);
+}
+
+struct Problem {
+  const float* q;        // [T, H, D]
+  const float* k;        // [K, NB, B, D]
+  const float* v;        // [K, NB, B, D]
+  const int32_t* tables; // [S, MB]
+  const int32_t* lens;   // [S]
+  const int32_t* qsl;    // [S + 1]
+  float* out;            // [T, H, D]
+  int64_t num_heads, head_dim, num_kv_heads, num_blocks, block_size, max_blocks, group;
+  float scale;
+};
+
+// One work item: KV head `head` of sequence `seq`, its queries [tok_begin, tok_end) counted
+// from the sequence's first query.
+struct Item {
+  int32_t seq, head, tok_begin, tok_end;
+  int64_t cost;
+};
+
+struct Scratch {
+  std::vector<float> q, acc, row_max, denom, kt, scores, probs;
+  std::vector<int32_t> pos;
+};
+
+#ifndef PREFETCH_LOCALITY
+#define PREFETCH_LOCALITY 1
+#endif
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 2
+#endif
+constexpr int64_t kPrefetchBlocks = PREFETCH_BLOCKS;
+
+inline void prefetch_tile(const float* tile, int64_t floats) {
+  const char* p = reinterpret_cast<const char*>(tile);
+  for (int64_t i = 0; i < floats * 4; i += 64) __builtin_prefetch(p + i, 0, PREFETCH_LOCALITY);
+}
+
+// Fold row r's scores for one key tile (keys [0, n) visible) into its running max, denominator
+// and accumulator (the online softmax), leaving the probabilities in `probs`.
+template <int kB>
+inline float softmax_step(const float* scores, int64_t n, int64_t block_size, float* probs,
+                          float* row_max, float* denom) {
+  const int64_t B = kB ? kB : block_size;
+  float block_max = kNegInf;
+  for (int64_t t = 0; t < B; ++t) block_max = std::max(block_max, t < n ? scores[t] : kNegInf);
+  const float old_max = *row_max;
+  const float new_max = std::max(old_max, block_max);
+  const float correction = old_max == kNegInf ? 0.0f : exp_nonpositive(old_max - new_max);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < B; ++t) {
+    const float e = exp_nonpositive(scores[t] - new_max);  // slots t >= n may be garbage
+    probs[t] = t < n ? e : 0.0f;
+    sum += probs[t];
+  }
+  *row_max = new_max;
+  *denom = *denom * correction + sum;
+  return correction;
+}
+
+// Attention of one item's G * tokens query rows over the keys they can see. kD and kB are
+// head_dim and block_size when known at compile time (the common pairs), or 0 for any size up
+// to kMaxTile (read from the problem at run time). Few rows (a decode item: one token's GQA
+// group) take dot products straight off the K tile; many rows (a prefill tile) transpose the
+// K tile once and contract it eight rows at a time.
+// Returns false if the block table names a block outside the pool.
+template <int kD, int kB>
+bool attend(const Problem& P, const Item& it, Scratch& s) {
+  constexpr int64_t kDMax = kD ? kD : kMaxTile, kBMax = kB ? kB : kMaxTile;
+  const int64_t D = kD ? kD : P.head_dim, B = kB ? kB : P.block_size;
+  const int64_t G = P.group;
+  const int32_t q_start = P.qsl[it.seq];
+  const int32_t q_len = P.qsl[it.seq + 1] - q_start;
+  const int32_t first_pos = P.lens[it.seq] - q_len;  // position of the sequence's first query
+  const int64_t rows = static_cast<int64_t>(it.tok_end - it.tok_begin) * G;
+  const int64_t reach = first_pos + it.tok_end;       // keys [0, reach) are visible to some row
+
+  s.q.resize(rows * D);
+  s.acc.assign(rows * D, 0.0f);
+  s.row_max.assign(rows, kNegInf);
+  s.denom.assign(rows, 0.0f);
+  s.pos.resize(rows);
+  s.kt.resize(D * B);
+  s.scores.resize(8 * B);
+  s.probs.resize(8 * B);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t tok = q_start + it.tok_begin + r / G;
+    const float* src = P.q + (tok * P.num_heads + it.head * G + r % G) * D;
+    for (int64_t d = 0; d < D; ++d) s.q[r * D + d] = src[d] * P.scale;
+    s.pos[r] = first_pos + it.tok_begin + static_cast<int32_t>(r / G);
+  }
+
+  const int32_t* table = P.tables + static_cast<int64_t>(it.seq) * P.max_blocks;
+  const int64_t num_key_blocks = (reach + B - 1) / B;
+  const int64_t head_offset = it.head * P.num_blocks;
+  float* __restrict scores = s.scores.data();
+  float* __restrict probs = s.probs.data();
+  float* __restrict kt = s.kt.data();
+  for (int64_t j = 0; j < num_key_blocks; ++j) {
+    const int32_t block = table[j];
+    if (block < 0 || block >= P.num_blocks) return false;
+    for (int64_t ahead = j == 0 ? 1 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead) {
+      if (j + ahead >= num_key_blocks) break;
+      const int32_t next = table[j + ahead];
+      if (next >= 0 && next < P.num_blocks) {
+        prefetch_tile(P.k + (head_offset + next) * B * D, B * D);
+        prefetch_tile(P.v + (head_offset + next) * B * D, B * D);
+      }
+    }
+    const float* __restrict kb = P.k + (head_offset + block) * B * D;
+    const float* __restrict vb = P.v + (head_offset + block) * B * D;
+    const int64_t key0 = j * B;
+    const int64_t valid = std::min<int64_t>(B, reach - key0);
+
+    if (rows < 8) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t n = std::min<int64_t>(valid, s.pos[r] + 1 - key0);  // keys row r sees
+        if (n <= 0) continue;
+        const float* __restrict qr = s.q.data() + r * D;
+        for (int64_t t = 0; t < B; ++t) {  // all B: a fixed trip count unrolls; t >= n masked
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < D; ++d) dot += qr[d] * kb[t * D + d];
+          scores[t] = dot;
+        }
+        const float correction =
+            softmax_step<kB>(scores, n, B, probs, &s.row_max[r], &s.denom[r]);
+        float* __restrict acc = s.acc.data() + r * D;
+        alignas(64) float out[kDMax];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) out[d] = acc[d] * correction;
+        for (int64_t t = 0; t < n; ++t) {
+          const float p = probs[t];
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) out[d] += p * vb[t * D + d];
+        }
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) acc[d] = out[d];
+      }
+      continue;
+    }
+
+    // many rows: K tile transposed to [D, B] (slots past `valid` zeroed: they may hold NaN)
+    for (int64_t t = 0; t < B; ++t)
+      for (int64_t d = 0; d < D; ++d) kt[d * B + t] = t < valid ? kb[t * D + d] : 0.0f;
+    for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+      const int64_t nr = std::min<int64_t>(8, rows - r0);
+      if (s.pos[r0 + nr - 1] + 1 - key0 <= 0) continue;  // rows are in position order
+      alignas(64) float sc[8][kBMax] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        for (int64_t i = 0; i < 8; ++i) {
+          const float qd = i < nr ? s.q[(r0 + i) * D + d] : 0.0f;
+#pragma omp simd
+          for (int64_t t = 0; t < B; ++t) sc[i][t] += qd * kt[d * B + t];
+        }
+      }
+      int64_t n_max = 0;
+      float correction[8];
+      for (int64_t i = 0; i < nr; ++i) {
+        const int64_t n = std::max<int64_t>(0, std::min<int64_t>(valid, s.pos[r0 + i] + 1 - key0));
+        n_max = std::max(n_max, n);
+        correction[i] = n > 0 ? softmax_step<kB>(sc[i], n, B, probs + i * B, &s.row_max[r0 + i],
+                                                &s.denom[r0 + i])
+                              : 1.0f;
+        if (n == 0)
+          for (int64_t t = 0; t < B; ++t) probs[i * B + t] = 0.0f;
+      }
+      for (int64_t i0 = 0; i0 < nr; i0 += 4) {
+        const int64_t ni = std::min<int64_t>(4, nr - i0);
+        alignas(64) float out[4][kDMax];
+        for (int64_t i = 0; i < 4; ++i) {
+          const float c = i < ni ? correction[i0 + i] : 0.0f;
+          const float* acc = s.acc.data() + (r0 + i0 + std::min<int64_t>(i, ni - 1)) * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) out[i][d] = acc[d] * c;
+        }
+        for (int64_t t = 0; t < n_max; ++t) {
+          for (int64_t i = 0; i < 4; ++i) {
+            const float p = i < ni ? probs[(i0 + i) * B + t] : 0.0f;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) out[i][d] += p * vb[t * D + d];
+          }
+        }
+        for (int64_t i = 0; i < ni; ++i) {
+          float* acc = s.acc.data() + (r0 + i0 + i) * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) acc[d] = out[i][d];
+        }
+      }
+    }
+  }
+
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t tok = q_start + it.tok_begin + r / G;
+    float* dst = P.out + (tok * P.num_heads + it.head * G + r % G) * D;
+    const float inv = s.denom[r] > 0.0f ? 1.0f / s.denom[r] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) dst[d] = s.acc[r * D + d] * inv;
+  }
+  return true;
+}
+
+using AttendFn = bool (*)(const Problem&, const Item&, Scratch&);
+
+// The (head_dim, block_size) pairs compiled for their sizes, else the run-time sized code.
+AttendFn pick(int64_t head_dim, int64_t block_size) {
+  if (block_size == 16) {
+    if (head_dim == 64) return attend<64, 16>;
+    if (head_dim == 128) return attend<128, 16>;
+  }
+  if (block_size == 32) {
+    if (head_dim == 64) return attend<64, 32>;
+    if (head_dim == 128) return attend<128, 32>;
+  }
+  if (head_dim <= kMaxTile && block_size <= kMaxTile) return attend<0, 0>;
+  return nullptr;
+}
+
+// Items shared by the caller and the helpers it schedules: each thread claims the next
+// unclaimed item until none is left; the caller then waits only for items being worked on.
+struct Work {
+  Problem problem;
+  std::vector<Item> items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::atomic<bool> bad_block{false};
+  AttendFn attend_fn = nullptr;
+
+  void run() {
+    Scratch scratch;
+    const int64_t n = static_cast<int64_t>(items.size());
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+      if (!attend_fn(problem, items[i], scratch)) bad_block.store(true);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                          ffi::Buffer<ffi::F32> k_pool, ffi::Buffer<ffi::F32> v_pool,
+                          ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
+                          ffi::Buffer<ffi::S32> query_start_loc, float scale,
+                          int64_t query_tile, ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions();
+  const auto kd = k_pool.dimensions();
+  const auto td = block_tables.dimensions();
+  const auto vd = v_pool.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || vd.size() != 4 ||
+      !std::equal(kd.begin(), kd.end(), vd.begin()) ||
+      seq_lens.element_count() != td[0] || query_start_loc.element_count() != td[0] + 1 ||
+      kd[3] != qd[2] || kd[0] == 0 || qd[1] % kd[0] != 0 || query_tile < 1) {
+    return ffi::Error::InvalidArgument("paged attention: inconsistent shapes");
+  }
+  auto work = std::make_shared<Work>();
+  Problem& P = work->problem;
+  P = Problem{q.typed_data(), k_pool.typed_data(), v_pool.typed_data(),
+              block_tables.typed_data(), seq_lens.typed_data(), query_start_loc.typed_data(),
+              out->typed_data(), qd[1], qd[2], kd[0], kd[1], kd[2], td[1], qd[1] / kd[0], scale};
+  std::memset(P.out, 0, sizeof(float) * qd[0] * qd[1] * qd[2]);  // padding tokens stay 0
+
+  work->attend_fn = pick(P.head_dim, P.block_size);
+  if (work->attend_fn == nullptr) {
+    return ffi::Error::InvalidArgument("paged attention: head_dim " + std::to_string(P.head_dim) +
+                                       " with block_size " + std::to_string(P.block_size) +
+                                       " is not served (at most 256 each)");
+  }
+  const int64_t num_tokens = qd[0], num_seqs = td[0];
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int32_t start = P.qsl[s], len = P.qsl[s + 1] - start;
+    if (len <= 0) continue;
+    if (start < 0 || start + len > num_tokens || P.lens[s] < len ||
+        P.lens[s] > P.max_blocks * P.block_size) {
+      return ffi::Error::InvalidArgument("paged attention: sequence " + std::to_string(s) +
+                                         " has inconsistent query_start_loc / seq_lens");
+    }
+    for (int32_t a = 0; a < len; a += query_tile) {
+      const int32_t b = std::min<int32_t>(len, a + query_tile);
+      const int64_t reach = P.lens[s] - len + b;
+      for (int32_t h = 0; h < P.num_kv_heads; ++h)
+        work->items.push_back(Item{static_cast<int32_t>(s), h, a, b, reach * (b - a)});
+    }
+  }
+  // heaviest first, so that the last items to finish are short ones
+  std::stable_sort(work->items.begin(), work->items.end(),
+                   [](const Item& x, const Item& y) { return x.cost > y.cost; });
+
+  const int64_t total = static_cast<int64_t>(work->items.size());
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
+  work->run();
+  while (work->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+  if (work->bad_block.load()) {
+    return ffi::Error::InvalidArgument("paged attention: block table entry outside the pool");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagePagedAttention, PagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("query_tile")
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,133 @@
+"""Paged attention on CPU through a small C++ kernel (`cpu_attention.cc`) called via XLA FFI.
+
+Same contract as `reference.paged_attention_reference`. XLA:CPU fuses no gather into a
+contraction (and Pallas has no CPU backend), so the jnp path copies every block it reads
+before contracting it; this kernel reads each [block_size, head_dim] tile of K and V where
+it lies in the pool. The kernel is compiled on first use with the machine's C++ compiler
+(`g++ -O3 -march=native`, about 3 s) into a cache directory keyed by the source, the jaxlib
+version and the CPU; `available()` says whether that worked, and callers fall back to the
+jnp path when it did not (no compiler, another platform, float pools other than float32).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_SOURCE = Path(__file__).with_name("cpu_attention.cc")
+_TARGET = "jaxpage_paged_attention"
+# Query tokens per work item in prefill (x the GQA group = rows contracted against each
+# K/V tile while it is in cache). Decode items have one token.
+QUERY_TILE = 32
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("JAXPAGE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxpage")
+    return Path(root)
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the CPU's model and flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = []
+    return platform.machine() + "".join(lines)
+
+
+_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
+          # vectorize the loops marked `omp simd` and reassociate their sums (no OpenMP runtime);
+          # not -ffast-math: the kernel relies on -inf and NaN behaving as IEEE says
+          "-fopenmp-simd", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+
+
+def _build() -> Path:
+    """Compile the kernel (or reuse a build of the same source and flags for this jaxlib and
+    CPU)."""
+    import jaxlib
+
+    key = hashlib.sha256(b"\0".join([
+        _SOURCE.read_bytes(), " ".join(_FLAGS).encode(), jaxlib.__version__.encode(),
+        _cpu_id().encode()])).hexdigest()
+    library = _cache_dir() / f"cpu_attention-{key[:16]}.so"
+    if library.exists():
+        return library
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found (set CXX)")
+    library.parent.mkdir(parents=True, exist_ok=True)
+    # build beside the target and rename: concurrent processes never load a half-written file
+    with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+        partial = Path(tmp) / library.name
+        cmd = [compiler, *_FLAGS, "-isystem", jax.ffi.include_dir(), "-o", str(partial),
+               str(_SOURCE)]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
+        os.replace(partial, library)
+    return library
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel is built and registered with XLA (compiles it on first call)."""
+    if os.environ.get("JAXPAGE_NO_CPU_KERNEL"):
+        return False
+    try:
+        library = ctypes.cdll.LoadLibrary(str(_build()))
+        jax.ffi.register_ffi_target(
+            _TARGET, jax.ffi.pycapsule(library.JaxpagePagedAttention), platform="cpu")
+    except Exception as e:  # noqa: BLE001 - any failure means: use the jnp path
+        warnings.warn(f"jaxpage: CPU attention kernel unavailable, using the jnp path ({e})",
+                      stacklevel=2)
+        return False
+    return True
+
+
+MAX_TILE = 256  # largest head_dim and block_size the kernel serves (cpu_attention.cc)
+
+
+def unsupported_reason(head_dim: int, block_size: int, dtype) -> str | None:
+    """Why the kernel cannot serve this pool, or None if it can (building it if needed)."""
+    if jnp.dtype(dtype) != jnp.float32:
+        return f"the kernel reads float32 pools, not {jnp.dtype(dtype).name}"
+    if head_dim > MAX_TILE or block_size > MAX_TILE:
+        return f"head_dim {head_dim} and block_size {block_size} must be <= {MAX_TILE}"
+    if not available():
+        return "the kernel could not be built (see the warning above)"
+    return None
+
+
+def paged_attention_cpu(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    query_start_loc: jax.Array,
+    *,
+    scale: float | None = None,
+    query_tile: int = QUERY_TILE,
+) -> jax.Array:
+    """`paged_attention_reference`'s contract (no `max_query_len` needed: the kernel walks
+    each sequence's queries), float32 pools. Call only where `available()` is true."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q.astype(jnp.float32), k_pool, v_pool, block_tables.astype(jnp.int32),
+        seq_lens.astype(jnp.int32), query_start_loc.astype(jnp.int32),
+        scale=np.float32(scale), query_tile=np.int64(query_tile))
+    return out.astype(q.dtype)
