@@ -15,14 +15,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.cpu_attention import paged_attention_cpu
 from pallas_kernels.reference import (
     paged_attention_blockwise,
     paged_attention_reference,
     write_kv,
 )
 
-# "jnp": blockwise online-softmax jnp (the CPU path); "reference": the dense jnp oracle.
-BACKENDS = ("jnp", "reference", "pallas_gpu", "pallas_tpu")
+# "cpp": the C++ kernel called through XLA FFI (the CPU path, float32 pools); "jnp": blockwise
+# online-softmax jnp (any platform and dtype); "reference": the dense jnp oracle.
+BACKENDS = ("cpp", "jnp", "reference", "pallas_gpu", "pallas_tpu")
 
 # One layer's pool: (k_pool, v_pool), each [num_kv_heads, num_blocks, block_size, head_dim]
 # (head-major: a block of one head is a contiguous [block_size, head_dim] tile, the layout the
@@ -45,7 +47,8 @@ class AttentionMetadata:
     Static fields (part of the compiled shape):
       max_query_len: most tokens any sequence has in this step (1 for pure decode).
       backend: one of BACKENDS. The Pallas backends run decode steps
-        (max_query_len 1) in their kernel and prefill chunks on the jnp path.
+        (max_query_len 1) in their kernel and prefill chunks on the jnp path; "cpp" runs both
+        in its kernel (and ignores max_query_len).
       interpret: run the Pallas kernel in interpret mode (any platform, slow).
     """
 
@@ -90,6 +93,10 @@ def paged_attention(
     if metadata.backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {metadata.backend!r}; choose from {BACKENDS}")
     k_pool, v_pool = write_kv(*layer_kv, k, v, metadata.slot_mapping)
+    if metadata.backend == "cpp":
+        out = paged_attention_cpu(q, k_pool, v_pool, metadata.block_tables, metadata.seq_lens,
+                                  metadata.query_start_loc, scale=scale)
+        return out, (k_pool, v_pool)
     if metadata.backend in ("pallas_gpu", "pallas_tpu") and metadata.max_query_len == 1:
         # decode: one query per sequence, token i belongs to sequence i
         kernel = _pallas_kernel(metadata.backend)

@@ -8,7 +8,7 @@ from typing import Any
 
 from jaxpage.loading import DEFAULT_MODEL
 
-ATTENTION_BACKENDS = ("auto", "jnp", "reference", "pallas_gpu", "pallas_tpu")
+ATTENTION_BACKENDS = ("auto", "cpp", "jnp", "reference", "pallas_gpu", "pallas_tpu")
 RESERVATION_POLICIES = ("paged", "max", "oracle")
 DTYPES = ("float32", "bfloat16")
 

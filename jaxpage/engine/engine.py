@@ -26,16 +26,29 @@ from jaxpage.engine.runner import ModelRunner, SamplingRow, SeqInput
 from jaxpage.engine.scheduler import Scheduler
 from jaxpage.outputs import RequestMetrics, RequestOutput
 from jaxpage.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams, sample_seed
+from pallas_kernels import cpu_attention
 
 _CPU_KV_BUDGET = 1 << 30  # default KV pool on CPU: 1 GiB
 
 
-def _pick_backend(requested: str, interpret: bool) -> str:
-    """The attention backend: "auto" is the platform's Pallas decode kernel on TPU and GPU and
-    the blockwise jnp path on CPU. A kernel forced onto another platform needs interpret."""
+def _pick_backend(requested: str, interpret: bool, *, head_dim: int, block_size: int,
+                  dtype) -> str:
+    """The attention backend: "auto" is the platform's Pallas decode kernel on TPU and GPU,
+    and on CPU the C++ kernel where it serves the pool (float32, built on this machine), else
+    the blockwise jnp path. A kernel forced onto another platform needs interpret."""
     platform = jax.default_backend()
     if requested == "auto":
+        if platform == "cpu":
+            usable = cpu_attention.unsupported_reason(head_dim, block_size, dtype) is None
+            return "cpp" if usable else "jnp"
         return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(platform, "jnp")
+    if requested == "cpp":
+        if platform != "cpu":
+            raise ValueError(f"attention_backend 'cpp' runs on the CPU (this is {platform!r})")
+        reason = cpu_attention.unsupported_reason(head_dim, block_size, dtype)
+        if reason is not None:
+            raise ValueError(f"attention_backend 'cpp' cannot serve this model: {reason}")
+        return requested
     native = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}.get(requested)
     if native is not None and native != platform and not interpret:
         raise ValueError(f"attention_backend {requested!r} needs a {native.upper()} (this is "
@@ -83,7 +96,9 @@ class LLMEngine:
             num_blocks=num_blocks, block_size=config.block_size,
             max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, dtype=dtype,
-            backend=_pick_backend(config.attention_backend, config.kernel_interpret),
+            backend=_pick_backend(config.attention_backend, config.kernel_interpret,
+                                  head_dim=model_config.head_dim,
+                                  block_size=config.block_size, dtype=dtype),
             interpret=config.kernel_interpret,
         )
         self.requests: dict[str, Request] = {}

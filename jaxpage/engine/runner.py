@@ -200,9 +200,10 @@ class ModelRunner:
         num_tokens = num_seqs if is_decode else bucket_for(total, self.token_buckets)
         width = bucket_for(max(-(-(s.num_computed + len(s.token_ids)) // self.block_size)
                                for s in seqs), self.width_buckets)
-        # Attention pads every sequence's queries to max_query_len ([S, Qm, L] scores), so it
-        # is bucketed from the longest chunk, not from the whole token count.
-        max_query_len = 1 if is_decode else min(
+        # The jnp paths pad every sequence's queries to max_query_len, so it is bucketed from
+        # the longest chunk, not from the whole token count. The C++ kernel walks each
+        # sequence's own queries: one value per token bucket compiles fewer shapes.
+        max_query_len = 1 if is_decode else num_tokens if self.backend == "cpp" else min(
             bucket_for(max(len(s.token_ids) for s in seqs), self.token_buckets), num_tokens)
         # one logits row per draw: a sequence's last token, repeated for forking samples
         last_token = np.cumsum([len(s.token_ids) for s in seqs]) - 1

@@ -1,5 +1,5 @@
-"""The engine with a Pallas decode kernel forced (interpret mode on CPU) generates exactly
-the reference backend's greedy tokens."""
+"""The engine with each attention backend forced (the Pallas decode kernels in interpret mode
+on CPU) generates exactly the dense reference backend's greedy tokens."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from jaxpage import LLM, SamplingParams
 pytestmark = pytest.mark.kernels
 
 
-@pytest.mark.parametrize("backend", ["pallas_gpu", "pallas_tpu"])
+@pytest.mark.parametrize("backend", ["cpp", "jnp", "pallas_gpu", "pallas_tpu"])
 def test_engine_greedy_tokens_match_reference_backend(hf_model_dir, backend):
     path, _ = hf_model_dir("qwen3")  # 6 query heads on 2 KV heads, head_dim 16
     rng = np.random.default_rng(0)
@@ -20,7 +20,8 @@ def test_engine_greedy_tokens_match_reference_backend(hf_model_dir, backend):
     kwargs = dict(block_size=8, num_blocks=32, max_num_batched_tokens=64, max_num_seqs=4)
     reference = LLM(path, attention_backend="reference", **kwargs).generate(
         prompts, params, use_tqdm=False)
-    kernel_llm = LLM(path, attention_backend=backend, kernel_interpret=True, **kwargs)
+    interpret = backend.startswith("pallas")
+    kernel_llm = LLM(path, attention_backend=backend, kernel_interpret=interpret, **kwargs)
     assert kernel_llm.engine.runner.backend == backend
     outs = kernel_llm.generate(prompts, params, use_tqdm=False)
     for ref, out in zip(reference, outs, strict=True):
@@ -31,3 +32,11 @@ def test_kernel_backend_on_the_wrong_platform_is_refused(hf_model_dir):
     path, _ = hf_model_dir("qwen3")
     with pytest.raises(ValueError, match="kernel_interpret"):
         LLM(path, attention_backend="pallas_tpu", num_blocks=8)
+
+
+def test_auto_backend_on_cpu_is_the_cpp_kernel_for_float32_only(hf_model_dir):
+    path, _ = hf_model_dir("qwen3")
+    assert LLM(path, num_blocks=8).engine.runner.backend == "cpp"
+    assert LLM(path, num_blocks=8, dtype="bfloat16").engine.runner.backend == "jnp"
+    with pytest.raises(ValueError, match="bfloat16"):
+        LLM(path, num_blocks=8, dtype="bfloat16", attention_backend="cpp")
