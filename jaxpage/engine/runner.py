@@ -2,9 +2,11 @@
 
 The runner knows nothing about requests: it is given, per sequence, its block table, how
 many tokens are cached, the new token ids and (when a token is to be drawn) its sampling
-row. Each step runs as at most two calls of one jitted function: the decode tokens (one new
-token per sequence, `max_query_len` 1) and the prefill chunks (several tokens per sequence),
-so the attention of a decode batch never pays for the longest prompt chunk.
+row. With the jnp and Pallas backends each step runs as at most two calls of one jitted
+function: the decode tokens (one new token per sequence, `max_query_len` 1) and the prefill
+chunks (several tokens per sequence), so the attention of a decode batch never pays for the
+longest prompt chunk. The C++ kernel ("cpp") costs each sequence only its own tokens, so a
+step mixing both runs as one call.
 
 Every array dimension is padded to a bucket (powers of two; decode batches also at the
 1.5x points between them from 8 rows on), so the number of compilations
@@ -186,6 +188,10 @@ class ModelRunner:
         results: list[list[SeqResult]] = [[] for _ in seqs]
         decode = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
         prefill = [i for i, s in enumerate(seqs) if len(s.token_ids) > 1]
+        if self.backend == "cpp" and prefill and decode:
+            # the C++ kernel costs each sequence only its own queries and keys: one call reads
+            # the weights once for the whole step
+            prefill, decode = prefill + decode, []
         for group, is_decode in ((prefill, False), (decode, True)):
             if group:
                 for i, result in zip(group, self._run([seqs[i] for i in group], is_decode),
