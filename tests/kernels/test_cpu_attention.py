@@ -10,6 +10,9 @@ Every pool slot no sequence owns holds NaN.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -128,3 +131,20 @@ def test_unsupported_pools_are_named():
     assert cpu_attention.unsupported_reason(64, 16, np.float32) is None
     assert "bfloat16" in cpu_attention.unsupported_reason(64, 16, jax.numpy.bfloat16)
     assert "512" in cpu_attention.unsupported_reason(512, 16, np.float32)
+
+
+@pytest.mark.parametrize("env", [{"CXX": "false"}, {"JAXPAGE_NO_CPU_KERNEL": "1"}])
+def test_without_the_kernel_auto_falls_back_to_jnp(tmp_path, env, hf_model_dir):
+    """A compiler that fails (or the opt-out) leaves the engine on the jnp path, with a
+    warning naming why when the build failed."""
+    path, _ = hf_model_dir("qwen3")
+    code = ("import warnings; warnings.simplefilter('always')\n"
+            "from jaxpage import LLM\n"
+            f"print(LLM({str(path)!r}, num_blocks=8).engine.runner.backend)\n")
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "JAXPAGE_CACHE": str(tmp_path), **env})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "jnp"
+    if "CXX" in env:
+        assert "CPU attention kernel unavailable" in result.stderr

@@ -7,11 +7,17 @@ import numpy as np
 import pytest
 
 from jaxpage import LLM, SamplingParams
+from pallas_kernels import cpu_attention
 
 pytestmark = pytest.mark.kernels
 
 
-@pytest.mark.parametrize("backend", ["cpp", "jnp", "pallas_gpu", "pallas_tpu"])
+needs_cpp = pytest.mark.skipif(not cpu_attention.available(),
+                               reason="the C++ kernel could not be built here")
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cpp", marks=needs_cpp), "jnp", "pallas_gpu",
+                                     "pallas_tpu"])
 def test_engine_greedy_tokens_match_reference_backend(hf_model_dir, backend):
     path, _ = hf_model_dir("qwen3")  # 6 query heads on 2 KV heads, head_dim 16
     rng = np.random.default_rng(0)
@@ -34,6 +40,7 @@ def test_kernel_backend_on_the_wrong_platform_is_refused(hf_model_dir):
         LLM(path, attention_backend="pallas_tpu", num_blocks=8)
 
 
+@needs_cpp
 def test_auto_backend_on_cpu_is_the_cpp_kernel_for_float32_only(hf_model_dir):
     path, _ = hf_model_dir("qwen3")
     assert LLM(path, num_blocks=8).engine.runner.backend == "cpp"
