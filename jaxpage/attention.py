@@ -28,7 +28,7 @@ BACKENDS = ("cpp", "jnp", "reference", "pallas_gpu", "pallas_tpu")
 
 # One layer's pool: (k_pool, v_pool), each [num_kv_heads, num_blocks, block_size, head_dim]
 # (head-major: a block of one head is a contiguous [block_size, head_dim] tile, the layout the
-# Pallas kernels read and the CPU path gathers without transposes).
+# Pallas kernels and the CPU kernel read and the jnp path gathers without transposes).
 LayerKV = tuple[jax.Array, jax.Array]
 
 

@@ -1,4 +1,5 @@
-"""Pure-jnp paged attention over a block pool: the CPU path and the oracle for the kernels.
+"""Pure-jnp paged attention over a block pool: the oracle for the kernels and the portable
+path (any platform and dtype; on CPU the C++ kernel in cpu_attention.py is the default).
 
 The batch is ragged and token-flat, as the engine packs it: `T` query tokens belonging to
 `S` sequences, sequence `s` owning tokens `query_start_loc[s]:query_start_loc[s + 1]`.
@@ -134,7 +135,7 @@ def paged_attention_blockwise(
     query_tile: int | None = None,
 ) -> jax.Array:
     """Same contract as `paged_attention_reference`, computed chunk by chunk of KV blocks
-    with an online softmax (flash attention in plain jnp): the CPU path.
+    with an online softmax (flash attention in plain jnp): the portable path.
 
     The dense reference materializes every sequence's gathered K/V and pads every sequence's
     queries to `max_query_len`, which on CPU costs far more than the arithmetic. Here a loop

@@ -1,5 +1,5 @@
-"""CPU attention paths on SmolLM2-shaped batches: the blockwise `jnp` backend vs the dense
-`reference`, in one process.
+"""CPU attention paths on SmolLM2-shaped batches: the C++ kernel (`cpp` backend), the
+blockwise `jnp` backend and the dense `reference`, in one process.
 
 Each case is one engine-like step (per layer a K/V pool of 2048 blocks x 16 tokens, 3 KV
 heads, 9 query heads, head_dim 64, float32, permuted block tables) timed over 30 layers, as a
@@ -7,8 +7,9 @@ decode or prefill step of the 30-layer SmolLM2 runs it. Every layer reads its ow
 the model: with one pool shared by all layers XLA would gather the dense path's K/V once and
 reuse it 30 times. Cases: decode batches with uniform and long-tailed (log-normal) contexts,
 and prefill steps mixing chunk lengths as the scheduler packs them. Prints milliseconds for
-both paths, their ratio, the K/V bytes the step must read and the rate the blockwise path
-reads them at, and the largest difference between the two (they compute the same function).
+each path, the blockwise/cpp ratio, the K/V bytes the step must read and the rate the cpp
+kernel reads them at, and the largest difference of each path from the dense one (they
+compute the same function).
 First it prints this machine's memory ceilings in the same process: a `jnp.sum` over all K
 pools (read only) and an elementwise copy of them (read + write, the traffic of
 materializing gathered K/V).
@@ -24,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import cpu_attention
 from pallas_kernels.reference import paged_attention_blockwise, paged_attention_reference
 
 KV_HEADS, GROUP, HEAD_DIM, BLOCK, POOL_BLOCKS, LAYERS = 3, 3, 64, 16, 2048, 30
@@ -86,25 +88,27 @@ def main() -> None:
     print(f"memory ceilings over {pool_bytes / 1e6:.0f} MB of K pools: jnp.sum reads "
           f"{pool_bytes / read_s / 1e9:.1f} GB/s; a copy moves "
           f"{pool_bytes / copy_s / 1e9:.1f} GB/s each way")
-    print(f"{'case':<34}{'dense ms':>10}{'blockwise ms':>14}{'ratio':>8}{'KV MB':>8}"
-          f"{'GB/s':>7}{'max diff':>10}")
+    paths = {"dense": paged_attention_reference, "blockwise": paged_attention_blockwise}
+    if cpu_attention.available():
+        paths["cpp"] = lambda *args, max_query_len: cpu_attention.paged_attention_cpu(*args)
+    print(f"{'case':<34}{'dense ms':>10}{'blockwise ms':>14}{'cpp ms':>8}{'blockw/cpp':>11}"
+          f"{'KV MB':>7}{'cpp GB/s':>9}{'max diff':>10}")
     for name, lens, new, max_query_len in cases(rng):
         q, tables, seq_lens, qsl, kv_bytes = make_step(rng, lens, new)
-        results = {}
-        for label, attend in (("dense", paged_attention_reference),
-                              ("blockwise", paged_attention_blockwise)):
+        seconds, outs = {}, {}
+        for label, attend in paths.items():
             def layers(q, ks, vs, t, n, s, attend=attend, qm=max_query_len):  # 30 layers
                 return sum(attend(q + i * 1e-3, ks[i], vs[i], t, n, s, max_query_len=qm)
                            for i in range(LAYERS))
 
             fn = jax.jit(layers)
-            results[label] = (timed(fn, q, k_pools, v_pools, tables, seq_lens, qsl),
-                              fn(q, k_pools, v_pools, tables, seq_lens, qsl))
-        (dense_s, dense_out), (block_s, block_out) = results["dense"], results["blockwise"]
-        diff = float(jnp.abs(dense_out - block_out).max()) / LAYERS
-        print(f"{name:<34}{dense_s * 1e3:>10.1f}{block_s * 1e3:>14.1f}"
-              f"{dense_s / block_s:>7.2f}x{kv_bytes / 1e6:>8.0f}{kv_bytes / block_s / 1e9:>7.1f}"
-              f"{diff:>10.1e}", flush=True)
+            seconds[label] = timed(fn, q, k_pools, v_pools, tables, seq_lens, qsl)
+            outs[label] = fn(q, k_pools, v_pools, tables, seq_lens, qsl)
+        diff = max(float(jnp.abs(outs["dense"] - out).max()) / LAYERS for out in outs.values())
+        cpp = seconds.get("cpp", float("nan"))
+        print(f"{name:<34}{seconds['dense'] * 1e3:>10.1f}{seconds['blockwise'] * 1e3:>14.1f}"
+              f"{cpp * 1e3:>8.1f}{seconds['blockwise'] / cpp:>10.2f}x{kv_bytes / 1e6:>7.0f}"
+              f"{kv_bytes / cpp / 1e9:>9.1f}{diff:>10.1e}", flush=True)
 
 
 if __name__ == "__main__":
