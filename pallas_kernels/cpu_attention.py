@@ -75,7 +75,7 @@ def _build() -> Path:
         partial = Path(tmp) / library.name
         cmd = [compiler, *_FLAGS, "-isystem", jax.ffi.include_dir(), "-o", str(partial),
                str(_SOURCE)]
-        result = subprocess.run(cmd, capture_output=True, text=True)
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if result.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
         os.replace(partial, library)
@@ -124,7 +124,9 @@ def paged_attention_cpu(
     query_tile: int = QUERY_TILE,
 ) -> jax.Array:
     """`paged_attention_reference`'s contract (no `max_query_len` needed: the kernel walks
-    each sequence's queries), float32 pools. Call only where `available()` is true."""
+    each sequence's queries), float32 pools; the kernel must be `available()`."""
+    if not available():
+        raise RuntimeError("the CPU attention kernel is not available; use the jnp path")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32), k_pool, v_pool, block_tables.astype(jnp.int32),
