@@ -71,17 +71,14 @@ struct Scratch {
   std::vector<int32_t> pos;
 };
 
-#ifndef PREFETCH_LOCALITY
-#define PREFETCH_LOCALITY 1
-#endif
-#ifndef PREFETCH_BLOCKS
-#define PREFETCH_BLOCKS 2
-#endif
-constexpr int64_t kPrefetchBlocks = PREFETCH_BLOCKS;
+// Tiles of the next blocks are prefetched into L2 (locality 1): the hardware prefetcher does
+// not follow a block table. Measured on 30 layers of a b64 decode step over scattered blocks:
+// 60 -> 47 ms; into L1 no better than none; 4 or 8 blocks ahead no better than 2.
+constexpr int64_t kPrefetchBlocks = 2;
 
 inline void prefetch_tile(const float* tile, int64_t floats) {
   const char* p = reinterpret_cast<const char*>(tile);
-  for (int64_t i = 0; i < floats * 4; i += 64) __builtin_prefetch(p + i, 0, PREFETCH_LOCALITY);
+  for (int64_t i = 0; i < floats * 4; i += 64) __builtin_prefetch(p + i, 0, 1);
 }
 
 // Fold row r's scores for one key tile (keys [0, n) visible) into its running max, denominator

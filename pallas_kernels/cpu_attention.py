@@ -4,8 +4,8 @@ Same contract as `reference.paged_attention_reference`. XLA:CPU fuses no gather 
 contraction (and Pallas has no CPU backend), so the jnp path copies every block it reads
 before contracting it; this kernel reads each [block_size, head_dim] tile of K and V where
 it lies in the pool. The kernel is compiled on first use with the machine's C++ compiler
-(`g++ -O3 -march=native`, about 3 s) into a cache directory keyed by the source, the jaxlib
-version and the CPU; `available()` says whether that worked, and callers fall back to the
+(`g++ -O3 -march=native`, about 3 s) into a cache directory keyed by the source, the flags,
+the jaxlib version and the CPU; `available()` says whether that worked, and callers fall back to the
 jnp path when it did not (no compiler, another platform, float pools other than float32).
 """
 
@@ -108,7 +108,8 @@ def unsupported_reason(head_dim: int, block_size: int, dtype) -> str | None:
     if head_dim > MAX_TILE or block_size > MAX_TILE:
         return f"head_dim {head_dim} and block_size {block_size} must be <= {MAX_TILE}"
     if not available():
-        return "the kernel could not be built (see the warning above)"
+        return ("the kernel is not available (JAXPAGE_NO_CPU_KERNEL is set, or its build "
+                "failed: see the warning)")
     return None
 
 
