@@ -25,7 +25,7 @@ is off, so no block is shared and allocated slots = used blocks x block_size):
 Shares are time-averaged (each step weighted by its wall time less any compilation in it):
 real / allocated slots. Plot time axes are serving seconds (compilation excluded).
 
-    python scripts/bench_memory.py              # SmolLM2-135M, 24 requests (~6 minutes)
+    python scripts/bench_memory.py              # SmolLM2-135M, 24 requests (2-5 minutes)
     python scripts/bench_memory.py --quick      # tiny random model, 24 requests (seconds)
 """
 
