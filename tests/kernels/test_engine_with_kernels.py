@@ -3,6 +3,10 @@ on CPU) generates exactly the dense reference backend's greedy tokens."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -47,3 +51,20 @@ def test_auto_backend_on_cpu_is_the_cpp_kernel_for_float32_only(hf_model_dir):
     assert LLM(path, num_blocks=8, dtype="bfloat16").engine.runner.backend == "jnp"
     with pytest.raises(ValueError, match="bfloat16"):
         LLM(path, num_blocks=8, dtype="bfloat16", attention_backend="cpp")
+
+
+@pytest.mark.parametrize("env", [{"CXX": "false"}, {"JAXPAGE_NO_CPU_KERNEL": "1"}])
+def test_without_the_kernel_auto_falls_back_to_jnp(tmp_path, env, hf_model_dir):
+    """A compiler that fails (or the opt-out) leaves the engine on the jnp path, with a
+    warning naming why when the build failed."""
+    path, _ = hf_model_dir("qwen3")
+    code = ("import warnings; warnings.simplefilter('always')\n"
+            "from jaxpage import LLM\n"
+            f"print(LLM({str(path)!r}, num_blocks=8).engine.runner.backend)\n")
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "JAXPAGE_CACHE": str(tmp_path), **env})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "jnp"
+    if "CXX" in env:
+        assert "CPU attention kernel unavailable" in result.stderr
