@@ -25,6 +25,9 @@ from pallas_kernels.reference import (
 # "cpp": the C++ kernel called through XLA FFI (the CPU path, float32 pools); "jnp": blockwise
 # online-softmax jnp (any platform and dtype); "reference": the dense jnp oracle.
 BACKENDS = ("cpp", "jnp", "reference", "pallas_gpu", "pallas_tpu")
+# Backends that cost each sequence only its own queries and keys (no padding to
+# max_query_len): the runner packs a step's decode and prefill into one call for them.
+RAGGED_BACKENDS = ("cpp",)
 
 # One layer's pool: (k_pool, v_pool), each [num_kv_heads, num_blocks, block_size, head_dim]
 # (head-major: a block of one head is a contiguous [block_size, head_dim] tile, the layout the

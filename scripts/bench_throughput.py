@@ -192,7 +192,7 @@ def main() -> None:
                     help="skip HF's continuous batching (the slowest part)")
     ap.add_argument("--attention-free", action="store_true",
                     help="finally run the trace with attention skipped, in a fresh process "
-                         "(~2.5 minutes)")
+                         "(1-3 minutes)")
     ap.add_argument("--json", default=None, help="write all numbers to this JSON file")
     args = ap.parse_args()
     num_requests = args.requests or (16 if args.quick else 64)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpage.attention import build_metadata, init_kv_pool
+from jaxpage.attention import RAGGED_BACKENDS, build_metadata, init_kv_pool
 from jaxpage.sampling import SamplingMetadata, sample
 from jaxpage.sampling_params import MAX_LOGPROBS
 
@@ -134,6 +134,7 @@ class ModelRunner:
         self.vocab_size = config.vocab_size
         self.block_size = block_size
         self.backend = backend
+        self.ragged = backend in RAGGED_BACKENDS
         self.interpret = interpret
         self.params = jax.device_put(params)
         self.kv_pool = init_kv_pool(config.num_layers, num_blocks, block_size,
@@ -188,9 +189,7 @@ class ModelRunner:
         results: list[list[SeqResult]] = [[] for _ in seqs]
         decode = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
         prefill = [i for i, s in enumerate(seqs) if len(s.token_ids) > 1]
-        if self.backend == "cpp" and prefill and decode:
-            # the C++ kernel costs each sequence only its own queries and keys: one call reads
-            # the weights once for the whole step
+        if self.ragged and prefill and decode:  # one call reads the weights once
             prefill, decode = prefill + decode, []
         for group, is_decode in ((prefill, False), (decode, True)):
             if group:
@@ -207,9 +206,9 @@ class ModelRunner:
         width = bucket_for(max(-(-(s.num_computed + len(s.token_ids)) // self.block_size)
                                for s in seqs), self.width_buckets)
         # The jnp paths pad every sequence's queries to max_query_len, so it is bucketed from
-        # the longest chunk, not from the whole token count. The C++ kernel walks each
+        # the longest chunk, not from the whole token count. A ragged backend walks each
         # sequence's own queries: one value per token bucket compiles fewer shapes.
-        max_query_len = 1 if is_decode else num_tokens if self.backend == "cpp" else min(
+        max_query_len = 1 if is_decode else num_tokens if self.ragged else min(
             bucket_for(max(len(s.token_ids) for s in seqs), self.token_buckets), num_tokens)
         # one logits row per draw: a sequence's last token, repeated for forking samples
         last_token = np.cumsum([len(s.token_ids) for s in seqs]) - 1
