@@ -16,11 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.cpu_attention import paged_attention_cpu
-from pallas_kernels.reference import (
-    paged_attention_blockwise,
-    paged_attention_reference,
-    write_kv,
-)
+from pallas_kernels.blockwise import paged_attention_blockwise, write_kv
+from pallas_kernels.reference import paged_attention_reference
 
 # "cpp": the C++ kernel called through XLA FFI (the CPU path, float32 pools); "jnp": blockwise
 # online-softmax jnp (any platform and dtype); "reference": the dense jnp oracle.

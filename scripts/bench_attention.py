@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import cpu_attention
-from pallas_kernels.reference import paged_attention_blockwise, paged_attention_reference
+from pallas_kernels.blockwise import paged_attention_blockwise
+from pallas_kernels.reference import paged_attention_reference
 
 KV_HEADS, GROUP, HEAD_DIM, BLOCK, POOL_BLOCKS, LAYERS = 3, 3, 64, 16, 2048, 30
 

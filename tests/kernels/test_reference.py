@@ -7,12 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from pallas_kernels.reference import (
-    _tiers,
-    paged_attention_blockwise,
-    paged_attention_reference,
-    write_kv,
-)
+from pallas_kernels.blockwise import _tiers, paged_attention_blockwise, write_kv
+from pallas_kernels.reference import paged_attention_reference
 
 
 def head_major(pool):
