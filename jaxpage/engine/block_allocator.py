@@ -18,15 +18,7 @@ Free structures and the exact allocation / eviction order:
   table-index order (copy-on-write replacements first, then appended blocks).
 * ``reset_prefix_cache()`` appends the cached-free blocks, oldest first, to the back of ``free``.
 
-Hashing: a full block's hash is ``hash_fn(u32 len(parent) | parent hash | extra | "T" | u32 n |
-n int64 tokens)`` (little-endian), with ``extra`` only on a sequence's first block: the adapter id
-as ``"A" + ("i" | "s") + u32 len + utf-8`` then the cache salt as ``"S" + u32 len + utf-8``. The
-tags keep salt "x" apart from adapter "x"; chaining carries both into every later block, and
-SHA-256 keeps the hashes stable across processes. A cached block also stores its tokens and a
-link to its parent's key, and a hit must match the query's whole prefix content, so even a
-colliding ``hash_fn`` can only cause misses, never a wrong hit. Two blocks may hold the same
-content (two requests computed the same prefix before either was cached); the map keeps both
-(``hash -> {block_id: None}``) and a lookup takes the earliest registered.
+Hashing (block hashes, extra keys, content-checked hits): see ``block_hashing``.
 
 Invariants (``check_invariants`` verifies them):
 
@@ -51,15 +43,23 @@ Misuse of state (unknown or duplicate ``seq_id``, a stale hit, a write into a sh
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
+from jaxpage.engine.block_hashing import (
+    _EXTRA,
+    _HASH,
+    _PARENT,
+    _TOKENS,
+    BlockHasher,
+    _BlockKey,
+    _same_content,
+    encode_extra_keys,
+)
+
 NULL_BLOCK = 0
 POLICIES = ("paged", "max", "oracle")
-_U32 = struct.Struct("<I")
 
 
 class AllocationError(RuntimeError):
@@ -82,16 +82,6 @@ class PrefixHit:
                              f"{len(self.block_hashes)} block_hashes")
 
 
-# A cached block's key: a plain tuple (block_hash, token_ids, parent_key, extra); parent_key is
-# None on a sequence's first block, and extra (the encoded extra keys) is b"" on later blocks.
-# Parent links share structure, so a prefix costs one key per block; an evicted ancestor's key
-# lives on only while a cached descendant refers to it (rare: descendants are evicted first).
-# Plain tuples of atomic values are untracked by the cyclic GC, so a cache of 1M keys does not
-# slow collections down (a NamedTuple or dataclass stays tracked: ~1.5x the cost per commit).
-_BlockKey = tuple  # (bytes, tuple[int, ...], _BlockKey | None, bytes)
-_HASH, _TOKENS, _PARENT, _EXTRA = 0, 1, 2, 3
-
-
 @dataclass(slots=True)
 class _Sequence:
     block_table: list[int]
@@ -100,37 +90,6 @@ class _Sequence:
     extra: bytes
     cache_salt: str | None
     adapter_id: str | int | None
-
-
-def _same_content(a: _BlockKey | None, b: _BlockKey | None) -> bool:
-    """True when two keys stand for the same prefix (tokens, extra keys, all ancestors)."""
-    while a is not b:  # identical objects: same content, done (the usual case)
-        if (a is None or b is None or a[_HASH] != b[_HASH]
-                or a[_TOKENS] != b[_TOKENS] or a[_EXTRA] != b[_EXTRA]):
-            return False
-        a, b = a[_PARENT], b[_PARENT]
-    return True
-
-
-def encode_extra_keys(cache_salt: str | None, adapter_id: str | int | None) -> bytes:
-    """Canonical, domain-separated bytes of the extra keys (tag + length-prefixed value)."""
-    out = b""
-    if adapter_id is not None:
-        if isinstance(adapter_id, bool) or not isinstance(adapter_id, str | int):
-            raise ValueError(f"adapter_id must be str, int or None, got {adapter_id!r}")
-        kind = b"i" if isinstance(adapter_id, int) else b"s"
-        data = str(adapter_id).encode()
-        out += b"A" + kind + _U32.pack(len(data)) + data
-    if cache_salt is not None:
-        if not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be str or None, got {cache_salt!r}")
-        data = cache_salt.encode()
-        out += b"S" + _U32.pack(len(data)) + data
-    return out
-
-
-def _sha256(data: bytes) -> bytes:
-    return hashlib.sha256(data).digest()
 
 
 class BlockAllocator:
@@ -161,8 +120,7 @@ class BlockAllocator:
             raise ValueError("policy 'max' requires max_model_len")
         self.num_blocks, self.block_size, self.policy = num_blocks, block_size, policy
         self.enable_prefix_caching, self.max_model_len = enable_prefix_caching, max_model_len
-        self._hash_fn = hash_fn or _sha256
-        self._token_struct = struct.Struct(f"<I{block_size}q")
+        self._hasher = BlockHasher(block_size, hash_fn)
         self._ref_count = [0] * num_blocks
         self._block_key: list[_BlockKey | None] = [None] * num_blocks
         self._free: deque[int] = deque(range(1, num_blocks))
@@ -173,21 +131,10 @@ class BlockAllocator:
 
     # ---------------------------------------------------------------- hashing and lookup
 
-    def _block_hash(self, parent_hash: bytes, token_ids: tuple[int, ...], extra: bytes) -> bytes:
-        data = (_U32.pack(len(parent_hash)) + parent_hash + extra + b"T"
-                + self._token_struct.pack(len(token_ids), *token_ids))
-        return self._hash_fn(data)
-
     def hash_blocks(self, token_ids: Sequence[int], *, cache_salt: str | None = None,
                     adapter_id: str | int | None = None) -> list[bytes]:
         """Chained hashes of every full block of ``token_ids`` (a partial tail is skipped)."""
-        extra, bs, hashes = encode_extra_keys(cache_salt, adapter_id), self.block_size, []
-        parent = b""
-        for i in range(len(token_ids) // bs):
-            parent = self._block_hash(parent, tuple(token_ids[i * bs:(i + 1) * bs]),
-                                      b"" if i else extra)
-            hashes.append(parent)
-        return hashes
+        return self._hasher.hash_blocks(token_ids, encode_extra_keys(cache_salt, adapter_id))
 
     def lookup(self, token_ids: Sequence[int], *, cache_salt: str | None = None,
                adapter_id: str | int | None = None) -> PrefixHit:
@@ -204,7 +151,7 @@ class BlockAllocator:
         for i in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             level_extra = b"" if i else extra
-            block_hash = self._block_hash(parent_hash, tokens, level_extra)
+            block_hash = self._hasher.block_hash(parent_hash, tokens, level_extra)
             for block_id in self._hash_to_blocks.get(block_hash, ()):  # earliest registered first
                 key = self._block_key[block_id]
                 if (key[_TOKENS] == tokens and key[_EXTRA] == level_extra
@@ -365,7 +312,7 @@ class BlockAllocator:
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             extra = b"" if i else seq.extra
             parent_key = self._block_key[table[i - 1]] if i else None
-            block_hash = self._block_hash(hashes[i - 1] if i else b"", tokens, extra)
+            block_hash = self._hasher.block_hash(hashes[i - 1] if i else b"", tokens, extra)
             self._block_key[table[i]] = (block_hash, tokens, parent_key, extra)
             self._hash_to_blocks.setdefault(block_hash, {})[table[i]] = None
             hashes.append(block_hash)

@@ -16,8 +16,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from jaxpage.engine.block_allocator import AllocationError, BlockAllocator, PrefixHit
 
-MODULE_PATH = (pathlib.Path(__file__).resolve().parents[2]
-               / "jaxpage" / "engine" / "block_allocator.py")
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+MODULE_PATHS = [REPO_ROOT / "jaxpage" / "engine" / name
+                for name in ("block_allocator.py", "block_hashing.py")]
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -616,18 +617,22 @@ def test_misuse_raises():
 
 
 def test_allocator_does_not_import_jax():
-    tree = ast.parse(MODULE_PATH.read_text())
-    names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
-             for alias in node.names]
-    names += [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
-    assert not [n for n in names if n.split(".")[0] in ("jax", "jaxlib", "numpy")], names
+    for path in MODULE_PATHS:
+        tree = ast.parse(path.read_text())
+        names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                 for alias in node.names]
+        names += [node.module or "" for node in ast.walk(tree)
+                  if isinstance(node, ast.ImportFrom)]
+        assert not [n for n in names if n.split(".")[0] in ("jax", "jaxlib", "numpy")], (
+            path.name, names)
     code = (
-        "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('block_allocator', {str(MODULE_PATH)!r})\n"
-        "module = importlib.util.module_from_spec(spec)\n"
-        "sys.modules['block_allocator'] = module\n"
-        "spec.loader.exec_module(module)\n"
-        "module.BlockAllocator(4, 2).check_invariants()\n"
+        "import sys\n"
+        f"sys.path.insert(0, {str(REPO_ROOT)!r})\n"
+        "import jaxpage.engine.block_allocator as module\n"
+        "alloc = module.BlockAllocator(4, 2)\n"
+        "assert len(alloc.hash_blocks([1, 2, 3], cache_salt='s', adapter_id=1)) == 1\n"
+        "alloc.check_invariants()\n"
         "assert 'jax' not in sys.modules, 'jax was imported'\n"
+        "assert 'numpy' not in sys.modules, 'numpy was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
