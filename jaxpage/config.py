@@ -6,10 +6,11 @@ import dataclasses
 import json
 from typing import Any
 
+from jaxpage.engine.block_allocator import POLICIES as RESERVATION_POLICIES
 from jaxpage.loading import DEFAULT_MODEL
+from jaxpage.validation import check, is_int, is_positive_int
 
 ATTENTION_BACKENDS = ("auto", "cpp", "jnp", "reference", "pallas_gpu", "pallas_tpu")
-RESERVATION_POLICIES = ("paged", "max", "oracle")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -41,27 +42,26 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        def check(ok: bool, field: str, allowed: str) -> None:
-            if not ok:
-                raise ValueError(f"{field} must be {allowed}, got {getattr(self, field)!r}")
-
-        check(self.dtype in DTYPES, "dtype", f"one of {DTYPES}")
-        check(_pos_int(self.block_size), "block_size", "an integer >= 1")
-        check(self.num_blocks is None or (_pos_int(self.num_blocks) and self.num_blocks >= 2),
-              "num_blocks", "None or an integer >= 2 (block 0 is reserved)")
-        check(self.kv_cache_memory is None or _pos_int(self.kv_cache_memory),
-              "kv_cache_memory", "None or a positive number of bytes")
-        check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]")
-        check(self.max_model_len is None or _pos_int(self.max_model_len), "max_model_len",
-              "None or an integer >= 1")
-        check(_pos_int(self.max_num_seqs), "max_num_seqs", "an integer >= 1")
-        check(_pos_int(self.max_num_batched_tokens), "max_num_batched_tokens",
+        check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
+        check(is_positive_int(self.block_size), "block_size", self.block_size, "an integer >= 1")
+        check(self.num_blocks is None
+              or (is_positive_int(self.num_blocks) and self.num_blocks >= 2),
+              "num_blocks", self.num_blocks, "None or an integer >= 2 (block 0 is reserved)")
+        check(self.kv_cache_memory is None or is_positive_int(self.kv_cache_memory),
+              "kv_cache_memory", self.kv_cache_memory, "None or a positive number of bytes")
+        check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
+              self.gpu_memory_utilization, "in (0, 1]")
+        check(self.max_model_len is None or is_positive_int(self.max_model_len),
+              "max_model_len", self.max_model_len, "None or an integer >= 1")
+        check(is_positive_int(self.max_num_seqs), "max_num_seqs", self.max_num_seqs,
               "an integer >= 1")
+        check(is_positive_int(self.max_num_batched_tokens), "max_num_batched_tokens",
+              self.max_num_batched_tokens, "an integer >= 1")
         check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
-              f"one of {ATTENTION_BACKENDS}")
+              self.attention_backend, f"one of {ATTENTION_BACKENDS}")
         check(self.reservation_policy in RESERVATION_POLICIES, "reservation_policy",
-              f"one of {RESERVATION_POLICIES}")
-        check(isinstance(self.seed, int), "seed", "an integer")
+              self.reservation_policy, f"one of {RESERVATION_POLICIES}")
+        check(is_int(self.seed), "seed", self.seed, "an integer")
 
     @classmethod
     def from_file(cls, path: str, **overrides: Any) -> EngineConfig:
@@ -73,7 +73,3 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"{path}: unknown EngineConfig fields {sorted(unknown)}")
         return cls(**{**values, **overrides})
-
-
-def _pos_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 1

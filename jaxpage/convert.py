@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-DTYPES = ("float32", "bfloat16")
+from jaxpage.config import DTYPES
 
 
 def convert(src: str, dst: str, dtype: str = "float32", overwrite: bool = False) -> dict:

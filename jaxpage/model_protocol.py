@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpage.attention import AttentionMetadata, LayerKV, build_metadata
+from jaxpage.validation import is_positive_int
 
 # Config fields the engine reads; each must be an int >= 1.
 REQUIRED_CONFIG_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "vocab_size",
@@ -128,10 +129,6 @@ def _check_forward_signature(model: Any, name: str) -> None:
         pass
 
 
-def _is_positive_int(value: Any) -> bool:
-    return isinstance(value, int | np.integer) and not isinstance(value, bool) and value >= 1
-
-
 def _check_config(config: Any, name: str) -> None:
     missing = [f for f in REQUIRED_CONFIG_FIELDS if not hasattr(config, f)]
     if missing:
@@ -140,14 +137,14 @@ def _check_config(config: Any, name: str) -> None:
                          f"{', '.join(REQUIRED_CONFIG_FIELDS)}")
     for field in REQUIRED_CONFIG_FIELDS:
         value = getattr(config, field)
-        if not _is_positive_int(value):
+        if not is_positive_int(value):
             raise ValueError(f"model {name}.config.{field} must be an integer >= 1, got {value!r}")
     window = getattr(config, "sliding_window", None)
-    if window is not None and not _is_positive_int(window):
+    if window is not None and not is_positive_int(window):
         raise ValueError(f"model {name}.config.sliding_window must be None or an integer >= 1, "
                          f"got {window!r}")
     num_heads = getattr(config, "num_heads", None)
-    if num_heads is not None and (not _is_positive_int(num_heads)
+    if num_heads is not None and (not is_positive_int(num_heads)
                                   or num_heads % config.num_kv_heads):
         raise ValueError(f"model {name}.config.num_heads ({num_heads!r}) must be a positive "
                          f"multiple of num_kv_heads ({config.num_kv_heads})")

@@ -6,12 +6,9 @@ import dataclasses
 import hashlib
 import math
 
+from jaxpage.validation import check, is_int, is_real
+
 MAX_LOGPROBS = 20
-
-
-def _check(ok: bool, field: str, value, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"{field} must be {allowed}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,31 +44,31 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
-        _check(_is_real(self.temperature) and math.isfinite(self.temperature)
-               and self.temperature >= 0, "temperature", self.temperature, "finite and >= 0")
-        _check(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
-        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", self.top_k,
-               "an integer >= -1 (-1 or 0 disables)")
-        _check(_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
-        _check(self.seed is None or _is_int(self.seed), "seed", self.seed, "an integer or None")
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
-               "an integer >= 1")
-        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
-               "min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
+        check(is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
+        check(is_real(self.temperature) and math.isfinite(self.temperature)
+              and self.temperature >= 0, "temperature", self.temperature, "finite and >= 0")
+        check(is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        check(is_int(self.top_k) and self.top_k >= -1, "top_k", self.top_k,
+              "an integer >= -1 (-1 or 0 disables)")
+        check(is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
+        check(self.seed is None or is_int(self.seed), "seed", self.seed, "an integer or None")
+        check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
+              "an integer >= 1")
+        check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+              "min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
         for s in self.stop:
-            _check(isinstance(s, str) and s != "", "stop", s, "non-empty strings")
+            check(isinstance(s, str) and s != "", "stop", s, "non-empty strings")
         for t in self.stop_token_ids:
-            _check(_is_int(t) and t >= 0, "stop_token_ids", t, "integers >= 0")
-        _check(self.logprobs is None or (_is_int(self.logprobs)
-                                         and 0 <= self.logprobs <= MAX_LOGPROBS),
-               "logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+            check(is_int(t) and t >= 0, "stop_token_ids", t, "integers >= 0")
+        check(self.logprobs is None or (is_int(self.logprobs)
+                                        and 0 <= self.logprobs <= MAX_LOGPROBS),
+              "logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(_is_real(value) and -2 <= value <= 2, name, value, "in [-2, 2]")
-        _check(_is_real(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
-               and self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty,
-               "finite and > 0")
+            check(is_real(value) and -2 <= value <= 2, name, value, "in [-2, 2]")
+        check(is_real(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
+              and self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty,
+              "finite and > 0")
 
     @property
     def uses_penalties(self) -> bool:
@@ -90,14 +87,14 @@ class BeamSearchParams:
     early_stopping: bool | str = False  # HF's: True, False (heuristic) or "never"
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.beam_width) and self.beam_width >= 1, "beam_width",
-               self.beam_width, "an integer >= 1")
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
-               self.max_tokens, "an integer >= 1")
-        _check(_is_real(self.length_penalty) and math.isfinite(self.length_penalty),
-               "length_penalty", self.length_penalty, "a finite number")
-        _check(self.early_stopping in (True, False, "never"), "early_stopping",
-               self.early_stopping, 'True, False or "never"')
+        check(is_int(self.beam_width) and self.beam_width >= 1, "beam_width",
+              self.beam_width, "an integer >= 1")
+        check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+              self.max_tokens, "an integer >= 1")
+        check(is_real(self.length_penalty) and math.isfinite(self.length_penalty),
+              "length_penalty", self.length_penalty, "a finite number")
+        check(self.early_stopping in (True, False, "never"), "early_stopping",
+              self.early_stopping, 'True, False or "never"')
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -108,11 +105,3 @@ def sample_seed(seed: int, index: int) -> int:
         return seed
     digest = hashlib.sha256(f"jaxpage-sample:{seed}:{index}".encode()).digest()
     return int.from_bytes(digest[:4], "little")
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_real(x) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
