@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cpu_attention import paged_attention_cpu
+from pallas_kernels import cpu_attention
 from pallas_kernels.blockwise import paged_attention_blockwise, write_kv
 from pallas_kernels.reference import paged_attention_reference
 
@@ -25,6 +25,8 @@ BACKENDS = ("cpp", "jnp", "reference", "pallas_gpu", "pallas_tpu")
 # Backends that cost each sequence only its own queries and keys (no padding to
 # max_query_len): the runner packs a step's decode and prefill into one call for them.
 RAGGED_BACKENDS = ("cpp",)
+# The Pallas kernels and the platform each one is compiled for.
+_PALLAS_PLATFORM = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 
 # One layer's pool: (k_pool, v_pool), each [num_kv_heads, num_blocks, block_size, head_dim]
 # (head-major: a block of one head is a contiguous [block_size, head_dim] tile, the layout the
@@ -94,10 +96,11 @@ def paged_attention(
         raise ValueError(f"unknown attention backend {metadata.backend!r}; choose from {BACKENDS}")
     k_pool, v_pool = write_kv(*layer_kv, k, v, metadata.slot_mapping)
     if metadata.backend == "cpp":
-        out = paged_attention_cpu(q, k_pool, v_pool, metadata.block_tables, metadata.seq_lens,
-                                  metadata.query_start_loc, scale=scale)
+        out = cpu_attention.paged_attention_cpu(q, k_pool, v_pool, metadata.block_tables,
+                                                metadata.seq_lens, metadata.query_start_loc,
+                                                scale=scale)
         return out, (k_pool, v_pool)
-    if metadata.backend in ("pallas_gpu", "pallas_tpu") and metadata.max_query_len == 1:
+    if metadata.backend in _PALLAS_PLATFORM and metadata.max_query_len == 1:
         # decode: one query per sequence, token i belongs to sequence i
         kernel = _pallas_kernel(metadata.backend)
         num_seqs = metadata.seq_lens.shape[0]
@@ -118,6 +121,37 @@ def paged_attention(
         scale=scale,
     )
     return out, (k_pool, v_pool)
+
+
+def select_backend(requested: str, *, interpret: bool, head_dim: int, block_size: int,
+                   dtype) -> str:
+    """The backend that serves `requested` ("auto" or one of BACKENDS) on this platform.
+
+    "auto" is the platform's Pallas decode kernel on TPU and GPU, and on CPU the C++ kernel
+    where it serves the pool (float32, built on this machine), else the blockwise jnp path.
+    A backend that cannot run here raises ValueError saying why; a Pallas kernel forced onto
+    another platform needs `interpret`.
+    """
+    platform = jax.default_backend()
+    if requested == "auto":
+        if platform == "cpu":
+            usable = cpu_attention.unsupported_reason(head_dim, block_size, dtype) is None
+            return "cpp" if usable else "jnp"
+        return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(platform, "jnp")
+    if requested not in BACKENDS:
+        raise ValueError(f"attention_backend must be 'auto' or one of {BACKENDS}, "
+                         f"got {requested!r}")
+    if requested == "cpp":
+        if platform != "cpu":
+            raise ValueError(f"attention_backend 'cpp' runs on the CPU (this is {platform!r})")
+        reason = cpu_attention.unsupported_reason(head_dim, block_size, dtype)
+        if reason is not None:
+            raise ValueError(f"attention_backend 'cpp' cannot serve this model: {reason}")
+    native = _PALLAS_PLATFORM.get(requested)
+    if native is not None and native != platform and not interpret:
+        raise ValueError(f"attention_backend {requested!r} needs a {native.upper()} (this is "
+                         f"{platform!r}); set kernel_interpret=True to run it interpreted")
+    return requested
 
 
 def _pallas_kernel(backend: str):

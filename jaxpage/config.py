@@ -6,11 +6,12 @@ import dataclasses
 import json
 from typing import Any
 
+from jaxpage.attention import BACKENDS
 from jaxpage.engine.block_allocator import POLICIES as RESERVATION_POLICIES
 from jaxpage.loading import DEFAULT_MODEL
 from jaxpage.validation import check, is_int, is_positive_int
 
-ATTENTION_BACKENDS = ("auto", "cpp", "jnp", "reference", "pallas_gpu", "pallas_tpu")
+ATTENTION_BACKENDS = ("auto", *BACKENDS)  # "auto": the platform's kernel (select_backend)
 DTYPES = ("float32", "bfloat16")
 
 

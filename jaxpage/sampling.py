@@ -11,11 +11,14 @@ of the model's raw distribution (log-softmax of the unprocessed logits), as in v
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxpage.sampling_params import MAX_LOGPROBS
+from jaxpage.buckets import bucket_for
+from jaxpage.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingRow
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +51,54 @@ class SamplingMetadata:
     use_filters: bool = False
     num_logprobs: int = 0
     all_greedy: bool = False  # every row has temperature 0: no noise to draw
+
+
+    @classmethod
+    def pack(cls, rows: Sequence[SamplingRow], num_rows: int, *, ban_buckets: list[int],
+             history_buckets: list[int]) -> SamplingMetadata:
+        """Host-side packing of a step's draws into [num_rows] numpy arrays (rows past
+        `len(rows)` are greedy padding). Token-id lists are padded with -1 to the smallest
+        of `ban_buckets` (banned ids) or `history_buckets` (prompt and output ids, only when
+        some row uses penalties) that holds the longest one."""
+        rows = list(rows) + [_PADDING_ROW] * (num_rows - len(rows))
+        params = [r.params for r in rows]
+        md = dict(
+            temperature=np.array([p.temperature for p in params], np.float32),
+            top_p=np.array([p.top_p for p in params], np.float32),
+            top_k=np.array([max(p.top_k, 0) for p in params], np.int32),
+            min_p=np.array([p.min_p for p in params], np.float32),
+            seeds=np.array([r.seed & 0xFFFFFFFF for r in rows], np.uint32),
+            steps=np.array([r.step for r in rows], np.int32),
+            use_filters=any(p.uses_filters for p in params),
+            all_greedy=all(p.temperature == 0 for p in params),
+            num_logprobs=MAX_LOGPROBS if any(r.num_logprobs for r in rows) else 0,
+        )
+        if any(r.banned_token_ids for r in rows):
+            width = bucket_for(max(len(r.banned_token_ids) for r in rows), ban_buckets)
+            md["banned_token_ids"] = _pad_rows([r.banned_token_ids for r in rows], width)
+        if any(p.uses_penalties for p in params):
+            longest = max(max(len(r.prompt_token_ids or ()), len(r.output_token_ids or ()))
+                          for r in rows)
+            width = bucket_for(max(longest, 1), history_buckets)
+            md.update(
+                presence=np.array([p.presence_penalty for p in params], np.float32),
+                frequency=np.array([p.frequency_penalty for p in params], np.float32),
+                repetition=np.array([p.repetition_penalty for p in params], np.float32),
+                prompt_token_ids=_pad_rows([r.prompt_token_ids or () for r in rows], width),
+                output_token_ids=_pad_rows([r.output_token_ids or () for r in rows], width),
+                use_penalties=True,
+            )
+        return cls(**md)
+
+
+_PADDING_ROW = SamplingRow(SamplingParams(temperature=0.0), seed=0, step=0)
+
+
+def _pad_rows(rows: list, width: int) -> np.ndarray:
+    out = np.full((len(rows), width), -1, np.int32)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out
 
 
 jax.tree_util.register_dataclass(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from collections.abc import Sequence
 
 from jaxpage.validation import check, is_int, is_real
 
@@ -75,6 +76,11 @@ class SamplingParams:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
 
+    @property
+    def uses_filters(self) -> bool:
+        """Whether a draw masks tokens (top-k, top-p or min-p; greedy draws never do)."""
+        return self.temperature > 0 and (self.top_p < 1 or self.top_k > 0 or self.min_p > 0)
+
 
 @dataclasses.dataclass(frozen=True)
 class BeamSearchParams:
@@ -95,6 +101,25 @@ class BeamSearchParams:
               "length_penalty", self.length_penalty, "a finite number")
         check(self.early_stopping in (True, False, "never"), "early_stopping",
               self.early_stopping, 'True, False or "never"')
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SamplingRow:
+    """One token draw of one sequence in a step (host side): the request's parameters, the
+    draw's RNG counter (seed, step = output position), and the token ids the penalties and
+    bans need. `sampling.SamplingMetadata.pack` turns a step's rows into device arrays."""
+
+    params: SamplingParams
+    seed: int
+    step: int
+    prompt_token_ids: Sequence[int] | None = None  # only with penalties
+    output_token_ids: Sequence[int] | None = None
+    banned_token_ids: tuple[int, ...] = ()  # e.g. EOS and stop tokens before min_tokens
+
+    @property
+    def num_logprobs(self) -> int:
+        """Top log-probabilities to report (at least 1 when any are asked for)."""
+        return 0 if self.params.logprobs is None else max(self.params.logprobs, 1)
 
 
 def sample_seed(seed: int, index: int) -> int:

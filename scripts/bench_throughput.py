@@ -165,14 +165,16 @@ def _attention_free_child(num_requests: int) -> float:
 
 def decode_step_rate(llm, batch: int, context: int) -> tuple[float, float]:
     """(seconds, FLOPs) of one decode step at `batch` sequences of `context` tokens."""
-    from jaxpage.engine.runner import SamplingRow, SeqInput
+    from jaxpage.engine.batch import SeqInput
+    from jaxpage.sampling_params import SamplingParams, SamplingRow
 
     runner = llm.engine.runner
     blocks = -(-(context + 1) // runner.block_size)
     # scattered blocks, as a pool in use hands them out (contiguous ones read faster)
     ids = np.random.default_rng(0).permutation(np.arange(1, 1 + batch * blocks)).tolist()
     seqs = [SeqInput(ids[s * blocks : (s + 1) * blocks], context, [5],
-                     [SamplingRow(0.0, 1.0, 0, 0.0, 0, 0)]) for s in range(batch)]
+                     [SamplingRow(SamplingParams(temperature=0.0), seed=0, step=0)])
+            for s in range(batch)]
     runner.execute(seqs)  # compile
     times = []
     for _ in range(5):

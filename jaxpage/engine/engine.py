@@ -1,8 +1,11 @@
 """LLMEngine: requests in, one scheduled and executed step at a time, outputs out.
 
 The engine validates requests where they enter, asks the scheduler what to run, hands the
-runner plain arrays, then appends the drawn tokens, detokenizes incrementally, checks stop
-conditions and frees finished requests' blocks. It does no device math itself.
+runner the scheduler's plain lists, gives the results back to the scheduler (which appends
+the tokens, forks, advances beams and ends sequences on EOS, stop tokens and lengths), then
+detokenizes, ends sequences on stop strings and builds the outputs. It imports no JAX and
+does no device math: the runner (`jaxpage.engine.runner`, or any object with its
+interface) owns the device.
 """
 
 from __future__ import annotations
@@ -10,50 +13,20 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
 
-from jaxpage.attention import kv_bytes_per_block
-from jaxpage.config import EngineConfig
 from jaxpage.engine.beam_search import BeamGroup
-from jaxpage.engine.block_allocator import BlockAllocator
 from jaxpage.engine.detokenizer import IncrementalDetokenizer
 from jaxpage.engine.output_builder import beam_output, sample_deltas
 from jaxpage.engine.request import Request, RequestGroup
-from jaxpage.engine.runner import ModelRunner, SamplingRow, SeqInput
 from jaxpage.engine.scheduler import Scheduler
 from jaxpage.outputs import RequestMetrics, RequestOutput
-from jaxpage.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams, sample_seed
-from pallas_kernels import cpu_attention
+from jaxpage.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
 
-_CPU_KV_BUDGET = 1 << 30  # default KV pool on CPU: 1 GiB
-
-
-def _pick_backend(requested: str, interpret: bool, *, head_dim: int, block_size: int,
-                  dtype) -> str:
-    """The attention backend: "auto" is the platform's Pallas decode kernel on TPU and GPU,
-    and on CPU the C++ kernel where it serves the pool (float32, built on this machine), else
-    the blockwise jnp path. A kernel forced onto another platform needs interpret."""
-    platform = jax.default_backend()
-    if requested == "auto":
-        if platform == "cpu":
-            usable = cpu_attention.unsupported_reason(head_dim, block_size, dtype) is None
-            return "cpp" if usable else "jnp"
-        return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(platform, "jnp")
-    if requested == "cpp":
-        if platform != "cpu":
-            raise ValueError(f"attention_backend 'cpp' runs on the CPU (this is {platform!r})")
-        reason = cpu_attention.unsupported_reason(head_dim, block_size, dtype)
-        if reason is not None:
-            raise ValueError(f"attention_backend 'cpp' cannot serve this model: {reason}")
-        return requested
-    native = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}.get(requested)
-    if native is not None and native != platform and not interpret:
-        raise ValueError(f"attention_backend {requested!r} needs a {native.upper()} (this is "
-                         f"{platform!r}); set kernel_interpret=True to run it interpreted")
-    return requested
+if TYPE_CHECKING:
+    from jaxpage.config import EngineConfig
 
 
 class LLMEngine:
@@ -63,7 +36,8 @@ class LLMEngine:
     max_position_embeddings) and `forward(params, token_ids, positions, kv_pool, metadata)`.
     """
 
-    def __init__(self, config: EngineConfig, model: Any, params: Any, tokenizer: Any = None):
+    def __init__(self, config: EngineConfig, model: Any, params: Any, tokenizer: Any = None,
+                 *, runner: Any = None):
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
@@ -80,28 +54,19 @@ class LLMEngine:
         self.eos_token_ids = set(getattr(model_config, "eos_token_ids", ()) or ())
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
-        dtype = jax.numpy.dtype(config.dtype)
-        num_blocks = self._num_blocks(model_config, dtype)
-        self.allocator = BlockAllocator(
-            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
-            policy=config.reservation_policy, max_model_len=self.max_model_len,
-        )
+        if runner is None:  # the device side, imported here so this module imports no JAX
+            from jaxpage.engine.runner import ModelRunner
+
+            runner = ModelRunner(model, params, config, max_model_len=self.max_model_len)
+        self.runner = runner
         self.scheduler = Scheduler(
-            self.allocator, max_num_seqs=config.max_num_seqs,
+            num_blocks=runner.num_blocks, block_size=config.block_size,
+            max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
+            reservation_policy=config.reservation_policy, eos_token_ids=self.eos_token_ids,
         )
-        self.runner = ModelRunner(
-            model, jax.tree.map(lambda a: _cast_float(a, dtype), params),
-            num_blocks=num_blocks, block_size=config.block_size,
-            max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens, dtype=dtype,
-            backend=_pick_backend(config.attention_backend, config.kernel_interpret,
-                                  head_dim=model_config.head_dim,
-                                  block_size=config.block_size, dtype=dtype),
-            interpret=config.kernel_interpret,
-        )
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, RequestGroup] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # outputs of aborts between steps
         self._num_added = 0
@@ -110,24 +75,10 @@ class LLMEngine:
         self.num_steps = 0
         self.step_seconds = 0.0  # wall time inside step(), host and device
 
-    # ---------------------------------------------------------------- sizing
-    def _num_blocks(self, model_config: Any, dtype) -> int:
-        if self.config.num_blocks is not None:
-            return self.config.num_blocks
-        per_block = kv_bytes_per_block(model_config.num_layers, self.config.block_size,
-                                       model_config.num_kv_heads, model_config.head_dim, dtype)
-        budget = self.config.kv_cache_memory
-        if budget is None:
-            budget = _CPU_KV_BUDGET
-            stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
-            if stats and "bytes_limit" in stats:
-                free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-                budget = int(free * self.config.gpu_memory_utilization)
-        num_blocks = budget // per_block
-        if num_blocks < 2:
-            raise ValueError(f"kv_cache_memory {budget} bytes holds {num_blocks} blocks of "
-                             f"{per_block} bytes; need at least 2")
-        return int(num_blocks)
+    @property
+    def allocator(self):
+        """The scheduler's block allocator (for stats and invariant checks)."""
+        return self.scheduler.allocator
 
     # ---------------------------------------------------------------- requests
     def tokenize(self, prompt: str) -> list[int]:
@@ -160,7 +111,6 @@ class LLMEngine:
         group = RequestGroup(request_id, params.n, [parent], forked=params.n == 1)
         parent.group = group
         self.requests[request_id] = group
-        self._add_detokenizer(parent)
         self.scheduler.add(parent)
         self._num_added += 1
 
@@ -191,11 +141,6 @@ class LLMEngine:
         group.scores[id(root)] = 0.0
         self.requests[request_id] = group
         self.scheduler.add(root)
-
-    def _add_detokenizer(self, request: Request) -> None:
-        if self.tokenizer is not None:
-            self._detokenizers[request.seq_id] = IncrementalDetokenizer(
-                self.tokenizer, request.num_prompt_tokens, request.params.stop)
 
     def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
@@ -272,111 +217,37 @@ class LLMEngine:
         if not scheduled.chunks:
             return outputs
         self.runner.copy_blocks(scheduled.block_copies)
-        results = self.runner.execute([self._seq_input(chunk) for chunk in scheduled.chunks])
-        self.scheduler.commit(scheduled)
+        results = self.runner.execute(scheduled.seqs)
+        update = self.scheduler.update(scheduled, results)
         self.num_steps += 1
         self.peak_kv_usage = max(self.peak_kv_usage, self.allocator.usage()["usage"])
-        now = time.perf_counter()
-        changed: dict[RequestGroup, dict[Request, int]] = {}  # sample -> first new token
-        for victim in scheduled.preempted:  # its draw will be recomputed
-            if isinstance(victim.group, BeamGroup):
-                victim.group.pending.pop(victim, None)
-        beam_groups: dict[BeamGroup, None] = {}
-        for chunk, draws in zip(scheduled.chunks, results, strict=True):
-            if not draws:
-                continue
-            request = chunk.request
-            if isinstance(request.group, BeamGroup):
-                request.group.pending[request] = draws[0]
-                beam_groups[request.group] = None
-                continue
-            samples = [request]
-            if len(draws) > 1:  # end of the prompt's prefill: fork the other samples
-                samples += self._fork(request, len(draws) - 1)
-            for sample, draw in zip(samples, draws, strict=True):
-                changed.setdefault(sample.group, {})[sample] = sample.num_output_tokens
-                self._append_token(sample, draw, now)
-        for group in beam_groups:
-            if group.ready():
-                group.advance(self.scheduler)
-                if group.finished:
-                    outputs.append(beam_output(group, "length", self.tokenizer))
-                    self._release(group)
-        for group, starts in changed.items():
+        for group in update.finished_beams:
+            outputs.append(beam_output(group, "length", self.tokenizer))
+            self._release(group)
+        for group, starts in update.new_tokens.items():
+            for sample in starts:
+                self._detokenize(sample)
             outputs.append(sample_deltas(group, starts, self._detokenizers))
             if group.finished:
                 self._release(group)
         self.step_seconds += time.perf_counter() - start
         return outputs
 
-    def _fork(self, parent: Request, count: int) -> list[Request]:
-        """Samples 1..count of `parent`'s request: each shares every block of the prompt
-        (copy-on-write of the partly filled last one happens on its first write)."""
-        children = []
-        for index in range(1, count + 1):
-            child = Request(parent.request_id, parent.prompt_token_ids, parent.params,
-                            sample_seed(parent.seed, index), parent.metrics,
-                            prompt=parent.prompt, cache_salt=parent.cache_salt,
-                            sample_index=index, group=parent.group)
-            self.scheduler.add_fork(parent, child)
-            self._add_detokenizer(child)
-            parent.group.samples.append(child)
-            children.append(child)
-        parent.group.forked = True
-        return children
-
-    def _seq_input(self, chunk) -> SeqInput:
-        request = chunk.request
-        start = chunk.num_computed_tokens
-        sampling = []
-        if chunk.sample:
-            p = request.params
-            banned: tuple[int, ...] = ()
-            if request.num_output_tokens < p.min_tokens:
-                banned = tuple(sorted(set(p.stop_token_ids) | (
-                    set() if p.ignore_eos else self.eos_token_ids)))
-            # one row per sample still to fork from this prompt, with its own seed
-            seeds = [request.seed] + [sample_seed(request.seed, i)
-                                      for i in range(1, request.num_draws)]
-            sampling = [SamplingRow(
-                temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
-                seed=seed, step=request.num_output_tokens,
-                presence=p.presence_penalty, frequency=p.frequency_penalty,
-                repetition=p.repetition_penalty,
-                num_logprobs=0 if p.logprobs is None else max(p.logprobs, 1),
-                prompt_token_ids=request.prompt_token_ids if p.uses_penalties else None,
-                output_token_ids=request.output_token_ids if p.uses_penalties else None,
-                banned_token_ids=banned,
-            ) for seed in seeds]
-        return SeqInput(chunk.block_table, start,
-                        request.token_ids[start : start + chunk.num_new_tokens], sampling)
-
-    def _append_token(self, request: Request, result, now: float) -> None:
-        p = request.params
-        token = result.token
-        request.token_ids.append(token)
-        request.cumulative_logprob += result.logprob
-        if request.logprobs is not None:
-            entry = dict(list((result.top_logprobs or {}).items())[: p.logprobs])
-            entry[token] = result.logprob
-            request.logprobs.append(entry)
-        if request.metrics.first_token_time is None:
-            request.metrics.first_token_time = now
-        num_out = request.num_output_tokens
-        stop_string = None
-        detok = self._detokenizers.get(request.seq_id)
-        if detok is not None:
-            stop_string = detok.update(request.token_ids, check_stop=num_out >= p.min_tokens)
-            request.text = detok.text
-        if num_out >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                return self.scheduler.finish(request, "stop")
-            if token in p.stop_token_ids:
-                return self.scheduler.finish(request, "stop", token)
-            if stop_string is not None:
-                return self.scheduler.finish(request, "stop", stop_string)
-        if num_out >= p.max_tokens or request.num_tokens >= self.max_model_len:
-            self.scheduler.finish(request, "length")
+    def _detokenize(self, sample: Request) -> None:
+        """Extend the sample's text by its new token; a stop string in it ends the sample
+        (over a "length" end on the same token, as vLLM reports it)."""
+        if self.tokenizer is None:
+            return
+        detok = self._detokenizers.get(sample.seq_id)
+        if detok is None:
+            detok = self._detokenizers[sample.seq_id] = IncrementalDetokenizer(
+                self.tokenizer, sample.num_prompt_tokens, sample.params.stop)
+        p = sample.params
+        stop = detok.update(sample.token_ids,
+                            check_stop=sample.num_output_tokens >= p.min_tokens)
+        sample.text = detok.text
+        if stop is not None and sample.finish_reason in (None, "length"):
+            self.scheduler.finish(sample, "stop", stop)
 
     def _release(self, group: RequestGroup) -> None:
         metrics = group.samples[0].metrics
@@ -409,15 +280,6 @@ class LLMEngine:
             "ttft": _summary(ttft),
             "tpot": _summary(tpot),
         }
-
-
-def _cast_float(leaf: Any, dtype) -> Any:
-    """Cast floating-point params to the engine dtype (no copy when the loader already made
-    them that dtype); leave integer buffers and keys alone."""
-    array = np.asarray(leaf) if not hasattr(leaf, "dtype") else leaf
-    if jax.numpy.issubdtype(array.dtype, jax.numpy.floating):
-        return np.asarray(array).astype(dtype, copy=False)
-    return array
 
 
 def _summary(values: list[float]) -> dict[str, float]:

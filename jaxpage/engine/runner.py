@@ -15,83 +15,29 @@ over any trace is bounded by `max_compiles`; `compiles` counts them as they happ
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpage.attention import RAGGED_BACKENDS, build_metadata, init_kv_pool
+from jaxpage.attention import (
+    RAGGED_BACKENDS,
+    build_metadata,
+    init_kv_pool,
+    kv_bytes_per_block,
+    select_backend,
+)
+from jaxpage.buckets import bucket_for, power_of_two_buckets
+from jaxpage.engine.batch import SeqInput, SeqResult
 from jaxpage.sampling import SamplingMetadata, sample
-from jaxpage.sampling_params import MAX_LOGPROBS
 
+if TYPE_CHECKING:
+    from jaxpage.config import EngineConfig
 
-def power_of_two_buckets(low: int, high: int, *, midpoints: bool = False) -> list[int]:
-    """Powers of two from `low` up to the first one >= `high`, capped at `high`; with
-    `midpoints`, also 1.5x each of them from 8 on (8, 12, 16, 24, 32, 48, ...)."""
-    buckets, size = [], low
-    while size < high:
-        buckets.append(size)
-        if midpoints and size >= 8 and size * 3 // 2 < high:
-            buckets.append(size * 3 // 2)
-        size *= 2
-    buckets.append(high)
-    return buckets
-
-
-def bucket_for(n: int, buckets: list[int]) -> int:
-    for size in buckets:
-        if n <= size:
-            return size
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
-
-
-@dataclasses.dataclass(slots=True)
-class SamplingRow:
-    """One sequence's sampling parameters for this step (host side)."""
-
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    seed: int
-    step: int
-    presence: float = 0.0
-    frequency: float = 0.0
-    repetition: float = 1.0
-    num_logprobs: int = 0
-    prompt_token_ids: list[int] | None = None  # only needed with penalties
-    output_token_ids: list[int] | None = None
-    banned_token_ids: tuple[int, ...] = ()  # e.g. EOS before min_tokens
-
-    @property
-    def uses_penalties(self) -> bool:
-        return self.presence != 0 or self.frequency != 0 or self.repetition != 1
-
-    @property
-    def uses_filters(self) -> bool:
-        return self.temperature > 0 and (self.top_p < 1 or self.top_k > 0 or self.min_p > 0)
-
-
-@dataclasses.dataclass(slots=True)
-class SeqInput:
-    """One sequence of a step: new tokens at positions num_computed.. of its block table."""
-
-    block_table: list[int]
-    num_computed: int
-    token_ids: list[int]
-    # one row per token to draw: none for a non-final prompt chunk, n when the prompt's
-    # n samples fork at the end of its prefill
-    sampling: list[SamplingRow]
-
-
-@dataclasses.dataclass(slots=True)
-class SeqResult:
-    token: int
-    logprob: float
-    top_logprobs: dict[int, float] | None
+# Default KV pool on CPU (and where the device reports no memory limit): 1 GiB.
+_CPU_KV_BUDGET = 1 << 30
 
 
 def _copy_blocks_fn(kv_pool, src, dst):
@@ -113,32 +59,32 @@ _COPY_BLOCKS = jax.jit(_copy_blocks_fn, donate_argnums=0)
 
 
 class ModelRunner:
-    """Owns the device params, the KV pool and the compiled step functions."""
+    """Owns the device params, the KV pool and the compiled step functions.
 
-    def __init__(
-        self,
-        model: Any,
-        params: Any,
-        *,
-        num_blocks: int,
-        block_size: int,
-        max_model_len: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        dtype: Any = jnp.float32,
-        backend: str = "jnp",
-        interpret: bool = False,
-    ) -> None:
-        config = model.config
+    Built from the engine's config: it picks the attention backend for this platform, casts
+    the params to the engine dtype and moves them to the device, then sizes the KV pool
+    from what is left (`num_blocks`, read by the scheduler's allocator).
+    """
+
+    def __init__(self, model: Any, params: Any, config: EngineConfig, *,
+                 max_model_len: int) -> None:
+        model_config = model.config
+        dtype = jnp.dtype(config.dtype)
+        block_size = config.block_size
+        max_num_seqs, max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens
         self.model = model
-        self.vocab_size = config.vocab_size
+        self.vocab_size = model_config.vocab_size
         self.block_size = block_size
-        self.backend = backend
-        self.ragged = backend in RAGGED_BACKENDS
-        self.interpret = interpret
-        self.params = jax.device_put(params)
-        self.kv_pool = init_kv_pool(config.num_layers, num_blocks, block_size,
-                                    config.num_kv_heads, config.head_dim, dtype)
+        self.backend = select_backend(config.attention_backend,
+                                      interpret=config.kernel_interpret,
+                                      head_dim=model_config.head_dim, block_size=block_size,
+                                      dtype=dtype)
+        self.ragged = self.backend in RAGGED_BACKENDS
+        self.interpret = config.kernel_interpret
+        self.params = jax.device_put(jax.tree.map(lambda a: _cast_float(a, dtype), params))
+        self.num_blocks = num_blocks = _num_blocks(config, model_config, dtype)
+        self.kv_pool = init_kv_pool(model_config.num_layers, num_blocks, block_size,
+                                    model_config.num_kv_heads, model_config.head_dim, dtype)
         max_blocks = -(-max_model_len // block_size)
         # Smallest buckets are set where padding is nearly free (a decode step of 8 rows costs
         # what one row costs: both read every weight once) to keep compilations few. Above 8
@@ -152,7 +98,7 @@ class ModelRunner:
         self.width_buckets = power_of_two_buckets(
             min(max(1, 64 // block_size), max_blocks), max_blocks)
         self.len_buckets = power_of_two_buckets(min(128, max_model_len), max_model_len)
-        self.ban_buckets = power_of_two_buckets(8, max(8, config.vocab_size))
+        self.ban_buckets = power_of_two_buckets(8, max(8, model_config.vocab_size))
         self.copy_buckets = power_of_two_buckets(min(8, num_blocks), max(1, num_blocks))
         self.compiled: set[tuple] = set()
         self.compile_seconds = 0.0
@@ -241,7 +187,9 @@ class ModelRunner:
         results: list[list[SeqResult]] = [[] for _ in seqs]
         if not rows:  # only non-final prompt chunks: nothing to draw
             return results
-        sampling_md = self._sampling_metadata([row for _, row in rows], num_rows)
+        sampling_md = SamplingMetadata.pack([row for _, row in rows], num_rows,
+                                            ban_buckets=self.ban_buckets,
+                                            history_buckets=self.len_buckets)
         sampling_key = ("sample", num_rows, sampling_md.use_filters, sampling_md.num_logprobs,
                         sampling_md.all_greedy,
                         *(None if a is None else a.shape[1] for a in (
@@ -270,42 +218,34 @@ class ModelRunner:
         self.compiled.add(key)
         return result
 
-    def _sampling_metadata(self, rows: list[SamplingRow], num_rows: int):
-        greedy = SamplingRow(0.0, 1.0, 0, 0.0, 0, 0)
-        rows = rows + [greedy] * (num_rows - len(rows))
-        use_penalties = any(r.uses_penalties for r in rows)
-        md = dict(
-            temperature=np.array([r.temperature for r in rows], np.float32),
-            top_p=np.array([r.top_p for r in rows], np.float32),
-            top_k=np.array([max(r.top_k, 0) for r in rows], np.int32),
-            min_p=np.array([r.min_p for r in rows], np.float32),
-            seeds=np.array([r.seed & 0xFFFFFFFF for r in rows], np.uint32),
-            steps=np.array([r.step for r in rows], np.int32),
-            use_filters=any(r.uses_filters for r in rows),
-            all_greedy=all(r.temperature == 0 for r in rows),
-            num_logprobs=MAX_LOGPROBS if any(r.num_logprobs for r in rows) else 0,
-        )
-        if any(r.banned_token_ids for r in rows):
-            width = bucket_for(max(len(r.banned_token_ids) for r in rows), self.ban_buckets)
-            md["banned_token_ids"] = _pad_rows([r.banned_token_ids for r in rows], width)
-        if use_penalties:
-            longest = max(max(len(r.prompt_token_ids or ()), len(r.output_token_ids or ()))
-                          for r in rows)
-            width = bucket_for(max(longest, 1), self.len_buckets)
-            md.update(
-                presence=np.array([r.presence for r in rows], np.float32),
-                frequency=np.array([r.frequency for r in rows], np.float32),
-                repetition=np.array([r.repetition for r in rows], np.float32),
-                prompt_token_ids=_pad_rows([r.prompt_token_ids or () for r in rows], width),
-                output_token_ids=_pad_rows([r.output_token_ids or () for r in rows], width),
-                use_penalties=True,
-            )
-        return SamplingMetadata(**md)
 
 
-def _pad_rows(rows: list, width: int) -> np.ndarray:
-    out = np.full((len(rows), width), -1, np.int32)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = row
-    return out
+def _num_blocks(config: EngineConfig, model_config: Any, dtype) -> int:
+    """KV pool blocks: `num_blocks` as given, else a byte budget (`kv_cache_memory`, or
+    `gpu_memory_utilization` of the accelerator memory left after the params, or 1 GiB on
+    CPU) divided by what one block costs over all layers."""
+    if config.num_blocks is not None:
+        return config.num_blocks
+    per_block = kv_bytes_per_block(model_config.num_layers, config.block_size,
+                                   model_config.num_kv_heads, model_config.head_dim, dtype)
+    budget = config.kv_cache_memory
+    if budget is None:
+        budget = _CPU_KV_BUDGET
+        stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+        if stats and "bytes_limit" in stats:
+            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+            budget = int(free * config.gpu_memory_utilization)
+    num_blocks = budget // per_block
+    if num_blocks < 2:
+        raise ValueError(f"kv_cache_memory {budget} bytes holds {num_blocks} blocks of "
+                         f"{per_block} bytes; need at least 2")
+    return int(num_blocks)
 
+
+def _cast_float(leaf: Any, dtype) -> Any:
+    """Cast floating-point params to the engine dtype (no copy when the loader already made
+    them that dtype); leave integer buffers and keys alone."""
+    array = np.asarray(leaf) if not hasattr(leaf, "dtype") else leaf
+    if jnp.issubdtype(array.dtype, jnp.floating):
+        return np.asarray(array).astype(dtype, copy=False)
+    return array

@@ -15,9 +15,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+from collections.abc import Iterable
 
+from jaxpage.engine.batch import SeqInput, SeqResult
+from jaxpage.engine.beam_search import BeamGroup, BeamPlan, NextBeam
 from jaxpage.engine.block_allocator import BlockAllocator
-from jaxpage.engine.request import Request, RequestStatus
+from jaxpage.engine.request import Request, RequestGroup, RequestStatus
+from jaxpage.sampling_params import SamplingRow, sample_seed
 
 
 @dataclasses.dataclass(slots=True)
@@ -39,26 +43,45 @@ class ScheduledChunk:
 @dataclasses.dataclass(slots=True)
 class SchedulerOutput:
     chunks: list[ScheduledChunk]
+    seqs: list[SeqInput]  # what the runner is given, one per chunk
     block_copies: list[tuple[int, int]]  # copy-on-write (src, dst), before any write
     preempted: list[Request]
     num_batched_tokens: int
 
 
+@dataclasses.dataclass(slots=True)
+class StepUpdate:
+    """What one step changed, for the engine to detokenize and report."""
+
+    # per request group, each sample that got a token: the index of its first new token
+    new_tokens: dict[RequestGroup, dict[Request, int]] = dataclasses.field(default_factory=dict)
+    finished_beams: list[BeamGroup] = dataclasses.field(default_factory=list)
+
+
 class Scheduler:
-    """Waiting and running queues over one BlockAllocator."""
+    """Waiting and running queues over the BlockAllocator it owns."""
 
     def __init__(
         self,
-        allocator: BlockAllocator,
         *,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_prefix_caching: bool = True,
+        reservation_policy: str = "paged",
+        eos_token_ids: Iterable[int] = (),
     ) -> None:
-        self.allocator = allocator
+        self.allocator = BlockAllocator(
+            num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
+            policy=reservation_policy, max_model_len=max_model_len,
+        )
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_prefix_caching = enable_prefix_caching
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -125,7 +148,8 @@ class Scheduler:
 
         chunks = list(scheduled.values())
         copies = [copy for chunk in chunks for copy in chunk.block_copies]
-        return SchedulerOutput(chunks, copies, preempted, self.max_num_batched_tokens - budget)
+        return SchedulerOutput(chunks, [self._seq_input(chunk) for chunk in chunks], copies,
+                               preempted, self.max_num_batched_tokens - budget)
 
     def _preempt_newest(self) -> list[Request]:
         """Preempt the newest running request, together with its running siblings (the
@@ -158,19 +182,141 @@ class Scheduler:
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+        if isinstance(request.group, BeamGroup):  # its draw is recomputed on readmission
+            request.group.pending.pop(request, None)
 
-    def commit(self, output: SchedulerOutput) -> None:
-        """Record that the step's K/V is written: advance computed counts and let the
-        allocator hash newly full blocks for the prefix cache."""
-        for chunk in output.chunks:
+    def _seq_input(self, chunk: ScheduledChunk) -> SeqInput:
+        """The runner's view of a chunk: block table, tokens and, when it ends the known
+        tokens, a sampling row per token to draw (n when the prompt's samples fork)."""
+        request = chunk.request
+        start = chunk.num_computed_tokens
+        rows = []
+        if chunk.sample:
+            p = request.params
+            banned: tuple[int, ...] = ()
+            if request.num_output_tokens < p.min_tokens:
+                banned = tuple(sorted(set(p.stop_token_ids) | (
+                    set() if p.ignore_eos else self.eos_token_ids)))
+            history = p.uses_penalties
+            rows = [SamplingRow(p, sample_seed(request.seed, i),
+                                step=request.num_output_tokens,
+                                prompt_token_ids=request.prompt_token_ids if history else None,
+                                output_token_ids=request.output_token_ids if history else None,
+                                banned_token_ids=banned)
+                    for i in range(request.num_draws)]
+        return SeqInput(chunk.block_table, start,
+                        request.token_ids[start : start + chunk.num_new_tokens], rows)
+
+    def update(self, output: SchedulerOutput, results: list[list[SeqResult]]) -> StepUpdate:
+        """Apply an executed step: record its K/V as written (hashing newly full blocks for
+        the prefix cache), append each drawn token, fork a prompt's other samples at the end
+        of its prefill, apply the plans of beam groups whose beams have all drawn, and
+        finish sequences that drew EOS or a stop token or reached a length limit. Stop
+        strings are the engine's (it detokenizes): it ends those sequences with `finish`."""
+        for chunk in output.chunks:  # before the new tokens are appended: no K/V for them
             request = chunk.request
             if request.finished:
                 continue
             computed = chunk.num_computed_tokens + chunk.num_new_tokens
             request.num_computed_tokens = computed
-            tokens = request.token_ids  # called before the step's new tokens are appended
+            tokens = request.token_ids
             self.allocator.commit(request.seq_id,
                                   tokens if computed == len(tokens) else tokens[:computed])
+        now = time.perf_counter()
+        update = StepUpdate()
+        beam_groups: dict[BeamGroup, None] = {}
+        for chunk, draws in zip(output.chunks, results, strict=True):
+            if not draws:
+                continue
+            request = chunk.request
+            group = request.group
+            if isinstance(group, BeamGroup):
+                group.pending[request] = draws[0]
+                beam_groups[group] = None
+                continue
+            samples = [request]
+            if len(draws) > 1:  # end of the prompt's prefill: fork the other samples
+                samples += self._fork_samples(request, len(draws) - 1)
+            for sample, draw in zip(samples, draws, strict=True):
+                update.new_tokens.setdefault(group, {})[sample] = sample.num_output_tokens
+                self._append_token(sample, draw, now)
+        for group in beam_groups:
+            if group.ready():
+                self._apply_beam_plan(group, group.plan())
+                if group.finished:
+                    update.finished_beams.append(group)
+        return update
+
+    def _append_token(self, request: Request, draw: SeqResult, now: float) -> None:
+        p = request.params
+        token = draw.token
+        request.token_ids.append(token)
+        request.cumulative_logprob += draw.logprob
+        if request.logprobs is not None:
+            entry = dict(list((draw.top_logprobs or {}).items())[: p.logprobs])
+            entry[token] = draw.logprob
+            request.logprobs.append(entry)
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        num_out = request.num_output_tokens
+        if num_out >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return self.finish(request, "stop")
+            if token in p.stop_token_ids:
+                return self.finish(request, "stop", token)
+        if num_out >= p.max_tokens or request.num_tokens >= self.max_model_len:
+            self.finish(request, "length")
+
+    def _fork_samples(self, parent: Request, count: int) -> list[Request]:
+        """Samples 1..count of `parent`'s request: each shares every block of the prompt
+        (copy-on-write of the partly filled last one happens on its first write)."""
+        children = []
+        for index in range(1, count + 1):
+            child = Request(parent.request_id, parent.prompt_token_ids, parent.params,
+                            sample_seed(parent.seed, index), parent.metrics,
+                            prompt=parent.prompt, cache_salt=parent.cache_salt,
+                            sample_index=index, group=parent.group)
+            self.add_fork(parent, child)
+            parent.group.samples.append(child)
+            children.append(child)
+        parent.group.forked = True
+        return children
+
+    def _apply_beam_plan(self, group: BeamGroup, plan: BeamPlan) -> None:
+        """Reshape a beam group as planned: children beyond a parent's first fork from it
+        (before any beam takes its new token), beams without children end."""
+        group.pending.clear()
+        group.finished_hyps, group.improvable = plan.finished_hyps, plan.improvable
+        beams = group.samples
+        if plan.done:
+            for beam in beams:
+                self.finish(beam, "stop")
+            group.done = True
+            return
+        kept = {next_beam.parent for next_beam in plan.next_beams}
+        for b, beam in enumerate(beams):
+            if b not in kept:
+                self.finish(beam, "stop")
+        children: dict[NextBeam, Request] = {}
+        for next_beam in sorted((nb for nb in plan.next_beams if nb.fork),
+                                key=lambda nb: nb.parent):  # stable: HF's order per parent
+            parent = beams[next_beam.parent]
+            group.next_index += 1
+            child = Request(parent.request_id, parent.prompt_token_ids, parent.params,
+                            parent.seed, parent.metrics, prompt=parent.prompt,
+                            cache_salt=parent.cache_salt, sample_index=group.next_index,
+                            group=group, token_ids=list(parent.token_ids))
+            child.cumulative_logprob = parent.cumulative_logprob
+            self.add_fork(parent, child)
+            children[next_beam] = child
+        group.samples, group.scores = [], {}
+        for next_beam in plan.next_beams:
+            beam = children.get(next_beam) or beams[next_beam.parent]
+            beam.token_ids.append(next_beam.token)
+            beam.cumulative_logprob += next_beam.logprob
+            group.scores[id(beam)] = next_beam.score
+            group.samples.append(beam)
+        group.forked = True
 
     def add_fork(self, parent: Request, child: Request) -> None:
         """Run `child`, which shares all of `parent`'s blocks, right after its parent."""
@@ -183,7 +329,9 @@ class Scheduler:
         self.running.insert(index, child)
 
     def finish(self, request: Request, reason: str, stop_reason=None) -> None:
-        """End a request (stop, length or abort) wherever it is and free its blocks."""
+        """End a request (stop, length or abort) wherever it is and free its blocks; on a
+        request already finished this step, only its reason changes (a stop string found
+        on the token that also reached max_tokens)."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
             self.allocator.free(request.seq_id)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from jaxpage import LLM, BeamSearchParams, SamplingParams
+from jaxpage.engine.beam_search import LiveBeam, num_candidates, rank_beams
 
 EOS = 2  # the tiny models' eos_token_id
 
@@ -73,6 +74,65 @@ def test_matches_hf(tiny, width, prompt_len, length_penalty, early_stopping):
     allocator = llm.engine.allocator
     assert allocator.usage()["used"] == 0
     allocator.check_invariants()
+
+
+def plan_with_hf_logprobs(model, prompt, params, eos):
+    """Beam search driven by `rank_beams` alone: HF's log-probs for each live beam's next
+    token, no engine, scheduler or allocator. Returns the final hypotheses."""
+    k = num_candidates(params, eos)
+    live = [([], 0.0)]  # (generated ids, accumulated score)
+    finished, improvable = [], True
+    for _ in range(params.max_tokens):
+        beams = []
+        for ids, score in live:
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + ids])).logits[0, -1].float()
+            top = torch.topk(torch.log_softmax(logits, -1), k)
+            beams.append(LiveBeam(score, ids, dict(zip(top.indices.tolist(),
+                                                       top.values.tolist(), strict=True))))
+        plan = rank_beams(params, eos, prompt_len=len(prompt), beams=beams,
+                          finished_hyps=finished, improvable=improvable)
+        finished, improvable = plan.finished_hyps, plan.improvable
+        if plan.done:
+            return finished
+        assert len(plan.next_beams) == params.beam_width
+        live = [(list(beams[nb.parent].output_token_ids) + [nb.token], nb.score)
+                for nb in plan.next_beams]
+    raise AssertionError("rank_beams never finished within max_tokens steps")
+
+
+@pytest.mark.parametrize("width", [1, 3])
+@pytest.mark.parametrize("length_penalty,early_stopping", [(1.0, False), (0.5, True),
+                                                           (2.0, "never")])
+def test_rank_beams_alone_matches_hf(hf_model_dir, width, length_penalty, early_stopping):
+    """The ranking is a pure function: fed HF's own log-probs it reproduces HF's beams."""
+    _, model = hf_model_dir("llama")
+    prompt = eos_prone_prompt(model, np.random.default_rng(width + 7), 9)
+    params = BeamSearchParams(beam_width=width, max_tokens=8, length_penalty=length_penalty,
+                              early_stopping=early_stopping)
+    expected = hf_beams(model, prompt, width, params.max_tokens, length_penalty,
+                        early_stopping, EOS)
+    got = plan_with_hf_logprobs(model, prompt, params, (EOS,))[:width]
+    assert [h.token_ids for h in got] == [ids for ids, _ in expected]
+    for hyp, (_, score) in zip(got, expected, strict=True):
+        if score is not None:
+            assert abs(hyp.score - score) < 1e-4
+
+
+def test_rank_beams_hand_worked():
+    """Two beams, width 2, EOS = 9: the best candidate ends (a hypothesis), the next two
+    continue, both children of beam 0 (beam 1 ends: it has no child)."""
+    params = BeamSearchParams(beam_width=2, max_tokens=5)
+    beams = [LiveBeam(-1.0, [4], {9: -0.1, 5: -0.2, 6: -0.3, 7: -5.0}),
+             LiveBeam(-2.0, [3], {5: -0.5, 6: -0.6, 9: -3.0, 8: -4.0})]
+    plan = rank_beams(params, (9,), prompt_len=3, beams=beams, finished_hyps=[],
+                      improvable=True)
+    assert not plan.done
+    assert [(h.token_ids, h.cumulative_logprob) for h in plan.finished_hyps] == [([4, 9], -1.1)]
+    assert plan.finished_hyps[0].score == pytest.approx(-1.1 / 2)
+    assert [(nb.parent, nb.token, nb.fork) for nb in plan.next_beams] == [(0, 5, False),
+                                                                          (0, 6, True)]
+    assert [nb.score for nb in plan.next_beams] == pytest.approx([-1.2, -1.3])
 
 
 def test_width_one_equals_greedy(tiny):

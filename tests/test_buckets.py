@@ -1,10 +1,10 @@
-"""Shape buckets of the runner (hand-worked lists)."""
+"""Shape buckets (hand-worked lists)."""
 
 from __future__ import annotations
 
 import pytest
 
-from jaxpage.engine.runner import bucket_for, power_of_two_buckets
+from jaxpage.buckets import bucket_for, power_of_two_buckets
 
 
 @pytest.mark.parametrize("low, high, midpoints, expected", [

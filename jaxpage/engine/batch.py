@@ -1,0 +1,34 @@
+"""What crosses between the scheduler and the runner each step: plain ints and lists (no JAX).
+
+The scheduler describes each scheduled sequence as a `SeqInput`; the runner returns, per
+sequence, one `SeqResult` per token it drew. Neither side sees the other's objects: the
+runner knows no requests, the scheduler no arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpage.sampling_params import SamplingRow
+
+
+@dataclasses.dataclass(slots=True)
+class SeqInput:
+    """One sequence of a step: new tokens at positions num_computed.. of its block table."""
+
+    block_table: list[int]
+    num_computed: int
+    token_ids: list[int]
+    # one row per token to draw: none for a non-final prompt chunk, n when the prompt's
+    # n samples fork at the end of its prefill
+    sampling: list[SamplingRow]
+
+
+@dataclasses.dataclass(slots=True)
+class SeqResult:
+    """One drawn token: its id, its log-probability under the model's raw distribution, and
+    (when asked for) the top log-probabilities {token id: log-prob}, best first."""
+
+    token: int
+    logprob: float
+    top_logprobs: dict[int, float] | None
