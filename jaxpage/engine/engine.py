@@ -24,9 +24,11 @@ from jaxpage.engine.request import Request, RequestGroup
 from jaxpage.engine.scheduler import Scheduler
 from jaxpage.outputs import RequestMetrics, RequestOutput
 from jaxpage.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
+from jaxpage.validation import is_int
 
 if TYPE_CHECKING:
     from jaxpage.config import EngineConfig
+    from jaxpage.engine.block_allocator import BlockAllocator
 
 
 class LLMEngine:
@@ -76,7 +78,7 @@ class LLMEngine:
         self.step_seconds = 0.0  # wall time inside step(), host and device
 
     @property
-    def allocator(self):
+    def allocator(self) -> BlockAllocator:
         """The scheduler's block allocator (for stats and invariant checks)."""
         return self.scheduler.allocator
 
@@ -146,8 +148,7 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("prompt must not be empty (it has 0 tokens)")
         for t in token_ids:
-            if not isinstance(t, int | np.integer) or isinstance(t, bool) or not (
-                    0 <= t < self.vocab_size):
+            if not is_int(t) or not 0 <= t < self.vocab_size:
                 raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), "
                                  f"got {t!r}")
         total = len(token_ids) + params.max_tokens

@@ -8,6 +8,11 @@ prefix cache are skipped. When the pool cannot give a running request the blocks
 the newest running request is preempted by recompute: its blocks are freed and it goes back
 to the front of the waiting queue, keeping its generated tokens, which are prefilled again
 when it is readmitted. No request is admitted in a step that preempted one.
+
+The scheduler owns the BlockAllocator and every change to the sequences it serves: after
+the runner has executed a step, `update` applies the results (K/V committed and hashed,
+tokens appended, samples forked, beam plans applied, sequences ended on EOS, stop tokens
+and length), in that order, in one place.
 """
 
 from __future__ import annotations
