@@ -219,9 +219,10 @@ class LLMEngine:
             return outputs
         self.runner.copy_blocks(scheduled.block_copies)
         results = self.runner.execute(scheduled.seqs)
+        # peak KV use: with this step's blocks, before finished requests free theirs
+        self.peak_kv_usage = max(self.peak_kv_usage, self.allocator.usage()["usage"])
         update = self.scheduler.update(scheduled, results)
         self.num_steps += 1
-        self.peak_kv_usage = max(self.peak_kv_usage, self.allocator.usage()["usage"])
         for group in update.finished_beams:
             outputs.append(beam_output(group, "length", self.tokenizer))
             self._release(group)
