@@ -32,8 +32,22 @@ constexpr int64_t kMaxTile = 256;  // largest head_dim and block_size served
 
 // exp(x) for x <= 0, written so that loops over it vectorize (no libm call): Cephes' expf
 // polynomial on [-ln2/2, ln2/2] times 2^n. Inputs below -87 give ~1e-38 instead of smaller.
+//
+// Free of undefined behaviour for every float, since the softmax also feeds it the garbage
+// scores of masked key slots (NaN, +-inf, anything; their results are selected away after):
+// - the clamp is a select whose comparison is false for NaN, so NaN (and -inf) become -87
+//   (std::max(x, -87.0f) would pass NaN through: it returns its first argument when the
+//   comparison fails);
+// - 2^n is built without converting a float to an int (undefined when the value is out of
+//   int32's range: NaN, +inf, a huge x): n, an integer-valued float, is added to 1.5 * 2^23,
+//   whose low mantissa bits then hold n in two's complement (exact for |n| < 2^22), and the
+//   exponent field is shifted out of those bits as an unsigned value, so it only wraps.
+// For x in [-87, 0] the result is bit for bit what a static_cast<int32_t>(n) gives, at the
+// same cost (no second clamp: measured, one more select slowed the softmax step by 15-20%);
+// x up to ~88 still gives exp(x); above, x is out of contract (masked slots only) and the
+// result is a defined but meaningless float.
 inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
+  x = x > -87.0f ? x : -87.0f;  // NaN -> -87
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -43,7 +57,8 @@ inline float exp_nonpositive(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   const float y = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  const uint32_t n_bits = __builtin_bit_cast(uint32_t, n + 12582912.0f);  // 0x4B400000 + n
+  const uint32_t bits = (n_bits + 127u) << 23;  // (n + 127) << 23: 0x4B400000 << 23 wraps to 0
   return y * __builtin_bit_cast(float, bits);
 }
 
@@ -257,7 +272,7 @@ AttendFn pick(int64_t head_dim, int64_t block_size) {
     if (head_dim == 64) return attend<64, 32>;
     if (head_dim == 128) return attend<128, 32>;
   }
-  if (head_dim <= kMaxTile && block_size <= kMaxTile) return attend<0, 0>;
+  if (head_dim <= kMaxTile && block_size >= 1 && block_size <= kMaxTile) return attend<0, 0>;
   return nullptr;
 }
 
@@ -281,6 +296,21 @@ struct Work {
   }
 };
 
+ffi::Error Invalid(const std::string& what) {
+  return ffi::Error::InvalidArgument("paged attention: " + what);
+}
+
+std::string shape_string(ffi::Span<const int64_t> dims) {
+  std::string text = "[";
+  for (size_t i = 0; i < dims.size(); ++i) text += (i ? ", " : "") + std::to_string(dims[i]);
+  return text + "]";
+}
+
+// Everything the work items trust is checked here, before any of them runs: shapes (the output
+// is q's), query ranges (query_start_loc non-decreasing within [0, T], so that the sequences'
+// query rows neither overlap nor leave the batch), each sequence's query count <= its seq_len
+// and, for sequences with queries, seq_len <= what its block table holds. Block ids are
+// checked by the items as they read them (only the blocks a sequence reaches are read).
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                           ffi::Buffer<ffi::F32> k_pool, ffi::Buffer<ffi::F32> v_pool,
                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
@@ -290,39 +320,69 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const auto kd = k_pool.dimensions();
   const auto td = block_tables.dimensions();
   const auto vd = v_pool.dimensions();
+  const auto od = out->dimensions();
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || vd.size() != 4 ||
       !std::equal(kd.begin(), kd.end(), vd.begin()) ||
       seq_lens.element_count() != td[0] || query_start_loc.element_count() != td[0] + 1 ||
       kd[3] != qd[2] || kd[0] == 0 || qd[1] % kd[0] != 0 || query_tile < 1) {
-    return ffi::Error::InvalidArgument("paged attention: inconsistent shapes");
+    return Invalid("inconsistent shapes");
+  }
+  if (od.size() != qd.size() || !std::equal(qd.begin(), qd.end(), od.begin())) {
+    return Invalid("output shape " + shape_string(od) + " is not q's shape " + shape_string(qd));
   }
   auto work = std::make_shared<Work>();
   Problem& P = work->problem;
   P = Problem{q.typed_data(), k_pool.typed_data(), v_pool.typed_data(),
               block_tables.typed_data(), seq_lens.typed_data(), query_start_loc.typed_data(),
               out->typed_data(), qd[1], qd[2], kd[0], kd[1], kd[2], td[1], qd[1] / kd[0], scale};
-  std::memset(P.out, 0, sizeof(float) * qd[0] * qd[1] * qd[2]);  // padding tokens stay 0
 
   work->attend_fn = pick(P.head_dim, P.block_size);
   if (work->attend_fn == nullptr) {
-    return ffi::Error::InvalidArgument("paged attention: head_dim " + std::to_string(P.head_dim) +
-                                       " with block_size " + std::to_string(P.block_size) +
-                                       " is not served (at most 256 each)");
+    return Invalid("head_dim " + std::to_string(P.head_dim) + " with block_size " +
+                   std::to_string(P.block_size) +
+                   " is not served (head_dim at most 256, block_size 1 to 256)");
   }
   const int64_t num_tokens = qd[0], num_seqs = td[0];
+  const int32_t* qsl = P.qsl;
+  if (qsl[0] < 0) {
+    return Invalid("query_start_loc[0] = " + std::to_string(qsl[0]) + " is negative");
+  }
   for (int64_t s = 0; s < num_seqs; ++s) {
-    const int32_t start = P.qsl[s], len = P.qsl[s + 1] - start;
-    if (len <= 0) continue;
-    if (start < 0 || start + len > num_tokens || P.lens[s] < len ||
-        P.lens[s] > P.max_blocks * P.block_size) {
-      return ffi::Error::InvalidArgument("paged attention: sequence " + std::to_string(s) +
-                                         " has inconsistent query_start_loc / seq_lens");
+    if (qsl[s + 1] < qsl[s]) {
+      return Invalid("query_start_loc decreases at sequence " + std::to_string(s) +
+                     ": query_start_loc[" + std::to_string(s) + "] = " + std::to_string(qsl[s]) +
+                     " > query_start_loc[" + std::to_string(s + 1) + "] = " +
+                     std::to_string(qsl[s + 1]) + " (query ranges must not overlap)");
     }
-    for (int32_t a = 0; a < len; a += query_tile) {
-      const int32_t b = std::min<int32_t>(len, a + query_tile);
+  }
+  if (qsl[num_seqs] > num_tokens) {
+    return Invalid("query_start_loc[" + std::to_string(num_seqs) + "] = " +
+                   std::to_string(qsl[num_seqs]) + " exceeds the " + std::to_string(num_tokens) +
+                   " query tokens");
+  }
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t len = static_cast<int64_t>(qsl[s + 1]) - qsl[s];  // >= 0: checked above
+    if (len > P.lens[s]) {
+      return Invalid("sequence " + std::to_string(s) + " has " + std::to_string(len) +
+                     " queries but seq_len " + std::to_string(P.lens[s]));
+    }
+    if (len > 0 && P.lens[s] > P.max_blocks * P.block_size) {
+      return Invalid("sequence " + std::to_string(s) + " has seq_len " +
+                     std::to_string(P.lens[s]) + " but its block table holds " +
+                     std::to_string(P.max_blocks * P.block_size) + " tokens");
+    }
+  }
+
+  std::memset(P.out, 0, sizeof(float) * qd[0] * qd[1] * qd[2]);  // padding tokens stay 0
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t len = static_cast<int64_t>(qsl[s + 1]) - qsl[s];
+    // tiles [a, b) of at most query_tile tokens (no a + query_tile: query_tile may be huge)
+    for (int64_t a = 0, b = 0; a < len; a = b) {
+      b = len - a <= query_tile ? len : a + query_tile;
       const int64_t reach = P.lens[s] - len + b;
       for (int32_t h = 0; h < P.num_kv_heads; ++h)
-        work->items.push_back(Item{static_cast<int32_t>(s), h, a, b, reach * (b - a)});
+        work->items.push_back(Item{static_cast<int32_t>(s), h, static_cast<int32_t>(a),
+                                   static_cast<int32_t>(b), reach * (b - a)});
     }
   }
   // heaviest first, so that the last items to finish are short ones
@@ -334,9 +394,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
   work->run();
   while (work->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
-  if (work->bad_block.load()) {
-    return ffi::Error::InvalidArgument("paged attention: block table entry outside the pool");
-  }
+  if (work->bad_block.load()) return Invalid("block table entry outside the pool");
   return ffi::Error::Success();
 }
 

@@ -7,6 +7,12 @@ it lies in the pool. The kernel is compiled on first use with the machine's C++ 
 (`g++ -O3 -march=native`, about 3 s) into a cache directory keyed by the source, the flags,
 the jaxlib version and the CPU; `available()` says whether that worked, and callers fall back to the
 jnp path when it did not (no compiler, another platform, float pools other than float32).
+
+Environment: `JAXPAGE_NO_CPU_KERNEL` (any value) turns the kernel off; `JAXPAGE_CACHE` moves the
+build cache; `JAXPAGE_CPU_KERNEL_LIB` names a prebuilt shared library of `cpu_attention.cc`
+to register instead of building one (for checks that need another build of the same source,
+e.g. `scripts/check_cpu_kernel_sanitizers.py`'s build with ASan and UBSan; unset, the kernel
+is built and cached as above).
 """
 
 from __future__ import annotations
@@ -82,13 +88,23 @@ def _build() -> Path:
     return library
 
 
+def _library() -> Path:
+    """The shared library to register: `JAXPAGE_CPU_KERNEL_LIB` if set, else our build."""
+    prebuilt = os.environ.get("JAXPAGE_CPU_KERNEL_LIB")
+    if prebuilt:
+        if not Path(prebuilt).is_file():
+            raise RuntimeError(f"JAXPAGE_CPU_KERNEL_LIB={prebuilt} is not a file")
+        return Path(prebuilt)
+    return _build()
+
+
 @functools.cache
 def available() -> bool:
     """Whether the kernel is built and registered with XLA (compiles it on first call)."""
     if os.environ.get("JAXPAGE_NO_CPU_KERNEL"):
         return False
     try:
-        library = ctypes.cdll.LoadLibrary(str(_build()))
+        library = ctypes.cdll.LoadLibrary(str(_library()))
         jax.ffi.register_ffi_target(
             _TARGET, jax.ffi.pycapsule(library.JaxpagePagedAttention), platform="cpu")
     except Exception as e:  # noqa: BLE001 - any failure means: use the jnp path

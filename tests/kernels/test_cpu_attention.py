@@ -4,14 +4,21 @@ naive float64 NumPy, hand-worked cases and the dense jnp reference.
 Both code paths of the kernel are covered: the (head_dim, block_size) pairs compiled for their
 sizes (64 or 128 by 16 or 32) and the run-time sized one (any other pair), each with few query
 rows per item (decode, dot products off the K tile) and many (prefill tiles, transposed K).
-Every pool slot no sequence owns holds NaN.
+Every pool slot no sequence owns holds NaN (or +-inf, where that is what a test is about).
+Malformed calls (output shape, query ranges, lengths, block ids) must be errors. The last test
+runs scripts/check_cpu_kernel_sanitizers.py: the kernel built with ASan and UBSan.
 """
 
 from __future__ import annotations
 
 import math
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_reference import assert_matches_naive, random_batch
@@ -22,6 +29,16 @@ from pallas_kernels.reference import paged_attention_reference
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(),
                                 reason="the C++ kernel could not be built here")
+
+
+def fill_unowned(pool, tables, seq_lens, value):
+    """Set every slot of a head-major pool [K, NB, B, D] that no sequence owns to `value`."""
+    block_size = pool.shape[2]
+    owned = np.zeros(pool.shape[1:3], bool)
+    for table, length in zip(tables, seq_lens, strict=True):
+        pos = np.arange(length)
+        owned[table[pos // block_size], pos % block_size] = True
+    pool[:, ~owned] = value
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -41,9 +58,10 @@ def test_random_ragged_batches_match_naive(seed, num_heads, num_kv_heads, head_d
     assert_matches_naive(out, args, keys, values, head_dim**-0.5)
 
 
-@pytest.mark.parametrize("query_tile", [1, 3, 32])
+@pytest.mark.parametrize("query_tile", [1, 3, 32, 2**40])
 def test_query_tiles_do_not_change_results(query_tile):
-    """Long chunks cut into work items of 1, 3 or 32 tokens (3 leaves partial tiles)."""
+    """Long chunks cut into work items of 1, 3 or 32 tokens (3 leaves partial tiles), or of
+    whole chunks (a tile past int32's range must neither wrap nor loop forever)."""
     rng = np.random.default_rng(11)
     args, keys, values = random_batch(rng, num_heads=9, num_kv_heads=3, head_dim=64,
                                       block_size=16, max_cached=80, max_new=70, num_seqs=5)
@@ -79,6 +97,58 @@ def test_hand_worked_causal_chunk():
     np.testing.assert_allclose(np.asarray(out)[:, 0, 0], [15.0, 30.0], rtol=1e-6)
 
 
+@pytest.mark.parametrize("fill", [np.nan, np.inf, -np.inf])
+def test_non_finite_unowned_slots_give_exact_results(fill):
+    """Unowned slots holding NaN, +inf or -inf change nothing: masked key slots get scores
+    NaN (0 * inf), +inf or -inf, which the softmax's exp must take without undefined
+    behaviour and weigh 0. One decode query (dot products off the K tile) and a 9-token chunk
+    (transposed K tiles), hand-worked."""
+    # the one-head case: keys (0,0), (2,0), (0,0) in blocks [2, 1]; q . (fill, fill) = +-inf
+    q = np.array([[[1.0, 0.5]]], np.float32)
+    k_pool = np.full((1, 3, 2, 2), fill, np.float32)
+    v_pool = np.full((1, 3, 2, 2), fill, np.float32)
+    k_pool[0, 2, 0], k_pool[0, 2, 1], k_pool[0, 1, 0] = [0, 0], [2, 0], [0, 0]
+    v_pool[0, 2, 0], v_pool[0, 2, 1], v_pool[0, 1, 0] = [1, 0], [2, 0], [3, 0]
+    out = paged_attention_cpu(q, k_pool, v_pool, np.array([[2, 1]], np.int32),
+                              np.array([3], np.int32), np.array([0, 1], np.int32), scale=1.0)
+    e2 = math.exp(2)
+    np.testing.assert_allclose(np.asarray(out)[0, 0], [(1 + 2 * e2 + 3) / (2 + e2), 0.0],
+                               rtol=1e-6)
+
+    # a chunk of 9 zero queries at positions 1..9 over keys 0..9 (values 1..10) in blocks
+    # [3, 1, 2] of 4: query i weighs keys 0..i+1 uniformly, mean (i + 3) / 2; block 0, block 4
+    # and the last two slots of block 2 are unowned
+    q = np.zeros((9, 1, 1), np.float32)
+    k_pool = np.full((1, 5, 4, 1), fill, np.float32)
+    v_pool = np.full((1, 5, 4, 1), fill, np.float32)
+    tables = np.array([[3, 1, 2]], np.int32)
+    for pos in range(10):
+        k_pool[0, tables[0, pos // 4], pos % 4, 0] = 0.0
+        v_pool[0, tables[0, pos // 4], pos % 4, 0] = pos + 1.0
+    out = paged_attention_cpu(q, k_pool, v_pool, tables, np.array([10], np.int32),
+                              np.array([0, 9], np.int32))
+    np.testing.assert_allclose(np.asarray(out)[:, 0, 0], (np.arange(9) + 3) / 2, rtol=1e-6)
+
+
+@pytest.mark.parametrize("fill", [np.inf, -np.inf])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16),  # compiled sizes
+    (4, 4, 8, 4),    # run-time sizes
+    (8, 1, 32, 8),   # run-time sizes, decode items of 8 rows (transposed K)
+])
+def test_infinite_unowned_slots_match_naive(fill, num_heads, num_kv_heads, head_dim,
+                                            block_size):
+    """Random ragged batches whose unowned slots hold +inf or -inf instead of NaN."""
+    rng = np.random.default_rng(5)
+    args, keys, values = random_batch(rng, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                      head_dim=head_dim, block_size=block_size, num_seqs=4)
+    k_pool, v_pool = (np.where(np.isnan(pool), np.float32(fill), pool) for pool in args[1:3])
+    assert np.isinf(k_pool).any()
+    args = (args[0], k_pool, v_pool, *args[3:])
+    out = np.asarray(paged_attention_cpu(*args))
+    assert_matches_naive(out, args, keys, values, head_dim**-0.5)
+
+
 def test_queryless_and_padding_sequences_match_reference():
     """A sequence without queries between two with queries, then padding sequences."""
     rng = np.random.default_rng(7)
@@ -88,20 +158,26 @@ def test_queryless_and_padding_sequences_match_reference():
     seq_lens = np.array([20, 2, 31, 0], np.int32)
     qsl = np.array([0, 1, 1, 9, 9], np.int32)  # decode, none, an 8-token chunk, padding
     q = rng.standard_normal((12, 3, 64)).astype(np.float32)
+    fill_unowned(k_pool, tables, seq_lens, np.nan)  # block 0 and the tails of blocks 2, 3, 5
+    fill_unowned(v_pool, tables, seq_lens, np.nan)
     dense = paged_attention_reference(q, k_pool, v_pool, tables, seq_lens, qsl, max_query_len=8)
     out = np.asarray(paged_attention_cpu(q, k_pool, v_pool, tables, seq_lens, qsl))
     np.testing.assert_allclose(out, np.asarray(dense), atol=1e-5)
     assert not out[9:].any()
+    assert np.isfinite(out).all(), "an unowned (NaN) slot leaked into the output"
 
 
 def test_under_jit_equals_eager():
-    """Inside jit, as the model calls it once per layer, results equal eager calls."""
+    """Inside jit, as the model calls it once per layer, results equal eager calls and naive
+    float64 attention."""
     rng = np.random.default_rng(3)
-    args, _, _ = random_batch(rng, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
-                              num_seqs=4)
+    args, keys, values = random_batch(rng, num_heads=9, num_kv_heads=3, head_dim=64,
+                                      block_size=16, num_seqs=4)
     jitted = jax.jit(lambda *a: paged_attention_cpu(*a) * 2.0)(*args)
     np.testing.assert_allclose(np.asarray(jitted), 2.0 * np.asarray(paged_attention_cpu(*args)),
                                rtol=1e-6)
+    # and right, not only self-consistent: halving is exact
+    assert_matches_naive(np.asarray(jitted) / 2.0, args, keys, values, 64**-0.5)
 
 
 @pytest.mark.parametrize("bad_block", [-1, 6])
@@ -124,7 +200,97 @@ def test_inconsistent_lengths_are_an_error():
             np.array([9], np.int32), np.array([0, 1], np.int32)))
 
 
+def _call_target(args, out_shape):
+    """The FFI target called as `paged_attention_cpu` calls it (scale 1), any result shape."""
+    call = jax.ffi.ffi_call(cpu_attention._TARGET, jax.ShapeDtypeStruct(out_shape, jnp.float32))
+    return jax.block_until_ready(call(*args, scale=np.float32(1.0),
+                                      query_tile=np.int64(cpu_attention.QUERY_TILE)))
+
+
+@pytest.mark.parametrize("out_shape", [(1, 2, 8), (2, 2, 8), (64, 2, 8), (2, 4, 8), (4, 2, 1, 8)])
+def test_output_shape_other_than_qs_is_an_error(out_shape):
+    """The wrapper always asks for q's shape; a call asking for another (smaller: the kernel
+    would write past its end; same size, other shape; another rank) is an error naming both
+    shapes, not a write out of bounds."""
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((4, 2, 8)).astype(np.float32)
+    k_pool = rng.standard_normal((1, 6, 4, 8)).astype(np.float32)
+    args = (q, k_pool, k_pool, np.array([[1, 2], [3, 4]], np.int32), np.array([5, 6], np.int32),
+            np.array([0, 2, 4], np.int32))
+    shape_text = "[" + ", ".join(map(str, out_shape)) + "]"
+    with pytest.raises(Exception,
+                       match=re.escape(f"output shape {shape_text} is not q's shape [4, 2, 8]")):
+        _call_target(args, out_shape)
+    np.testing.assert_array_equal(np.asarray(_call_target(args, q.shape)),
+                                  np.asarray(paged_attention_cpu(*args, scale=1.0)))
+
+
+def _attend_tiny(qsl, seq_lens=(5, 6, 3)):
+    """Three sequences over a zero pool of 6 blocks of 4; q has 6 tokens."""
+    k_pool = np.zeros((1, 6, 4, 8), np.float32)
+    return jax.block_until_ready(paged_attention_cpu(
+        np.ones((6, 2, 8), np.float32), k_pool, k_pool,
+        np.array([[1, 2], [3, 4], [5, 0]], np.int32), np.array(seq_lens, np.int32),
+        np.array(qsl, np.int32)))
+
+
+def test_overlapping_query_ranges_are_an_error():
+    """query_start_loc [0, 3, 1, 4]: sequence 2's tokens [1, 4) overlap sequence 0's [0, 3)
+    (and sequence 1's count is negative); both would write tokens 1 and 2."""
+    with pytest.raises(Exception, match=r"query_start_loc decreases at sequence 1: "
+                                        r"query_start_loc\[1\] = 3 > query_start_loc\[2\] = 1"):
+        _attend_tiny([0, 3, 1, 4])
+
+
+@pytest.mark.parametrize("qsl,message", [
+    ([2, 1, 3, 4], r"query_start_loc decreases at sequence 0: query_start_loc\[0\] = 2 > "
+                   r"query_start_loc\[1\] = 1"),
+    ([0, 2, 4, 3], r"query_start_loc decreases at sequence 2"),
+    ([0, 1, 2, 0], r"query_start_loc decreases at sequence 2"),
+])
+def test_decreasing_query_start_loc_is_an_error(qsl, message):
+    with pytest.raises(Exception, match=message):
+        _attend_tiny(qsl)
+
+
+@pytest.mark.parametrize("qsl,seq_lens,message", [
+    ([-1, 1, 2, 3], (5, 6, 3), r"query_start_loc\[0\] = -1 is negative"),
+    ([0, 1, 2, 7], (5, 6, 3), r"query_start_loc\[3\] = 7 exceeds the 6 query tokens"),
+    ([0, 1, 5, 6], (5, 3, 3), r"sequence 1 has 4 queries but seq_len 3"),
+    ([0, 0, 0, 0], (5, -1, 3), r"sequence 1 has 0 queries but seq_len -1"),
+])
+def test_query_ranges_outside_the_batch_or_the_sequence_are_an_error(qsl, seq_lens, message):
+    """query_start_loc must lie in [0, num_tokens] and a sequence have at most seq_len
+    queries (the new tokens are its last ones)."""
+    with pytest.raises(Exception, match=message):
+        _attend_tiny(qsl, seq_lens)
+
+
+def test_valid_tiny_batch_runs():
+    """The batch the error tests above spoil is valid as it stands (a queryless sequence and
+    padding tokens included)."""
+    out = np.asarray(_attend_tiny([0, 1, 4, 4], (5, 6, 3)))
+    np.testing.assert_allclose(out[:4], 0.0)  # zero keys and values
+    assert np.isfinite(out).all()
+
+
 def test_unsupported_pools_are_named():
     assert cpu_attention.unsupported_reason(64, 16, np.float32) is None
     assert "bfloat16" in cpu_attention.unsupported_reason(64, 16, jax.numpy.bfloat16)
     assert "512" in cpu_attention.unsupported_reason(512, 16, np.float32)
+
+
+SANITIZER_SCRIPT = (Path(__file__).resolve().parents[2] / "scripts"
+                    / "check_cpu_kernel_sanitizers.py")
+
+
+def test_kernel_is_clean_under_address_and_undefined_behaviour_sanitizers():
+    """scripts/check_cpu_kernel_sanitizers.py: the kernel built with ASan and UBSan runs random
+    ragged batches (NaN/+inf/-inf in unowned slots) without a finding and matches float64, and
+    rejects malformed calls. About 15 s here, most of it the sanitized build."""
+    result = subprocess.run([sys.executable, str(SANITIZER_SCRIPT)], capture_output=True,
+                            text=True, timeout=850)
+    if result.returncode == 2:
+        pytest.skip(result.stdout.strip())
+    assert result.returncode == 0, result.stdout + result.stderr[-8000:]
+    assert "clean under ASan+UBSan" in result.stdout

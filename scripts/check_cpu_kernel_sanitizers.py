@@ -1,0 +1,299 @@
+"""Run the C++ CPU attention kernel (`pallas_kernels/cpu_attention.cc`) under AddressSanitizer
+and UndefinedBehaviorSanitizer.
+
+Builds the kernel as a shared library with `-fsanitize=undefined,address` (plus
+`float-cast-overflow`, which `undefined` leaves out in GCC and which is the check for a float
+such as NaN converted to an int), `-fno-sanitize-recover=all -g -O1` and the kernel's own code
+generation flags (`cpu_attention._FLAGS` less its -O level: -march=native, -fopenmp-simd and
+the float flags, so that the `omp simd` loops are vectorized as in the real build) into a
+temporary directory. A child Python then registers that library through
+`JAXPAGE_CPU_KERNEL_LIB`, with the sanitizer runtimes preloaded (`LD_PRELOAD` of libasan and
+libubsan, as `g++ -print-file-name` finds them), and runs the kernel on random ragged batches:
+decode and prefill, GQA and not, the compiled (head_dim, block_size) pairs and run-time sized
+ones, several query tiles, every pool slot no sequence owns holding NaN, +inf or -inf. Each
+result is compared with naive float64 NumPy attention. It also feeds the kernel inputs its
+handler must reject (wrong output shape, overlapping or decreasing query ranges, too many
+queries for a sequence, block ids outside the pool) and checks each is an error.
+
+Prints a one-line summary. Exit status: 0 clean; 1 a sanitizer finding (its report is printed)
+or a wrong result; 2 this machine cannot run the check (no C++ compiler or sanitizer runtime).
+
+    python scripts/check_cpu_kernel_sanitizers.py [--seeds N] [--cxx g++] [--source FILE.cc]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SANITIZE = ["-fsanitize=undefined,address", "-fsanitize=float-cast-overflow",
+            "-fno-sanitize-recover=all", "-g", "-O1", "-fno-omit-frame-pointer"]
+# what a report looks like in the child's output (with halt_on_error it also exits non-zero)
+FINDING = re.compile(r"runtime error:|ERROR: AddressSanitizer|UndefinedBehaviorSanitizer|"
+                     r"LeakSanitizer|SUMMARY: \w+Sanitizer")
+
+# (num_heads, num_kv_heads, head_dim, block_size): the first four are compiled for their sizes
+SHAPES = [(9, 3, 64, 16), (8, 2, 128, 32), (4, 4, 64, 32), (8, 1, 128, 16),
+          (4, 4, 8, 4), (6, 2, 16, 16), (9, 3, 8, 1), (8, 1, 32, 8), (2, 1, 24, 256)]
+FILLS = [float("nan"), float("inf"), float("-inf")]
+
+
+def _runtime(compiler: str, name: str) -> str | None:
+    """The path of a sanitizer runtime the compiler links against, or None."""
+    try:
+        path = subprocess.run([compiler, f"-print-file-name={name}"], capture_output=True,
+                              text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return path if os.path.isabs(path) and os.path.exists(path) else None
+
+
+def build(compiler: str, out_dir: Path, source: Path | None = None) -> Path:
+    sys.path.insert(0, str(REPO))
+    import jax
+
+    from pallas_kernels import cpu_attention
+
+    flags = [f for f in cpu_attention._FLAGS if not re.fullmatch(r"-O\w*", f)]
+    library = out_dir / "cpu_attention_sanitized.so"
+    cmd = [compiler, *flags, *SANITIZE, "-isystem", jax.ffi.include_dir(), "-o", str(library),
+           str(source or cpu_attention._SOURCE)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if result.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-4000:]}")
+    return library
+
+
+# ----------------------------------------------------------------------------- the child
+
+
+def random_batch(rng, *, num_heads, num_kv_heads, head_dim, block_size, decode, fill):
+    """A ragged batch over a permuted head-major pool whose unowned slots hold `fill`, plus
+    each sequence's contiguous K/V for the oracle."""
+    import numpy as np
+
+    num_seqs = int(rng.integers(1, 6))
+    cached = rng.integers(0, 40, num_seqs)
+    new = (np.ones(num_seqs, np.int64) if decode
+           else np.where(rng.random(num_seqs) < 0.3, 1, rng.integers(1, 40, num_seqs)))
+    if not decode and rng.random() < 0.5:
+        new[int(rng.integers(num_seqs))] = 0  # a sequence without queries this step
+    seq_lens = np.maximum(cached + new, 0)
+    blocks_needed = -(-seq_lens // block_size)
+    num_blocks = int(blocks_needed.sum()) + 3
+    physical = rng.permutation(np.arange(1, num_blocks))  # block 0 is never owned
+    k_pool = np.full((num_kv_heads, num_blocks, block_size, head_dim), fill, np.float32)
+    v_pool = np.full_like(k_pool, fill)
+    tables = np.zeros((num_seqs, int(blocks_needed.max()) + 2), np.int32)
+    keys, values, used = [], [], 0
+    for s in range(num_seqs):
+        n = int(blocks_needed[s])
+        tables[s, :n] = physical[used : used + n]
+        used += n
+        k = rng.standard_normal((seq_lens[s], num_kv_heads, head_dim)).astype(np.float32)
+        v = rng.standard_normal((seq_lens[s], num_kv_heads, head_dim)).astype(np.float32)
+        keys.append(k)
+        values.append(v)
+        pos = np.arange(seq_lens[s])
+        blocks, offsets = tables[s, pos // block_size], pos % block_size
+        k_pool[:, blocks, offsets] = np.transpose(k, (1, 0, 2))
+        v_pool[:, blocks, offsets] = np.transpose(v, (1, 0, 2))
+    num_tokens = int(new.sum()) + int(rng.integers(0, 4))  # trailing padding tokens
+    q = rng.standard_normal((num_tokens, num_heads, head_dim)).astype(np.float32)
+    qsl = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    return (q, k_pool, v_pool, tables, seq_lens.astype(np.int32), qsl), keys, values
+
+
+def naive_error(out, args, keys, values, scale) -> float:
+    """Largest |out - float64 attention| over all query rows (padding rows must be 0)."""
+    import numpy as np
+
+    q, qsl = args[0].astype(np.float64), args[5]
+    group = q.shape[1] // keys[0].shape[1] if keys else 1
+    worst = float(np.abs(out[qsl[-1]:]).max(initial=0.0))
+    for s, (k, v) in enumerate(zip(keys, values, strict=True)):
+        k, v = k.astype(np.float64), v.astype(np.float64)
+        first = k.shape[0] - (qsl[s + 1] - qsl[s])
+        for i, tok in enumerate(range(qsl[s], qsl[s + 1])):
+            for h in range(q.shape[1]):
+                scores = k[: first + i + 1, h // group] @ q[tok, h] * scale
+                weights = np.exp(scores - scores.max())
+                expected = weights / weights.sum() @ v[: first + i + 1, h // group]
+                worst = max(worst, float(np.abs(out[tok, h] - expected).max()))
+    return worst
+
+
+def bad_inputs():
+    """(name, call, message the error must contain) for inputs the handler must reject."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels import cpu_attention
+    from pallas_kernels.cpu_attention import paged_attention_cpu
+
+    k_pool = np.zeros((1, 6, 4, 8), np.float32)
+    tables = np.array([[1, 2], [3, 4]], np.int32)
+    lens = np.array([5, 6], np.int32)
+
+    def attend(q_tokens, qsl, seq_lens=lens, table=tables):
+        return lambda: paged_attention_cpu(np.ones((q_tokens, 2, 8), np.float32), k_pool,
+                                           k_pool, table, seq_lens, np.array(qsl, np.int32))
+
+    def wrong_out(shape):
+        call = jax.ffi.ffi_call(cpu_attention._TARGET, jax.ShapeDtypeStruct(shape, jnp.float32))
+        return lambda: call(np.ones((4, 2, 8), np.float32), k_pool, k_pool, tables, lens,
+                            np.array([0, 2, 4], np.int32), scale=np.float32(1.0),
+                            query_tile=np.int64(32))
+
+    return [
+        ("smaller output", wrong_out((1, 2, 8)), "output shape [1, 2, 8]"),
+        ("larger output", wrong_out((64, 2, 8)), "output shape [64, 2, 8]"),
+        ("overlapping query ranges", attend(4, [0, 3, 1]), "query_start_loc decreases"),
+        ("decreasing query_start_loc", attend(4, [2, 1, 4]), "query_start_loc decreases"),
+        ("negative query_start_loc", attend(4, [-1, 2, 4]), "query_start_loc[0] = -1"),
+        ("queries past the batch", attend(4, [0, 2, 5]), "query_start_loc[2] = 5"),
+        ("more queries than seq_len", attend(4, [0, 3, 4], np.array([2, 6], np.int32)),
+         "sequence 0 has 3 queries but seq_len 2"),
+        ("seq_len past the table", attend(4, [0, 2, 4], np.array([5, 9], np.int32)),
+         "sequence 1 has seq_len 9"),
+        ("block outside the pool", attend(4, [0, 2, 4], table=np.array([[1, 6], [3, 4]],
+                                                                      np.int32)),
+         "block table entry outside the pool"),
+    ]
+
+
+def child(seeds: int) -> int:
+    sys.path.insert(0, str(REPO))
+    import warnings
+
+    import jax
+    import numpy as np
+
+    from pallas_kernels import cpu_attention
+    from pallas_kernels.cpu_attention import paged_attention_cpu
+
+    assert os.environ.get("JAXPAGE_CPU_KERNEL_LIB"), "JAXPAGE_CPU_KERNEL_LIB is not set"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        registered = cpu_attention.available()
+    assert registered, f"the sanitized kernel did not register: {[str(w.message) for w in caught]}"
+    rng = np.random.default_rng(0)
+    counts = {"decode": 0, "prefill": 0}
+    worst = 0.0
+    for seed in range(seeds):
+        for shape_index, (num_heads, num_kv_heads, head_dim, block_size) in enumerate(SHAPES):
+            for decode in (True, False):
+                fill = FILLS[(seed + shape_index + decode) % len(FILLS)]
+                query_tile = (1, 3, 32)[(seed + shape_index) % 3]
+                args, keys, values = random_batch(
+                    rng, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                    block_size=block_size, decode=decode, fill=fill)
+                out = np.asarray(paged_attention_cpu(*args, query_tile=query_tile))
+                error = naive_error(out, args, keys, values, head_dim**-0.5)
+                if not error <= 2e-5:
+                    raise AssertionError(
+                        f"seed {seed} shape {SHAPES[shape_index]} decode={decode} fill={fill} "
+                        f"query_tile={query_tile}: max |error| {error} vs float64")
+                worst = max(worst, error)
+                counts["decode" if decode else "prefill"] += 1
+    rejected = 0
+    for name, call, message in bad_inputs():
+        try:
+            jax.block_until_ready(call())
+        except Exception as e:  # noqa: BLE001 - XLA raises its own runtime error type
+            if message not in str(e):
+                raise AssertionError(f"{name}: error without {message!r}: {e}") from e
+            rejected += 1
+        else:
+            raise AssertionError(f"{name}: no error")
+    print(json.dumps({**counts, "rejected": rejected, "max_error": worst}), flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------- the parent
+
+
+def report(stderr: str, finding: bool, max_lines: int = 200, max_width: int = 300) -> str:
+    """The sanitizer's report from its first line on (else the end of the child's stderr, e.g.
+    a traceback), with the long template names of XLA's FFI frames cut short."""
+    lines = stderr.splitlines()
+    if finding:
+        first = next(i for i, line in enumerate(lines) if FINDING.search(line))
+        lines = lines[first:first + max_lines]
+    else:
+        lines = lines[-max_lines:]
+    return "\n".join(line if len(line) <= max_width else line[:max_width] + " ..."
+                     for line in lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=3,
+                        help=f"random batches per shape and mode ({len(SHAPES)} shapes x "
+                             "decode/prefill each)")
+    parser.add_argument("--cxx", default=os.environ.get("CXX") or shutil.which("g++"),
+                        help="C++ compiler (default: $CXX, else g++)")
+    parser.add_argument("--source", type=Path,
+                        help="build this file instead of pallas_kernels/cpu_attention.cc "
+                             "(e.g. an older version, to see what the check finds in it)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args.seeds)
+
+    if not args.cxx:
+        print("cpu kernel sanitizers: cannot run (no C++ compiler)")
+        return 2
+    runtimes = [_runtime(args.cxx, name) for name in ("libasan.so", "libubsan.so")]
+    if None in runtimes:
+        print(f"cpu kernel sanitizers: cannot run ({args.cxx} has no libasan/libubsan)")
+        return 2
+    with tempfile.TemporaryDirectory(prefix="jaxpage-sanitizers-") as tmp:
+        started = time.perf_counter()
+        try:
+            library = build(args.cxx, Path(tmp), args.source)
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
+            print("cpu kernel sanitizers: FAILED (the sanitized build failed)")
+            return 1
+        built = time.perf_counter()
+        env = dict(os.environ)
+        env.update(
+            JAXPAGE_CPU_KERNEL_LIB=str(library), LD_PRELOAD=":".join(runtimes),
+            ASAN_OPTIONS="detect_leaks=0", UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1",
+            JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
+                [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+        env.pop("JAXPAGE_NO_CPU_KERNEL", None)
+        result = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), "--child", "--seeds",
+             str(args.seeds)], env=env, capture_output=True, text=True, timeout=1800)
+        ran = time.perf_counter()
+    timing = f"build {built - started:.1f} s, run {ran - built:.1f} s"
+    finding = FINDING.search(result.stderr + result.stdout)
+    if result.returncode or finding:
+        sys.stdout.write(result.stdout)
+        print(report(result.stderr, finding is not None), file=sys.stderr)
+        what = ("a sanitizer finding" if finding else
+                f"the child exited with status {result.returncode}")
+        print(f"cpu kernel sanitizers: FAILED ({what}; {timing})")
+        return 1
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    print(f"cpu kernel sanitizers: clean under ASan+UBSan: {summary['decode']} decode and "
+          f"{summary['prefill']} prefill batches over {len(SHAPES)} shapes (NaN/+inf/-inf in "
+          f"unowned slots) within {summary['max_error']:.1e} of float64, "
+          f"{summary['rejected']} bad inputs rejected; {timing}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
