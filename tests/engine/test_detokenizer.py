@@ -1,0 +1,193 @@
+"""IncrementalDetokenizer on its own, fed one token at a time, with a real byte-level BPE
+tokenizer whose tokens split multi-byte UTF-8 characters (no engine, no JAX).
+
+The oracle is the tokenizer's own decode of each prefix of the tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxpage.engine.detokenizer import IncrementalDetokenizer
+
+REPLACEMENT = "\ufffd"  # what a decode shows for the bytes of an incomplete character
+
+# Training text for the byte-level BPE: multi-byte characters (2, 3 and 4 bytes in UTF-8)
+# frequent enough that merges build tokens ending or starting inside a character.
+CORPUS = (
+    "The café on the corner serves naïve tourists crêpes and café au lait.",
+    "日本語のテキストも少し入れます。日本語は楽しい。",
+    "Emoji: 😀 😃 😄 😁 😆 😅 😂 🙂 😀😀 are fun.",
+    "Ünïcödé wörds: façade, jalapeño, Zürich, smörgåsbord, déjà vu, naïve café.",
+    "Plain English text about the quick brown fox who jumps over the lazy dog again and again.",
+    "Numbers 12345 and symbols €100 £50 ¥1000 — “quotes” and ‘apostrophes’…",
+) * 4
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2: the tiny test models' pad, bos, eos
+
+TEXT = "naïve café 日本語 😀 crêpes, déjà vu 😁 and a café in Zürich, 日本語 again."
+
+
+def byte_level_bpe_tokenizer(vocab_size: int = 400):
+    """A GPT-2 style byte-level BPE trained on CORPUS, as a transformers tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
+                                        bos_token="<s>", eos_token="</s>",
+                                        clean_up_tokenization_spaces=False)
+    assert len(tokenizer) == vocab_size
+    assert tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == [0, 1, 2]
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return byte_level_bpe_tokenizer()
+
+
+def prefix_decodes(tokenizer, token_ids) -> list[str]:
+    """decode(token_ids[:k]) for k = 0..len(token_ids)."""
+    return [tokenizer.decode(token_ids[:k], skip_special_tokens=True)
+            for k in range(len(token_ids) + 1)]
+
+
+def whole_character_texts(decodes: list[str]) -> list[str]:
+    """The text a detokenizer can show after k tokens: the decode of the longest prefix of
+    at most k tokens that does not end inside a character."""
+    texts = [decodes[0]]
+    for decoded in decodes[1:]:
+        texts.append(texts[-1] if decoded.endswith(REPLACEMENT) else decoded)
+    return texts
+
+
+def split_character_stops(text: str, token_ids, tokenizer) -> list[tuple[str, int]]:
+    """(stop, position) pairs: for each token that ends inside a multi-byte character, the
+    text from the last character already decoded before that token through the split
+    character. Each stop so starts in text one update produced and ends in a later one;
+    only stops whose first occurrence in `text` is that one are kept."""
+    decodes = prefix_decodes(tokenizer, token_ids)
+    shown = whole_character_texts(decodes)
+    stops = []
+    for k in range(1, len(token_ids)):
+        if not decodes[k].endswith(REPLACEMENT) or not shown[k - 1]:
+            continue
+        split_at = len(decodes[k]) - 1  # the character whose first bytes end token k
+        assert text[:split_at] == decodes[k][:split_at]
+        assert len(text[split_at].encode()) > 1
+        start = len(shown[k - 1]) - 1
+        stop = text[start : split_at + 1]
+        if text.find(stop) == start:
+            stops.append((stop, start))
+    return stops
+
+
+def test_tokens_split_multibyte_characters(tokenizer):
+    """The premise of the other tests: some tokens hold only part of a character."""
+    ids = tokenizer.encode(TEXT)
+    assert tokenizer.decode(ids) == TEXT and REPLACEMENT not in TEXT
+    alone = [tokenizer.decode([i]) for i in ids]
+    assert any(REPLACEMENT in piece for piece in alone), alone
+    assert any(d.endswith(REPLACEMENT) for d in prefix_decodes(tokenizer, ids))
+    assert len(split_character_stops(TEXT, ids, tokenizer)) >= 3
+
+
+@pytest.mark.parametrize("prompt", ["", "Q: ", "日本語と😀: "])
+def test_streamed_text_is_whole_characters_and_ends_as_the_decode(tokenizer, prompt):
+    prompt_ids = tokenizer.encode(prompt)
+    output_ids = tokenizer.encode(TEXT)
+    expected = whole_character_texts(prefix_decodes(tokenizer, output_ids))
+    detok = IncrementalDetokenizer(tokenizer, len(prompt_ids))
+    waited = False
+    for k in range(1, len(output_ids) + 1):
+        before = detok.text
+        assert detok.update(prompt_ids + output_ids[:k]) is None
+        assert REPLACEMENT not in detok.text
+        assert detok.text == expected[k]
+        assert detok.streamable_text(finished=False) == detok.text  # no stop: nothing held
+        waited |= detok.text == before
+    assert waited, "no token ended inside a character"
+    assert detok.text == tokenizer.decode(output_ids) == TEXT
+
+
+def test_stop_string_with_a_split_multibyte_character_is_cut_exactly_before_it(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    shown = whole_character_texts(prefix_decodes(tokenizer, ids))
+    stops = split_character_stops(TEXT, ids, tokenizer)
+    assert stops
+    for stop, at in stops:
+        assert any(len(c.encode()) > 1 for c in stop)
+        found_at = next(k for k in range(len(ids) + 1) if stop in shown[k])
+        detok = IncrementalDetokenizer(tokenizer, 0, [stop, "never appears"])
+        for k in range(1, found_at):
+            assert detok.update(ids[:k]) is None, (stop, k)
+        assert len(detok.text) > at, "the stop does not start in text shown before it ends"
+        assert detok.update(ids[:found_at]) == stop
+        assert detok.text == TEXT[:at]
+        assert detok.streamable_text(finished=True) == TEXT[:at]
+
+
+def test_the_earliest_stop_string_in_the_text_wins(tokenizer):
+    """Two stops complete in the same update (the token after a split "ï"): the one that
+    starts first in the text wins, whatever the order of the list."""
+    ids = tokenizer.encode(TEXT)
+    shown = whole_character_texts(prefix_decodes(tokenizer, ids))
+    detok = IncrementalDetokenizer(tokenizer, 0, ["ve", "aï"])
+    k = 1
+    while (found := detok.update(ids[:k])) is None:
+        k += 1
+    assert found == "aï" and detok.text == TEXT[: TEXT.index("aï")]
+    assert "ve" in shown[k] and "ve" not in shown[k - 1] and "aï" not in shown[k - 1]
+
+
+def test_streamable_text_holds_back_a_possible_partial_stop(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    stop, at = split_character_stops(TEXT, ids, tokenizer)[0]
+    detok = IncrementalDetokenizer(tokenizer, 0, [stop])
+    cut = TEXT[:at]
+    held_partial = False
+    for k in range(1, len(ids) + 1):
+        found = detok.update(ids[:k])
+        if found is not None:
+            break
+        shown = detok.streamable_text(finished=False)
+        # never shows text that the stop will remove, and holds back at most len(stop) - 1
+        assert cut.startswith(shown), (k, shown)
+        assert len(shown) >= len(detok.text) - (len(stop) - 1)
+        if len(detok.text) > at:  # the text ends in a partial stop string...
+            held_partial = True
+            assert stop.startswith(detok.text[at:])
+            assert len(shown) <= at  # ...which is not shown
+        assert detok.streamable_text(finished=True) == detok.text
+    assert found == stop and held_partial
+    assert detok.text == cut == detok.streamable_text(finished=True)
+
+
+def test_stop_strings_are_searched_only_in_text_after_check_stop_starts(tokenizer):
+    """The engine passes check_stop=False until min_tokens tokens exist: an occurrence
+    complete in the text of the tokens before that is never found, the next one is."""
+    ids = tokenizer.encode(TEXT)
+    shown = whole_character_texts(prefix_decodes(tokenizer, ids))
+    stop = " 日本語"
+    first, second = TEXT.find(stop), TEXT.find(stop, TEXT.find(stop) + 1)
+    assert 0 <= first < second
+    first_done = next(k for k in range(len(ids) + 1) if stop in shown[k])
+    second_done = next(k for k in range(len(ids) + 1) if len(shown[k]) >= second + len(stop))
+
+    # checking from the token that completes the first occurrence finds it
+    detok = IncrementalDetokenizer(tokenizer, 0, [stop])
+    found = [detok.update(ids[:k], check_stop=k >= first_done) for k in range(1, first_done + 1)]
+    assert found == [None] * (first_done - 1) + [stop] and detok.text == TEXT[:first]
+
+    # checking from the token after: the first occurrence is past, the second one stops
+    detok = IncrementalDetokenizer(tokenizer, 0, [stop])
+    for k in range(1, second_done):
+        assert detok.update(ids[:k], check_stop=k > first_done) is None, k
+    assert detok.update(ids[:second_done], check_stop=True) == stop
+    assert detok.text == TEXT[:second]
