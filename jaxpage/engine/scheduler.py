@@ -126,10 +126,12 @@ class Scheduler:
             scheduled[request] = self._chunk(request, num_new, copies)
             budget -= num_new
 
-        # 2. waiting requests in arrival order (not in a step that had to preempt)
+        # 2. waiting requests in arrival order (not in a step that had to preempt); a
+        # parent whose n samples fork at the end of its prefill holds n running slots
+        slots = sum(r.num_slots for r in self.running)
         while self.waiting and not preempted and budget > 0:
             request = self.waiting[0]
-            if len(self.running) + request.num_slots > self.max_num_seqs:
+            if slots + request.num_slots > self.max_num_seqs:
                 break
             hit = None
             if self.enable_prefix_caching:
@@ -148,6 +150,7 @@ class Scheduler:
                 request.metrics.first_scheduled_time = time.perf_counter()
                 request.metrics.num_cached_tokens = num_cached
             self.running.append(request)
+            slots += request.num_slots
             scheduled[request] = self._chunk(request, num_new, [])
             budget -= num_new
 

@@ -109,3 +109,27 @@ def test_groups_survive_preemption(hf_model_dir):
     for single, group in zip(alone, outs, strict=True):
         assert [c.token_ids for c in group.outputs] == [single.outputs[0].token_ids] * 3
     assert llm.engine.allocator.usage()["used"] == 0
+
+
+def test_unforked_parents_hold_n_running_slots(hf_model_dir):
+    """Three n=2 prompts arrive together under max_num_seqs 4: a parent that has not forked
+    yet holds n slots, so only two are admitted at once (three would draw 6 rows in a step
+    padded for 4, which once failed the step). Found by the 8-thread test."""
+    path, _ = hf_model_dir("llama")
+    llm = LLM(path, block_size=4, num_blocks=64, max_num_batched_tokens=64, max_num_seqs=4)
+    engine = llm.engine
+    params = SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=1, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(f"r{i}", [5 + i, 6, 7, 8, 9], params)
+    tokens: dict[str, dict[int, list[int]]] = {}
+    finished = set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for c in out.outputs:
+                tokens.setdefault(out.request_id, {}).setdefault(c.index, []).extend(c.token_ids)
+            finished |= {out.request_id} if out.finished else set()
+        assert sum(r.num_slots for r in engine.scheduler.running) <= 4
+    assert finished == {"r0", "r1", "r2"}
+    for i in range(3):  # seeded: each equals the same request served alone
+        alone = llm.generate([[5 + i, 6, 7, 8, 9]], params, use_tqdm=False)[0]
+        assert [tokens[f"r{i}"][k] for k in (0, 1)] == [c.token_ids for c in alone.outputs]
