@@ -171,13 +171,16 @@ def init_kv_pool(
     num_kv_heads: int,
     head_dim: int,
     dtype: jnp.dtype = jnp.float32,
+    fill_value: float = 0.0,
 ) -> list[LayerKV]:
     """Preallocate the paged KV pool: per layer a (k, v) pair of
-    [num_kv_heads, num_blocks, block_size, head_dim] zeros. Block 0 is reserved for padding."""
+    [num_kv_heads, num_blocks, block_size, head_dim] filled with `fill_value` (zeros; NaN to
+    make reads of unwritten slots show). Block 0 is reserved for padding."""
     if num_blocks < 2:
         raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
     shape = (num_kv_heads, num_blocks, block_size, head_dim)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers)]
+    return [(jnp.full(shape, fill_value, dtype), jnp.full(shape, fill_value, dtype))
+            for _ in range(num_layers)]
 
 
 def kv_bytes_per_block(

@@ -41,6 +41,9 @@ class EngineConfig:
     kernel_interpret: bool = False  # Pallas kernels in interpret mode (tests on CPU)
     reservation_policy: str = "paged"
     seed: int = 0
+    # debugging: the KV pool starts as NaN and every block released is refilled with NaN
+    # before it is handed out again, so a read of K/V a sequence does not own shows
+    debug_nan_pool: bool = False
 
     def __post_init__(self) -> None:
         check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
@@ -63,6 +66,8 @@ class EngineConfig:
         check(self.reservation_policy in RESERVATION_POLICIES, "reservation_policy",
               self.reservation_policy, f"one of {RESERVATION_POLICIES}")
         check(is_int(self.seed), "seed", self.seed, "an integer")
+        check(isinstance(self.debug_nan_pool, bool), "debug_nan_pool", self.debug_nan_pool,
+              "True or False")
 
     @classmethod
     def from_file(cls, path: str, **overrides: Any) -> EngineConfig:

@@ -160,9 +160,12 @@ def print_output(prompt: str, out, as_json: bool) -> None:
             "outputs": [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
                          "finish_reason": c.finish_reason,
                          "cumulative_logprob": c.cumulative_logprob} for c in out.outputs],
+            **({"error": out.error} if out.error else {}),
         }))
         return
     print(f"--- {prompt}")
+    if out.error:
+        print(f"error: {out.error}", file=sys.stderr)
     for completion in out.outputs:
         prefix = f"[{completion.index}] " if len(out.outputs) > 1 else ""
         print(f"{prefix}{completion.text}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -9,8 +11,10 @@ from jaxpage.config import EngineConfig
 from jaxpage.engine.engine import LLMEngine
 from jaxpage.outputs import CompletionOutput, RequestOutput
 from jaxpage.sampling_params import BeamSearchParams, SamplingParams
+from jaxpage.validation import is_int
 
 Prompt = str | Sequence[int]
+PromptInput = Prompt | dict  # dicts: {"prompt" | "prompt_token_ids": ..., "cache_salt": ...}
 
 
 class LLM:
@@ -43,16 +47,24 @@ class LLM:
         self.engine = LLMEngine(config, model, params, tokenizer)
         self.tokenizer = tokenizer
         self._next_id = 0
+        # generate() may be called from several threads: the lock orders request ids and
+        # steps, and each step's outputs wait in the mailbox of the call that owns them
+        self._lock = threading.Lock()
+        self._owned: set[str] = set()
+        self._mailbox: dict[str, list[RequestOutput]] = {}
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptInput | Sequence[PromptInput],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
-        """Generate for one prompt or many (strings or token-id lists); one SamplingParams
-        for all or one per prompt. Returns one finished RequestOutput per prompt, in order."""
+        """Generate for one prompt or many; one SamplingParams for all or one per prompt.
+        A prompt is a string, a list of token ids, or a dict as vLLM takes it:
+        `{"prompt": text}` or `{"prompt_token_ids": ids}`, either with `"cache_salt"` (a
+        tenant's prefix-cache isolation). Returns one finished RequestOutput per prompt, in
+        order; a request the engine had to end has finish_reason "abort" and `error` set."""
         prompt_list = _as_prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params_list = [params or SamplingParams()] * len(prompt_list)
@@ -61,7 +73,12 @@ class LLM:
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"got {len(params_list)} SamplingParams for "
                                  f"{len(prompt_list)} prompts")
-        adds = [lambda rid, prompt=prompt, p=p: self.engine.add_request(rid, prompt, p)
+
+        def add(request_id: str, prompt: PromptInput, p: SamplingParams) -> None:
+            prompt, cache_salt = _unpack_prompt(prompt)
+            self.engine.add_request(request_id, prompt, p, cache_salt=cache_salt)
+
+        adds = [functools.partial(add, prompt=prompt, p=p)
                 for prompt, p in zip(prompt_list, params_list, strict=True)]
         return self._run(self._add_all("gen", adds), use_tqdm)
 
@@ -69,23 +86,25 @@ class LLM:
                     use_tqdm: bool | None = None) -> list[RequestOutput]:
         """Beam search for each prompt; outputs[i].outputs are the `beam_width` best
         hypotheses, best first (token_ids = generated tokens, cumulative_logprob set)."""
-        adds = [lambda rid, prompt=prompt: self.engine.add_beam_request(rid, prompt, params)
+        adds = [functools.partial(self.engine.add_beam_request, prompt=prompt, params=params)
                 for prompt in _as_prompt_list(prompts)]
         return self._run(self._add_all("beam", adds), use_tqdm)
 
     def _add_all(self, prefix: str, adds: list) -> list[str]:
-        """Add a batch of requests (each `add(request_id)`) all or nothing: a bad one aborts
-        those already added and re-raises its ValueError."""
+        """Add a batch of requests (each `add(request_id)`) all or nothing: any error aborts
+        those already added and is re-raised. The ids are this LLM's: outputs for them are
+        kept for the call that added them, whichever thread steps the engine."""
         request_ids: list[str] = []
         try:
             for add in adds:
-                request_id = f"{prefix}-{self._next_id}"
-                self._next_id += 1
-                add(request_id)
+                with self._lock:
+                    request_id = f"{prefix}-{self._next_id}"
+                    self._next_id += 1
+                    self._owned.add(request_id)
                 request_ids.append(request_id)
-        except ValueError:
-            for request_id in request_ids:
-                self.engine.abort_request(request_id)
+                add(request_id)
+        except BaseException:
+            self._forget(request_ids)
             raise
         return request_ids
 
@@ -106,6 +125,10 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
     def _run(self, request_ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
+        """Step the engine until every one of `request_ids` has finished. Several threads
+        may run this at once: the engine steps one at a time, and whichever caller steps
+        leaves each output in the mailbox of the call that owns its request. If this call
+        fails (or is interrupted), its unfinished requests are aborted."""
         pending = set(request_ids)
         final: dict[str, RequestOutput] = {}
         merged: dict[str, dict[int, CompletionOutput]] = {}
@@ -114,20 +137,40 @@ class LLM:
             from tqdm import tqdm
 
             bar = tqdm(total=len(request_ids), desc="requests", unit="req")
-        while pending:
-            for out in self.engine.step():
-                if out.request_id not in pending:
-                    continue
-                completions = merge_delta(merged.setdefault(out.request_id, {}), out)
-                if out.finished:
-                    out.outputs = completions
-                    final[out.request_id] = out
-                    pending.discard(out.request_id)
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            while pending:
+                with self._lock:
+                    mine = self._collect(pending)
+                    if not mine:
+                        for out in self.engine.step():
+                            if out.request_id in self._owned:
+                                self._mailbox.setdefault(out.request_id, []).append(out)
+                        mine = self._collect(pending)
+                for out in mine:
+                    completions = merge_delta(merged.setdefault(out.request_id, {}), out)
+                    if out.finished:
+                        out.outputs = completions
+                        final[out.request_id] = out
+                        pending.discard(out.request_id)
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+            self._forget(request_ids)  # aborts whatever did not finish
         return [final[r] for r in request_ids]
+
+    def _collect(self, pending: set[str]) -> list[RequestOutput]:
+        """Take the outputs waiting for `pending` requests (each request's in order)."""
+        return [out for request_id in pending for out in self._mailbox.pop(request_id, ())]
+
+    def _forget(self, request_ids: list[str]) -> None:
+        """Abort those of `request_ids` still running and drop their outputs."""
+        with self._lock:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)  # nothing if already finished
+                self._owned.discard(request_id)
+                self._mailbox.pop(request_id, None)
 
 
 def merge_delta(merged: dict[int, CompletionOutput], out: RequestOutput) -> list[CompletionOutput]:
@@ -156,13 +199,35 @@ def chat_token_ids(tokenizer: Any, conversation: list[dict]) -> list[int]:
     return list(encoded)
 
 
-def _as_prompt_list(prompts: Any) -> list[Prompt]:
-    if isinstance(prompts, str):
+def _as_prompt_list(prompts: Any) -> list[PromptInput]:
+    if prompts is None:
+        raise ValueError("prompts must be a string, a list of token ids, a prompt dict or a "
+                         "list of these, got None")
+    if isinstance(prompts, str | dict):
         return [prompts]
+    if getattr(prompts, "ndim", None) == 1 and hasattr(prompts, "tolist"):  # numpy ids
+        return [prompts.tolist()]
+    if not hasattr(prompts, "__iter__"):
+        raise ValueError(f"prompts must be a string, a list of token ids, a prompt dict or a "
+                         f"list of these, got {type(prompts).__name__}")
     prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one prompt of token ids
     if not prompts:
         raise ValueError("prompts must not be empty")
+    if all(is_int(t) for t in prompts):
+        return [prompts]  # one prompt of token ids
     return prompts
 
+
+def _unpack_prompt(prompt: PromptInput) -> tuple[Prompt, str | None]:
+    """(text or token ids, cache salt) of a prompt; dicts as vLLM's TextPrompt and
+    TokensPrompt."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+    if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("a prompt dict takes exactly one of 'prompt' or 'prompt_token_ids', "
+                         f"and optionally 'cache_salt'; got keys {sorted(prompt)}")
+    text = prompt.get("prompt")
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"'prompt' must be a string, got {type(text).__name__}")
+    return (text if text is not None else prompt["prompt_token_ids"]), prompt.get("cache_salt")

@@ -57,3 +57,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    # why the engine ended the request itself (a failure in one of its steps; its
+    # completions then end with finish_reason "abort"); None otherwise
+    error: str | None = None

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from jaxpage.validation import check, is_int, is_real
 
 MAX_LOGPROBS = 20
+INT32_MAX = 2**31 - 1  # per-row parameters are packed as int32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,16 +42,19 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Accept lists and a single stop string for convenience; store tuples (hashable).
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop)
+        check(stop is not None, "stop", self.stop, "a string or a list of strings")
+        object.__setattr__(self, "stop", stop)
+        stop_token_ids = _as_tuple(self.stop_token_ids)
+        check(stop_token_ids is not None, "stop_token_ids", self.stop_token_ids,
+              "a list of integers")
+        object.__setattr__(self, "stop_token_ids", stop_token_ids)
         check(is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
         check(is_real(self.temperature) and math.isfinite(self.temperature)
               and self.temperature >= 0, "temperature", self.temperature, "finite and >= 0")
         check(is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
-        check(is_int(self.top_k) and self.top_k >= -1, "top_k", self.top_k,
-              "an integer >= -1 (-1 or 0 disables)")
+        check(is_int(self.top_k) and -1 <= self.top_k <= INT32_MAX, "top_k", self.top_k,
+              f"an integer in [-1, {INT32_MAX}] (-1 or 0 disables)")
         check(is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
         check(self.seed is None or is_int(self.seed), "seed", self.seed, "an integer or None")
         check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
@@ -70,6 +74,14 @@ class SamplingParams:
         check(is_real(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
               and self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty,
               "finite and > 0")
+        # numpy scalars are accepted; store plain Python numbers
+        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
     def uses_penalties(self) -> bool:
@@ -120,6 +132,18 @@ class SamplingRow:
     def num_logprobs(self) -> int:
         """Top log-probabilities to report (at least 1 when any are asked for)."""
         return 0 if self.params.logprobs is None else max(self.params.logprobs, 1)
+
+
+def _as_tuple(value) -> tuple | None:
+    """A list-like value (None: empty) as a tuple; None for anything else (a number, a
+    mapping, a set, ...)."""
+    if value is None:
+        return ()
+    if isinstance(value, list | tuple):
+        return tuple(value)
+    if getattr(value, "ndim", None) == 1 and hasattr(value, "tolist"):  # a numpy vector
+        return tuple(value.tolist())
+    return None
 
 
 def sample_seed(seed: int, index: int) -> int:

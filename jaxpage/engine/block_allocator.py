@@ -103,11 +103,15 @@ class BlockAllocator:
             at ``allocate``; "oracle" reserves ``final_num_tokens`` (prompt + max_tokens).
         max_model_len: longest sequence in tokens; required for "max", enforced when given.
         hash_fn: bytes -> digest; default SHA-256 (stable across processes).
+        track_released: record every block whose content stops being anyone's (freed
+            unhashed, evicted, handed out fresh) for ``take_released`` (debugging: the engine
+            refills those blocks with NaN so that a stale read shows).
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
                  policy: str = "paged", max_model_len: int | None = None,
-                 hash_fn: Callable[[bytes], bytes] | None = None) -> None:
+                 hash_fn: Callable[[bytes], bytes] | None = None,
+                 track_released: bool = False) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         if block_size < 1:
@@ -128,6 +132,7 @@ class BlockAllocator:
         self._hash_to_blocks: dict[bytes, dict[int, None]] = {}
         self._seqs: dict[Hashable, _Sequence] = {}
         self._num_query_tokens = self._num_hit_tokens = 0  # prefix-cache stats, in tokens
+        self._released: list[int] | None = [] if track_released else None
 
     # ---------------------------------------------------------------- hashing and lookup
 
@@ -251,6 +256,8 @@ class BlockAllocator:
                 del self._hash_to_blocks[key[_HASH]]
             self._block_key[block_id] = None
         self._ref_count[block_id] = 1
+        if self._released is not None:
+            self._released.append(block_id)
         return block_id
 
     def _seq(self, seq_id: Hashable) -> _Sequence:
@@ -337,8 +344,18 @@ class BlockAllocator:
             if self._ref_count[block_id] == 0:
                 if self._block_key[block_id] is None:
                     self._free.append(block_id)
+                    if self._released is not None:
+                        self._released.append(block_id)
                 else:
                     self._cached_free[block_id] = None
+
+    def take_released(self) -> list[int]:
+        """Blocks released since the last call (distinct, in release order); always empty
+        unless built with ``track_released``."""
+        if not self._released:
+            return []
+        released, self._released = list(dict.fromkeys(self._released)), []
+        return released
 
     # ---------------------------------------------------------------- queries
 
@@ -369,6 +386,8 @@ class BlockAllocator:
         for block_id in self._cached_free:
             self._block_key[block_id] = None
             self._free.append(block_id)
+            if self._released is not None:
+                self._released.append(block_id)
         self._cached_free.clear()
         self._hash_to_blocks.clear()
         return True

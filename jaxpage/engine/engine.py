@@ -11,6 +11,7 @@ interface) owns the device.
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -67,10 +68,16 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
             reservation_policy=config.reservation_policy, eos_token_ids=self.eos_token_ids,
+            track_released=config.debug_nan_pool,
         )
         self.requests: dict[str, RequestGroup] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # outputs of aborts between steps
+        # device work a failed step left undone: copy-on-write copies, NaN refills
+        self._copies_due: list[tuple[int, int]] = []
+        self._poison_due: list[int] = []
+        # one caller at a time: every public method holds it (re-entrant for stats())
+        self._lock = threading.RLock()
         self._num_added = 0
         self.finished_metrics: list[tuple[RequestMetrics, int]] = []
         self.peak_kv_usage = 0.0
@@ -96,25 +103,27 @@ class LLMEngine:
         *,
         cache_salt: str | None = None,
     ) -> None:
-        """Queue a request. Raises ValueError (and changes nothing) on bad input."""
-        params = params or SamplingParams()
+        """Queue a request. Raises ValueError (and changes nothing) on bad input: a request
+        accepted here fits every shape it will be packed into and can always be admitted."""
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        request_id = str(request_id)
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        text = prompt if isinstance(prompt, str) else None
-        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        self._check_prompt(token_ids, params)
-        seed = params.seed if params.seed is not None else self._derive_seed(request_id)
-        metrics = RequestMetrics(arrival_time=time.perf_counter())
-        parent = Request(request_id, token_ids, params, seed, metrics, prompt=text,
-                         cache_salt=cache_salt)
-        group = RequestGroup(request_id, params.n, [parent], forked=params.n == 1)
-        parent.group = group
-        self.requests[request_id] = group
-        self.scheduler.add(parent)
-        self._num_added += 1
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string or None, got {cache_salt!r}")
+        with self._lock:
+            request_id = self._new_request_id(request_id)
+            token_ids = self._prompt_token_ids(prompt)
+            self._check_request(token_ids, params)
+            seed = params.seed if params.seed is not None else self._derive_seed(request_id)
+            metrics = RequestMetrics(arrival_time=time.perf_counter())
+            parent = Request(request_id, token_ids, params, seed, metrics,
+                             prompt=prompt if isinstance(prompt, str) else None,
+                             cache_salt=cache_salt)
+            group = RequestGroup(request_id, params.n, [parent], forked=params.n == 1)
+            parent.group = group
+            self.requests[request_id] = group
+            self.scheduler.add(parent)
+            self._num_added += 1
 
     def add_beam_request(self, request_id: str, prompt: str | Sequence[int],
                          params: BeamSearchParams) -> None:
@@ -122,49 +131,75 @@ class LLMEngine:
         first) comes when it finishes."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        with self._lock:
+            request_id = self._new_request_id(request_id)
+            group = BeamGroup(request_id, params.beam_width, [], beam=params,
+                              eos_token_ids=tuple(sorted(self.eos_token_ids)))
+            if group.num_candidates > MAX_LOGPROBS:
+                raise ValueError(f"beam_width must be <= {MAX_LOGPROBS // 2} (or "
+                                 f"{MAX_LOGPROBS // 2} with ignore_eos), got {params.beam_width}")
+            # beams draw nothing themselves: the sampler only reports each beam's top tokens
+            sampling = SamplingParams(n=params.beam_width, max_tokens=params.max_tokens,
+                                      temperature=0.0, logprobs=group.num_candidates,
+                                      ignore_eos=True)
+            token_ids = self._prompt_token_ids(prompt)
+            self._check_request(token_ids, sampling)
+            root = Request(request_id, token_ids, sampling, 0,
+                           RequestMetrics(arrival_time=time.perf_counter()),
+                           prompt=prompt if isinstance(prompt, str) else None, group=group)
+            group.samples.append(root)
+            group.scores[id(root)] = 0.0
+            self.requests[request_id] = group
+            self.scheduler.add(root)
+
+    def _new_request_id(self, request_id: Any) -> str:
         request_id = str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        group = BeamGroup(request_id, params.beam_width, [], beam=params,
-                          eos_token_ids=tuple(sorted(self.eos_token_ids)))
-        if group.num_candidates > MAX_LOGPROBS:
-            raise ValueError(f"beam_width must be <= {MAX_LOGPROBS // 2} (or "
-                             f"{MAX_LOGPROBS // 2} with ignore_eos), got {params.beam_width}")
-        # beams draw nothing themselves: the sampler only reports each beam's top tokens
-        sampling = SamplingParams(n=params.beam_width, max_tokens=params.max_tokens,
-                                  temperature=0.0, logprobs=group.num_candidates,
-                                  ignore_eos=True)
-        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        self._check_prompt(token_ids, sampling)
-        root = Request(request_id, token_ids, sampling, 0,
-                       RequestMetrics(arrival_time=time.perf_counter()),
-                       prompt=prompt if isinstance(prompt, str) else None, group=group)
-        group.samples.append(root)
-        group.scores[id(root)] = 0.0
-        self.requests[request_id] = group
-        self.scheduler.add(root)
+        return request_id
 
-    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+    def _prompt_token_ids(self, prompt: Any) -> list[int]:
+        """A prompt's token ids: a string is tokenized; a sequence of integers (numpy ones
+        too) is taken as token ids, each in [0, vocab_size)."""
+        if isinstance(prompt, str):
+            token_ids = self.tokenize(prompt)
+        elif isinstance(prompt, Sequence | np.ndarray) and not isinstance(prompt, bytes):
+            token_ids = list(prompt)
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got "
+                             f"{type(prompt).__name__}")
         if not token_ids:
             raise ValueError("prompt must not be empty (it has 0 tokens)")
         for t in token_ids:
             if not is_int(t) or not 0 <= t < self.vocab_size:
                 raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), "
                                  f"got {t!r}")
+        return [int(t) for t in token_ids]
+
+    def _check_request(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Refuse what could never be served: too long, more KV blocks than the pool has
+        under the reservation policy, more samples than running slots, token ids the
+        vocabulary does not have."""
         total = len(token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
                 f"exceeds max_model_len {self.max_model_len}"
             )
-        # the prompt once, then every sample's own blocks (its last prompt block copied)
+        for t in params.stop_token_ids:
+            if t >= self.vocab_size:
+                raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {t}")
+        # the first sample's blocks as the policy reserves them, then every other sample's
+        # own blocks (shared prompt blocks once; its last, partly filled one copied)
         bs = self.config.block_size
-        need = -(-total // bs) + (params.n - 1) * (-(-total // bs) - len(token_ids) // bs)
+        reserved = {"max": self.max_model_len, "oracle": total, "paged": total}[
+            self.config.reservation_policy]
+        need = -(-reserved // bs) + (params.n - 1) * (-(-total // bs) - len(token_ids) // bs)
         if need > self.allocator.num_blocks - 1:
             raise ValueError(
-                f"prompt + max_tokens = {total} tokens (n={params.n}) needs {need} KV blocks but "
-                f"the pool has only {self.allocator.num_blocks - 1}; raise num_blocks or lower "
-                "max_tokens"
+                f"prompt + max_tokens = {total} tokens (n={params.n}) needs {need} KV blocks "
+                f"under reservation_policy {self.config.reservation_policy!r} but the pool has "
+                f"only {self.allocator.num_blocks - 1}; raise num_blocks or lower max_tokens"
             )
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n must be <= max_num_seqs ({self.config.max_num_seqs}), "
@@ -179,30 +214,27 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """End a request wherever it is (waiting, running, preempted): every one of its
         samples ends with finish_reason "abort" and all their blocks are freed."""
-        group = self.requests.get(str(request_id))
-        if group is None:
-            return
-        if isinstance(group, BeamGroup):
-            for beam in [b for b in group.samples if not b.finished]:
-                self.scheduler.finish(beam, "abort")
-            group.done = True
-            self._pending.append(beam_output(group, "abort", self.tokenizer))
+        with self._lock:
+            group = self.requests.get(str(request_id))
+            if group is None:
+                return
+            aborted = [s for s in group.samples if not s.finished]
+            for sample in aborted:
+                self.scheduler.finish(sample, "abort")
+            if isinstance(group, BeamGroup):
+                group.done = True
+            self._pending.append(self._final_output(group, "abort", aborted))
             self._release(group)
-            return
-        aborted = [s for s in group.samples if not s.finished]
-        for sample in aborted:
-            self.scheduler.finish(sample, "abort")
-        starts = {s: s.num_output_tokens for s in aborted}
-        self._pending.append(sample_deltas(group, starts, self._detokenizers))
-        self._release(group)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self._pending)
+        with self._lock:
+            return self.scheduler.num_unfinished > 0 or bool(self._pending)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (e.g. between benchmark runs, or after new weights are
         loaded). Refused (False) while requests hold blocks."""
-        return not self.has_unfinished_requests() and self.allocator.reset_prefix_cache()
+        with self._lock:
+            return not self.has_unfinished_requests() and self.allocator.reset_prefix_cache()
 
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
@@ -211,29 +243,101 @@ class LLMEngine:
         Returns one RequestOutput per request that produced new text or finished this step
         (and for requests aborted since the last step). Outputs carry deltas: the new
         tokens and text of this step; `finished` marks the last one.
+
+        A step is all or nothing for each request. A failure that belongs to one request
+        (admitting it, growing its blocks, appending or detokenizing its tokens) ends that
+        request alone: its output has finish_reason "abort" and `error` set, and the step
+        goes on for the others. A failure of the device work (block copies, the forward,
+        the sampler) raises here after putting the engine back as it was before the step:
+        no token was appended, no K/V counted as written, copy-on-write copies are redone
+        by the next step, and if the KV pool itself was lost, every running request is
+        preempted to recompute. No request is lost; the next step() goes on.
         """
-        start = time.perf_counter()
-        outputs, self._pending = self._pending, []
-        scheduled = self.scheduler.schedule()
-        if not scheduled.chunks:
-            return outputs
-        self.runner.copy_blocks(scheduled.block_copies)
-        results = self.runner.execute(scheduled.seqs)
-        # peak KV use: with this step's blocks, before finished requests free theirs
-        self.peak_kv_usage = max(self.peak_kv_usage, self.allocator.usage()["usage"])
-        update = self.scheduler.update(scheduled, results)
-        self.num_steps += 1
-        for group in update.finished_beams:
-            outputs.append(beam_output(group, "length", self.tokenizer))
-            self._release(group)
-        for group, starts in update.new_tokens.items():
-            for sample in starts:
-                self._detokenize(sample)
-            outputs.append(sample_deltas(group, starts, self._detokenizers))
-            if group.finished:
+        with self._lock:
+            start = time.perf_counter()
+            outputs, self._pending = self._pending, []
+            scheduled = self.scheduler.schedule()
+            outputs += self._failure_outputs()
+            if not scheduled.chunks:
+                return outputs
+            try:
+                results = self._run_device(scheduled.block_copies, scheduled.seqs)
+            except Exception:
+                self._pending = outputs  # reported by the next step
+                raise
+            # peak KV use: with this step's blocks, before finished requests free theirs
+            self.peak_kv_usage = max(self.peak_kv_usage, self.allocator.usage()["usage"])
+            update = self.scheduler.update(scheduled, results)
+            self.num_steps += 1
+            for group in update.finished_beams:
+                outputs.append(beam_output(group, "length", self.tokenizer))
                 self._release(group)
-        self.step_seconds += time.perf_counter() - start
+            for group, starts in update.new_tokens.items():
+                if group.error is not None:
+                    continue  # failed in update: reported below
+                try:
+                    for sample in starts:
+                        self._detokenize(sample)
+                except Exception as exc:
+                    self.scheduler.fail(group, exc)
+                    continue
+                outputs.append(sample_deltas(group, starts, self._detokenizers))
+                if group.finished:
+                    self._release(group)
+            outputs += self._failure_outputs()
+            self.step_seconds += time.perf_counter() - start
+            return outputs
+
+    def _run_device(self, copies: list[tuple[int, int]], seqs) -> list:
+        """The step's device work: NaN refills (debug), copy-on-write copies, the forward
+        and the sampler. On failure nothing the host recorded is lost: undone copies and
+        refills are kept for the next step, and a lost pool is rebuilt."""
+        if self.config.debug_nan_pool:  # distinct ids: a failed step's and this step's
+            self._poison_due = list(dict.fromkeys(self._poison_due
+                                                  + self.allocator.take_released()))
+        copies = self._copies_due + copies
+        try:
+            if self._poison_due:
+                self.runner.fill_blocks(self._poison_due, float("nan"))
+                self._poison_due = []
+            self._copies_due = copies
+            self.runner.copy_blocks(copies)
+            self._copies_due = []
+            return self.runner.execute(seqs)
+        except Exception:
+            if self.runner.pool_lost():
+                self._rebuild_pool()
+            raise
+
+    def _rebuild_pool(self) -> None:
+        """The device freed the donated pool mid-step: every K/V is gone. Start a new pool,
+        send every running request back to recompute, and forget the prefix cache."""
+        self.runner.reset_pool()
+        self.scheduler.preempt_all()
+        self.allocator.reset_prefix_cache()
+        self.allocator.take_released()  # the new pool holds nothing stale
+        self._copies_due, self._poison_due = [], []
+
+    def _failure_outputs(self) -> list[RequestOutput]:
+        """Abort outputs, with the error, of requests a failure ended."""
+        outputs = []
+        for group in self.scheduler.take_failed():
+            if self.requests.get(group.request_id) is not group:
+                continue  # already released
+            out = self._final_output(group, "abort", group.samples)  # every sample's end
+            out.error = group.error
+            outputs.append(out)
+            self._release(group)
         return outputs
+
+    def _final_output(self, group: RequestGroup, reason: str,
+                      ended: list[Request] = ()) -> RequestOutput:
+        """The last output of a request: a beam group's hypotheses, or the final (empty)
+        deltas of the samples that were just `ended`."""
+        if isinstance(group, BeamGroup):
+            return beam_output(group, reason, self.tokenizer)
+        return sample_deltas(group, {s: s.num_output_tokens for s in ended},
+                             self._detokenizers)
 
     def _detokenize(self, sample: Request) -> None:
         """Extend the sample's text by its new token; a stop string in it ends the sample
@@ -261,6 +365,10 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> dict[str, Any]:
         usage = self.allocator.usage()
         ttft = [m.ttft for m, _ in self.finished_metrics if m.ttft is not None]
         tpot = [(m.finished_time - m.first_token_time) / (n - 1)

@@ -104,6 +104,7 @@ class RequestGroup:
     n: int
     samples: list[Request]
     forked: bool = False
+    error: str | None = None  # set when a failure in a step ended the request
 
     @property
     def finished(self) -> bool:

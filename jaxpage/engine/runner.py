@@ -46,6 +46,12 @@ def _copy_blocks_fn(kv_pool, src, dst):
     return [(k.at[:, dst].set(k[:, src]), v.at[:, dst].set(v[:, src])) for k, v in kv_pool]
 
 
+def _fill_blocks_fn(kv_pool, block_ids, value):
+    # block_ids: [C] int32 (padding repeats the first id); value: a float32 scalar
+    return [(k.at[:, block_ids].set(value.astype(k.dtype)),
+             v.at[:, block_ids].set(value.astype(v.dtype))) for k, v in kv_pool]
+
+
 def _forward_fn(model, params, kv_pool, token_ids, positions, attn_md):
     return model.forward(params, token_ids, positions, kv_pool, attn_md)
 
@@ -56,6 +62,7 @@ def _forward_fn(model, params, kv_pool, token_ids, positions, attn_md):
 _FORWARD = jax.jit(_forward_fn, static_argnums=0, donate_argnums=2)
 _SAMPLE = jax.jit(sample)
 _COPY_BLOCKS = jax.jit(_copy_blocks_fn, donate_argnums=0)
+_FILL_BLOCKS = jax.jit(_fill_blocks_fn, donate_argnums=0)
 
 
 class ModelRunner:
@@ -83,8 +90,10 @@ class ModelRunner:
         self.interpret = config.kernel_interpret
         self.params = jax.device_put(jax.tree.map(lambda a: _cast_float(a, dtype), params))
         self.num_blocks = num_blocks = _num_blocks(config, model_config, dtype)
-        self.kv_pool = init_kv_pool(model_config.num_layers, num_blocks, block_size,
-                                    model_config.num_kv_heads, model_config.head_dim, dtype)
+        self._pool_shape = (model_config.num_layers, num_blocks, block_size,
+                            model_config.num_kv_heads, model_config.head_dim, dtype)
+        self._pool_fill = float("nan") if config.debug_nan_pool else 0.0
+        self.kv_pool = init_kv_pool(*self._pool_shape, fill_value=self._pool_fill)
         max_blocks = -(-max_model_len // block_size)
         # Smallest buckets are set where padding is nearly free (a decode step of 8 rows costs
         # what one row costs: both read every weight once) to keep compilations few. Above 8
@@ -118,7 +127,7 @@ class ModelRunner:
                    * len(self.prefill_seq_buckets)) * widths * rows
         # greedy x filters x logprobs x (no penalties + widths) x (no bans + widths)
         sampling = rows * 2 * 2 * 2 * (1 + len(self.len_buckets)) * (1 + len(self.ban_buckets))
-        return forward + sampling + len(self.copy_buckets)
+        return forward + sampling + 2 * len(self.copy_buckets)  # copies and NaN fills
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -128,6 +137,24 @@ class ModelRunner:
         dst = np.zeros(size, np.int32)
         src[: len(copies)], dst[: len(copies)] = zip(*copies, strict=True)
         self.kv_pool = self._timed(("copy", size), lambda: _COPY_BLOCKS(self.kv_pool, src, dst))
+
+    def fill_blocks(self, block_ids: list[int], value: float) -> None:
+        """Set every slot of `block_ids` (in every layer, K and V) to `value`."""
+        if not block_ids:
+            return
+        size = bucket_for(len(block_ids), self.copy_buckets)
+        ids = np.full(size, block_ids[0], np.int32)
+        ids[: len(block_ids)] = block_ids
+        self.kv_pool = self._timed(("fill", size), lambda: _FILL_BLOCKS(
+            self.kv_pool, ids, np.float32(value)))
+
+    def pool_lost(self) -> bool:
+        """Whether the KV pool's buffers were freed (a donated call failed mid-way)."""
+        return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.kv_pool))
+
+    def reset_pool(self) -> None:
+        """A new KV pool, as at start (its old contents are gone)."""
+        self.kv_pool = init_kv_pool(*self._pool_shape, fill_value=self._pool_fill)
 
     def execute(self, seqs: list[SeqInput]) -> list[list[SeqResult]]:
         """Run one step over `seqs`; returns per sequence one drawn token per sampling row

@@ -77,10 +77,12 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         reservation_policy: str = "paged",
         eos_token_ids: Iterable[int] = (),
+        track_released: bool = False,
     ) -> None:
         self.allocator = BlockAllocator(
             num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
             policy=reservation_policy, max_model_len=max_model_len,
+            track_released=track_released,
         )
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -89,6 +91,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
+        self.failed: list[RequestGroup] = []  # ended by a failure, not yet reported
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
@@ -103,6 +106,13 @@ class Scheduler:
         scheduled: dict[Request, ScheduledChunk] = {}  # in running order
         preempted: list[Request] = []
 
+        def drop(requests: list[Request]) -> None:  # unschedule (preempted or failed)
+            nonlocal budget
+            for request in requests:
+                dropped = scheduled.pop(request, None)
+                if dropped is not None:  # an older sibling already scheduled this step
+                    budget += dropped.num_new_tokens
+
         # 1. running requests, oldest first; preempt the newest when the pool runs dry
         for request in list(self.running):
             if budget <= 0:
@@ -112,15 +122,17 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new == 0:  # a beam waiting for its siblings' log-probs
                 continue
-            while (copies := self.allocator.grow(
-                    request.seq_id, request.num_computed_tokens + num_new)) is None:
-                for victim in self._preempt_newest():
-                    preempted.append(victim)
-                    dropped = scheduled.pop(victim, None)
-                    if dropped is not None:  # an older sibling already scheduled this step
-                        budget += dropped.num_new_tokens
-                if request.status is not RequestStatus.RUNNING:
-                    break
+            try:
+                while (copies := self.allocator.grow(
+                        request.seq_id, request.num_computed_tokens + num_new)) is None:
+                    victims = self._preempt_newest()
+                    preempted += victims
+                    drop(victims)
+                    if request.status is not RequestStatus.RUNNING:
+                        break
+            except Exception as exc:  # a failed grow changed nothing: fail this request only
+                drop(self.fail(request.group, exc))
+                continue
             if copies is None:  # the request itself was preempted: nothing newer is left
                 break
             scheduled[request] = self._chunk(request, num_new, copies)
@@ -133,15 +145,20 @@ class Scheduler:
             request = self.waiting[0]
             if slots + request.num_slots > self.max_num_seqs:
                 break
-            hit = None
-            if self.enable_prefix_caching:
-                hit = self.allocator.lookup(request.token_ids, cache_salt=request.cache_salt)
-            num_cached = hit.num_tokens if hit is not None else 0
-            num_new = min(request.num_tokens - num_cached, budget)
-            if not self.allocator.allocate(
-                request.seq_id, num_cached + num_new, hit,
-                final_num_tokens=request.max_num_tokens, cache_salt=request.cache_salt,
-            ):
+            try:
+                hit = None
+                if self.enable_prefix_caching:
+                    hit = self.allocator.lookup(request.token_ids,
+                                                cache_salt=request.cache_salt)
+                num_cached = hit.num_tokens if hit is not None else 0
+                num_new = min(request.num_tokens - num_cached, budget)
+                admitted = self.allocator.allocate(
+                    request.seq_id, num_cached + num_new, hit,
+                    final_num_tokens=request.max_num_tokens, cache_salt=request.cache_salt)
+            except Exception as exc:  # a failed allocate changed nothing: fail this request
+                self.fail(request.group, exc)
+                continue
+            if not admitted:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -158,6 +175,11 @@ class Scheduler:
         copies = [copy for chunk in chunks for copy in chunk.block_copies]
         return SchedulerOutput(chunks, [self._seq_input(chunk) for chunk in chunks], copies,
                                preempted, self.max_num_batched_tokens - budget)
+
+    def preempt_all(self) -> None:
+        """Send every running request back to recompute (the KV pool was lost)."""
+        while self.running:
+            self._preempt_newest()
 
     def _preempt_newest(self) -> list[Request]:
         """Preempt the newest running request, together with its running siblings (the
@@ -225,32 +247,43 @@ class Scheduler:
             request = chunk.request
             if request.finished:
                 continue
-            computed = chunk.num_computed_tokens + chunk.num_new_tokens
-            request.num_computed_tokens = computed
-            tokens = request.token_ids
-            self.allocator.commit(request.seq_id,
-                                  tokens if computed == len(tokens) else tokens[:computed])
+            try:
+                computed = chunk.num_computed_tokens + chunk.num_new_tokens
+                tokens = request.token_ids
+                self.allocator.commit(request.seq_id,
+                                      tokens if computed == len(tokens) else tokens[:computed])
+                request.num_computed_tokens = computed
+            except Exception as exc:
+                self.fail(request.group, exc)
         now = time.perf_counter()
         update = StepUpdate()
         beam_groups: dict[BeamGroup, None] = {}
         for chunk, draws in zip(output.chunks, results, strict=True):
-            if not draws:
-                continue
             request = chunk.request
             group = request.group
+            if not draws or request.finished:  # nothing drawn, or failed above
+                continue
             if isinstance(group, BeamGroup):
                 group.pending[request] = draws[0]
                 beam_groups[group] = None
                 continue
-            samples = [request]
-            if len(draws) > 1:  # end of the prompt's prefill: fork the other samples
-                samples += self._fork_samples(request, len(draws) - 1)
-            for sample, draw in zip(samples, draws, strict=True):
-                update.new_tokens.setdefault(group, {})[sample] = sample.num_output_tokens
-                self._append_token(sample, draw, now)
+            starts = update.new_tokens.setdefault(group, {})
+            try:
+                samples = [request]
+                if len(draws) > 1:  # end of the prompt's prefill: fork the other samples
+                    samples += self._fork_samples(request, len(draws) - 1)
+                for sample, draw in zip(samples, draws, strict=True):
+                    starts[sample] = sample.num_output_tokens
+                    self._append_token(sample, draw, now)
+            except Exception as exc:
+                self.fail(group, exc)
         for group in beam_groups:
-            if group.ready():
-                self._apply_beam_plan(group, group.plan())
+            if group.ready() and not group.finished:
+                try:
+                    self._apply_beam_plan(group, group.plan())
+                except Exception as exc:
+                    self.fail(group, exc)
+                    continue
                 if group.finished:
                     update.finished_beams.append(group)
         return update
@@ -335,6 +368,24 @@ class Scheduler:
         while index < len(self.running) and self.running[index].group is parent.group:
             index += 1
         self.running.insert(index, child)
+
+    def fail(self, group: RequestGroup, exc: BaseException) -> list[Request]:
+        """End every sample of a request that a failure in a step hit, with finish reason
+        "abort" and the error recorded on the group (the engine reports it); returns the
+        samples ended. Other requests are untouched."""
+        group.error = f"{type(exc).__name__}: {exc}"
+        ended = [s for s in group.samples if not s.finished]
+        for sample in ended:
+            self.finish(sample, "abort")
+        if isinstance(group, BeamGroup):
+            group.done = True
+        self.failed.append(group)
+        return ended
+
+    def take_failed(self) -> list[RequestGroup]:
+        """The requests failed since the last call."""
+        failed, self.failed = self.failed, []
+        return failed
 
     def finish(self, request: Request, reason: str, stop_reason=None) -> None:
         """End a request (stop, length or abort) wherever it is and free its blocks; on a

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -122,44 +124,92 @@ def test_bad_engine_config_names_the_field(path):
             LLM(path, **kwargs)
 
 
-def test_soak(path):
-    """500 requests: random lengths, sampling settings and aborts on a small pool."""
+def word_tokenizer():
+    """A real (word-level) HF tokenizer over the tiny models' 97 ids: w0 ... w96."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(97)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w2")
+
+
+@pytest.mark.parametrize("policy, num_requests", [("paged", 400), ("oracle", 200),
+                                                  ("max", 120)])
+def test_soak(path, policy, num_requests):
+    """Random requests (sampling settings, n > 1, beams, stop strings and stop tokens) and
+    aborts of live requests (running, waiting and preempted ones) on a small pool."""
+    from jaxpage import BeamSearchParams
+
     rng = np.random.default_rng(2024)
-    llm = LLM(path, block_size=4, num_blocks=96, max_num_batched_tokens=64, max_num_seqs=16,
-              max_model_len=128)
+    llm = LLM(path, tokenizer=word_tokenizer(), block_size=4, num_blocks=96,
+              max_num_batched_tokens=64, max_num_seqs=16, max_model_len=128,
+              reservation_policy=policy)
     engine = llm.engine
+    max_prompt = 40 if policy == "max" else 60
     finished: dict[str, int] = {}
     submitted, next_id, step = [], 0, 0
-    while next_id < 500 or engine.has_unfinished_requests():
-        for _ in range(int(rng.integers(0, 6)) if next_id < 500 else 0):
-            prompt = rng.integers(0, 97, size=int(rng.integers(1, 60))).tolist()
-            params = SamplingParams(
-                max_tokens=int(rng.integers(1, 40)),
-                temperature=float(rng.choice([0.0, 0.7, 1.0])),
-                top_p=float(rng.choice([1.0, 0.9])), top_k=int(rng.choice([-1, 5])),
-                min_p=float(rng.choice([0.0, 0.05])), seed=int(rng.integers(0, 5)),
-                presence_penalty=float(rng.choice([0.0, 0.5])),
-                logprobs=int(rng.choice([0, 3])) if rng.random() < 0.2 else None,
-                stop_token_ids=[int(rng.integers(0, 97))] if rng.random() < 0.3 else [],
-            )
+    aborted_where = {"running": 0, "waiting": 0, "preempted": 0}
+    while next_id < num_requests or engine.has_unfinished_requests():
+        for _ in range(int(rng.integers(0, 6)) if next_id < num_requests else 0):
+            prompt = rng.integers(0, 97, size=int(rng.integers(1, max_prompt))).tolist()
             request_id = f"s{next_id}"
-            engine.add_request(request_id, prompt, params, cache_salt=str(next_id % 2))
+            kind = rng.random()
+            if kind < 0.1:
+                params = BeamSearchParams(beam_width=int(rng.integers(1, 3)),
+                                          max_tokens=int(rng.integers(1, 12)))
+                submit = functools.partial(engine.add_beam_request, request_id, prompt, params)
+            else:
+                max_tokens = int(rng.integers(1, 40))
+                params = SamplingParams(
+                    n=int(rng.choice([1, 1, 1, 2, 3])),
+                    max_tokens=max_tokens,
+                    temperature=float(rng.choice([0.0, 0.7, 1.0])),
+                    top_p=float(rng.choice([1.0, 0.9])), top_k=int(rng.choice([-1, 5])),
+                    min_p=float(rng.choice([0.0, 0.05])), seed=int(rng.integers(0, 5)),
+                    presence_penalty=float(rng.choice([0.0, 0.5])),
+                    logprobs=int(rng.choice([0, 3])) if rng.random() < 0.2 else None,
+                    stop_token_ids=[int(rng.integers(0, 97))] if rng.random() < 0.3 else [],
+                    stop=[f"w{rng.integers(0, 97)}"] if rng.random() < 0.3 else [],
+                    min_tokens=min(int(rng.integers(0, 3)), max_tokens),
+                )
+                submit = functools.partial(engine.add_request, request_id, prompt, params,
+                                           cache_salt=str(next_id % 2))
+            try:
+                submit()
+            except ValueError as exc:  # only what cannot fit the pool under the policy
+                assert "KV blocks" in str(exc) or "max_num_seqs" in str(exc), exc
+                next_id += 1
+                continue
             submitted.append(request_id)
             next_id += 1
-        if submitted and rng.random() < 0.1:  # abort a random earlier request
-            engine.abort_request(submitted[int(rng.integers(0, len(submitted)))])
+        if submitted and rng.random() < 0.15:  # abort a live request, noting where it is
+            scheduler = engine.scheduler
+            live = {r.request_id: "running" for r in scheduler.running}
+            for r in scheduler.waiting:
+                live.setdefault(r.request_id, "preempted" if r.metrics.num_preemptions
+                                else "waiting")
+            if live:
+                request_id = sorted(live)[int(rng.integers(0, len(live)))]
+                aborted_where[live[request_id]] += 1
+                engine.abort_request(request_id)
         for out in engine.step():
             if out.finished:
                 assert out.request_id not in finished, f"{out.request_id} ended twice"
+                assert out.error is None
                 finished[out.request_id] = 1
-                reason = out.outputs[0].finish_reason
-                assert reason in ("stop", "length", "abort")
+                for completion in out.outputs:
+                    assert completion.finish_reason in ("stop", "length", "abort")
         engine.allocator.check_invariants()
         step += 1
-        assert step < 20_000
+        assert step < 30_000
     assert set(finished) == set(submitted)
     usage = engine.allocator.usage()
     assert usage["used"] == 0 and not engine.requests
     stats = llm.stats()
-    assert stats["num_preemptions"] > 0
+    if policy == "paged":  # reserving up front ("oracle", "max") rarely or never preempts
+        assert stats["num_preemptions"] > 0
+        assert all(aborted_where.values()), aborted_where
+    else:
+        assert aborted_where["running"] and aborted_where["waiting"], aborted_where
     assert stats["compiles"] <= engine.runner.max_compiles
