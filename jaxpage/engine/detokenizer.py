@@ -26,16 +26,19 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def update(self, token_ids: Sequence[int], check_stop: bool = True) -> str | None:
+    def update(self, token_ids: Sequence[int], check_stop: bool = True,
+               final: bool = False) -> str | None:
         """Feed the sequence's tokens (prompt + output so far) after a new one was appended.
 
         Returns the stop string if one now appears in the text (the text is then cut just
         before it), else None. With check_stop False (min_tokens not reached yet) stop
         strings are not looked for, and text before this point is never searched again.
+        Bytes that end in the middle of a character wait for the next token, unless `final`
+        (no token will come): then they show as U+FFFD, as the tokenizer's decode shows them.
         """
         prefix = self._decode(token_ids[self.prefix_offset : self.read_offset])
         full = self._decode(token_ids[self.prefix_offset :])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
             return None
         new_text = full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)

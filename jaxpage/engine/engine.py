@@ -350,7 +350,8 @@ class LLMEngine:
                 self.tokenizer, sample.num_prompt_tokens, sample.params.stop)
         p = sample.params
         stop = detok.update(sample.token_ids,
-                            check_stop=sample.num_output_tokens >= p.min_tokens)
+                            check_stop=sample.num_output_tokens >= p.min_tokens,
+                            final=sample.finished)
         sample.text = detok.text
         if stop is not None and sample.finish_reason in (None, "length"):
             self.scheduler.finish(sample, "stop", stop)

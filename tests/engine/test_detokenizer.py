@@ -116,6 +116,24 @@ def test_streamed_text_is_whole_characters_and_ends_as_the_decode(tokenizer, pro
     assert detok.text == tokenizer.decode(output_ids) == TEXT
 
 
+def test_a_sequence_that_ends_inside_a_character_shows_its_bytes_as_the_decode_does(
+        tokenizer):
+    """Output cut in the middle of a character (max_tokens reached there): while running the
+    bytes wait for the next token; on the last token (`final`) the text is the decode's."""
+    ids = tokenizer.encode(TEXT)
+    cut = next(k for k, d in enumerate(prefix_decodes(tokenizer, ids)) if d.endswith(REPLACEMENT))
+    detok = IncrementalDetokenizer(tokenizer, 0)
+    for k in range(1, cut):
+        detok.update(ids[:k])
+    waiting = IncrementalDetokenizer(tokenizer, 0)
+    waiting.prefix_offset, waiting.read_offset, waiting.text = (
+        detok.prefix_offset, detok.read_offset, detok.text)
+    waiting.update(ids[:cut])
+    assert REPLACEMENT not in waiting.text  # not final: waits for the rest of the character
+    detok.update(ids[:cut], final=True)
+    assert detok.text == tokenizer.decode(ids[:cut]) and detok.text.endswith(REPLACEMENT)
+
+
 def test_stop_string_with_a_split_multibyte_character_is_cut_exactly_before_it(tokenizer):
     ids = tokenizer.encode(TEXT)
     shown = whole_character_texts(prefix_decodes(tokenizer, ids))

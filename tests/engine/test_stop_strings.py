@@ -190,6 +190,14 @@ def test_text_is_the_decoded_continuation(first_run):
     assert not run.text[len(run.decodes[k]) - 1].isascii()
 
 
+def test_text_of_an_output_ending_inside_a_character_is_the_decode(first_run):
+    """max_tokens cut the output inside a character (or on a stray continuation byte): the
+    last token's bytes no longer wait for a next token and show as the decode shows them."""
+    run, _ = first_with(first_run, "an output ending inside a character",
+                        lambda r: True if r.text.endswith(REPLACEMENT) else None)
+    assert run.engine_text == run.text
+
+
 @pytest.mark.parametrize("kind", STOP_FINDERS)
 def test_stop_string_spanning_tokens_ends_generation_and_is_cut(llm, first_run, kind):
     run, (at, stop) = first_with(first_run, f"a stop string ({kind})", STOP_FINDERS[kind])
