@@ -161,8 +161,10 @@ class LLM:
         return [final[r] for r in request_ids]
 
     def _collect(self, pending: set[str]) -> list[RequestOutput]:
-        """Take the outputs waiting for `pending` requests (each request's in order)."""
-        return [out for request_id in pending for out in self._mailbox.pop(request_id, ())]
+        """Take the outputs waiting for `pending` requests (each request's in order): a pass
+        over the mailbox (outputs not yet taken), not over every pending request."""
+        mine = [request_id for request_id in self._mailbox if request_id in pending]
+        return [out for request_id in mine for out in self._mailbox.pop(request_id)]
 
     def _forget(self, request_ids: list[str]) -> None:
         """Abort those of `request_ids` still running and drop their outputs."""
