@@ -11,7 +11,7 @@ from jaxpage.config import EngineConfig
 from jaxpage.engine.engine import LLMEngine
 from jaxpage.outputs import CompletionOutput, RequestOutput
 from jaxpage.sampling_params import BeamSearchParams, SamplingParams
-from jaxpage.validation import is_int
+from jaxpage.validation import is_int, is_vector
 
 Prompt = str | Sequence[int]
 PromptInput = Prompt | dict  # dicts: {"prompt" | "prompt_token_ids": ..., "cache_salt": ...}
@@ -207,7 +207,7 @@ def _as_prompt_list(prompts: Any) -> list[PromptInput]:
                          "list of these, got None")
     if isinstance(prompts, str | dict):
         return [prompts]
-    if getattr(prompts, "ndim", None) == 1 and hasattr(prompts, "tolist"):  # numpy ids
+    if is_vector(prompts):  # numpy token ids
         return [prompts.tolist()]
     if not hasattr(prompts, "__iter__"):
         raise ValueError(f"prompts must be a string, a list of token ids, a prompt dict or a "

@@ -7,7 +7,7 @@ import hashlib
 import math
 from collections.abc import Sequence
 
-from jaxpage.validation import check, is_int, is_real
+from jaxpage.validation import check, is_int, is_real, is_vector
 
 MAX_LOGPROBS = 20
 INT32_MAX = 2**31 - 1  # per-row parameters are packed as int32
@@ -141,7 +141,7 @@ def _as_tuple(value) -> tuple | None:
         return ()
     if isinstance(value, list | tuple):
         return tuple(value)
-    if getattr(value, "ndim", None) == 1 and hasattr(value, "tolist"):  # a numpy vector
+    if is_vector(value):
         return tuple(value.tolist())
     return None
 

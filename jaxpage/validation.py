@@ -29,3 +29,8 @@ def is_real(x: Any) -> bool:
 def is_positive_int(x: Any) -> bool:
     """An integer >= 1, not a bool."""
     return is_int(x) and x >= 1
+
+
+def is_vector(x: Any) -> bool:
+    """A one-dimensional array (numpy's, or any with `ndim` and `tolist`)."""
+    return getattr(x, "ndim", None) == 1 and hasattr(x, "tolist")

@@ -194,16 +194,21 @@ class BlockAllocator:
                 raise AllocationError(f"stale prefix hit: block {block_id} no longer holds the "
                                       "hashed content; call lookup() right before allocate()")
         target = num_tokens
-        if self.policy == "max":
-            target = self.max_model_len
-        elif self.policy == "oracle":
+        if self.policy == "oracle":
             if final_num_tokens is None or final_num_tokens < num_tokens:
                 raise ValueError(f"policy 'oracle' needs final_num_tokens >= num_tokens="
                                  f"{num_tokens}, got {final_num_tokens}")
             self._check_len("final_num_tokens", final_num_tokens)
-            target = final_num_tokens
+        if self.policy != "paged":
+            target = self.reserved_tokens(final_num_tokens)
         need = -(-target // self.block_size) - len(hit.block_ids)
         return need, sum(1 for b in hit.block_ids if self._ref_count[b] == 0)
+
+    def reserved_tokens(self, final_num_tokens: int) -> int:
+        """Tokens of blocks a sequence that grows to ``final_num_tokens`` holds at its most
+        under the policy: ``max_model_len`` under "max", else ``final_num_tokens`` ("oracle"
+        reserves them at ``allocate``, "paged" reaches them by ``grow``)."""
+        return self.max_model_len if self.policy == "max" else final_num_tokens
 
     def can_allocate(self, num_tokens: int, hit: PrefixHit | None = None,
                      final_num_tokens: int | None = None) -> bool:

@@ -19,13 +19,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jaxpage.engine.beam_search import BeamGroup
+from jaxpage.engine.block_hashing import encode_extra_keys
 from jaxpage.engine.detokenizer import IncrementalDetokenizer
 from jaxpage.engine.output_builder import beam_output, sample_deltas
 from jaxpage.engine.request import Request, RequestGroup
 from jaxpage.engine.scheduler import Scheduler
 from jaxpage.outputs import RequestMetrics, RequestOutput
 from jaxpage.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
-from jaxpage.validation import is_int
+from jaxpage.validation import is_int, is_vector
 
 if TYPE_CHECKING:
     from jaxpage.config import EngineConfig
@@ -108,8 +109,7 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a string or None, got {cache_salt!r}")
+        encode_extra_keys(cache_salt, None)  # the allocator's check of the salt, at the door
         with self._lock:
             request_id = self._new_request_id(request_id)
             token_ids = self._prompt_token_ids(prompt)
@@ -163,7 +163,7 @@ class LLMEngine:
         too) is taken as token ids, each in [0, vocab_size)."""
         if isinstance(prompt, str):
             token_ids = self.tokenize(prompt)
-        elif isinstance(prompt, Sequence | np.ndarray) and not isinstance(prompt, bytes):
+        elif (isinstance(prompt, Sequence) and not isinstance(prompt, bytes)) or is_vector(prompt):
             token_ids = list(prompt)
         else:
             raise ValueError(f"prompt must be a string or a list of token ids, got "
@@ -192,9 +192,8 @@ class LLMEngine:
         # the first sample's blocks as the policy reserves them, then every other sample's
         # own blocks (shared prompt blocks once; its last, partly filled one copied)
         bs = self.config.block_size
-        reserved = {"max": self.max_model_len, "oracle": total, "paged": total}[
-            self.config.reservation_policy]
-        need = -(-reserved // bs) + (params.n - 1) * (-(-total // bs) - len(token_ids) // bs)
+        own_blocks = -(-total // bs) - len(token_ids) // bs
+        need = -(-self.allocator.reserved_tokens(total) // bs) + (params.n - 1) * own_blocks
         if need > self.allocator.num_blocks - 1:
             raise ValueError(
                 f"prompt + max_tokens = {total} tokens (n={params.n}) needs {need} KV blocks "

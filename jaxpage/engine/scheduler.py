@@ -50,7 +50,6 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk]
     seqs: list[SeqInput]  # what the runner is given, one per chunk
     block_copies: list[tuple[int, int]]  # copy-on-write (src, dst), before any write
-    preempted: list[Request]
     num_batched_tokens: int
 
 
@@ -174,7 +173,7 @@ class Scheduler:
         chunks = list(scheduled.values())
         copies = [copy for chunk in chunks for copy in chunk.block_copies]
         return SchedulerOutput(chunks, [self._seq_input(chunk) for chunk in chunks], copies,
-                               preempted, self.max_num_batched_tokens - budget)
+                               self.max_num_batched_tokens - budget)
 
     def preempt_all(self) -> None:
         """Send every running request back to recompute (the KV pool was lost)."""
