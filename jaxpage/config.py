@@ -15,6 +15,13 @@ ATTENTION_BACKENDS = ("auto", *BACKENDS)  # "auto": the platform's kernel (selec
 DTYPES = ("float32", "bfloat16")
 
 
+def choices(field: str) -> tuple | None:
+    """The allowed values of an EngineConfig field that takes one of a fixed list (for the
+    command-line flags), else None."""
+    return {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS,
+            "reservation_policy": RESERVATION_POLICIES}.get(field)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """How the engine is sized and what it serves.

@@ -10,33 +10,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Any
 
+from jaxpage.engine_args import enable_compile_cache  # noqa: F401  (public: README)
+
 DEFAULT_PROMPT = "What is the capital of France?"
-DEFAULT_COMPILE_CACHE = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
-    os.path.expanduser("~"), ".cache", "jaxpage", "xla")
-
-
-def enable_compile_cache(path: str, min_compile_seconds: float = 0.5) -> None:
-    """Persist compiled executables under `path` (JAX's compilation cache), so a later
-    process with the same model, shapes and jax version loads them instead of compiling.
-    The CLI turns it on; library users call this once at start-up if they want it."""
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from jaxpage.loading import DEFAULT_MODEL
+    from jaxpage.engine_args import add_engine_args
 
     p = argparse.ArgumentParser(prog="python -m jaxpage.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="model name, HF dir, .gguf file or jaxpage checkpoint")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     src.add_argument("--prompts-file", help="a file with one prompt per line")
@@ -50,26 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     p.add_argument("--json", action="store_true", help="one JSON object per request")
-    p.add_argument("--config", help="an EngineConfig preset (configs/*.json)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--compile-cache", default=DEFAULT_COMPILE_CACHE, metavar="DIR",
-                   help="keep compiled steps here so later runs skip most compilation "
-                        "(default %(default)s; '' turns it off)")
+    add_engine_args(p, exclude=("seed",))  # --seed is the requests' seed here
     return p.parse_args(argv)
-
-
-def engine_config(args: argparse.Namespace):
-    from jaxpage.config import EngineConfig
-
-    overrides: dict[str, Any] = {"model": args.model}
-    for field in ("dtype", "max_model_len", "max_num_seqs"):
-        if getattr(args, field) is not None:
-            overrides[field] = getattr(args, field)
-    if args.config:
-        return EngineConfig.from_file(args.config, **overrides)
-    return EngineConfig(**overrides)
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -93,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from jaxpage import LLM, BeamSearchParams, SamplingParams
+    from jaxpage.engine_args import engine_config
     from jaxpage.llm import chat_token_ids
 
     prompts = read_prompts(args)

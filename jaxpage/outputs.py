@@ -38,6 +38,16 @@ class RequestMetrics:
     finished_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_output_tokens: int = 0  # at the end: the longest sample's (beam's) output tokens
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean seconds per output token after the first (None until it has finished with
+        two tokens or more)."""
+        if (self.finished_time is None or self.first_token_time is None
+                or self.num_output_tokens < 2):
+            return None
+        return (self.finished_time - self.first_token_time) / (self.num_output_tokens - 1)
 
     @property
     def ttft(self) -> float | None:

@@ -105,3 +105,35 @@ def hf_greedy(model, prompt_ids, max_new_tokens: int, stop_at_eos: bool = False)
                              do_sample=False, eos_token_id=eos, pad_token_id=0,
                              attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
     return out[0, len(prompt_ids):].tolist()
+
+
+# Training text for the byte-level BPE: multi-byte characters (2, 3 and 4 bytes in UTF-8)
+# frequent enough that merges build tokens ending or starting inside a character.
+CORPUS = (
+    "The café on the corner serves naïve tourists crêpes and café au lait.",
+    "日本語のテキストも少し入れます。日本語は楽しい。",
+    "Emoji: 😀 😃 😄 😁 😆 😅 😂 🙂 😀😀 are fun.",
+    "Ünïcödé wörds: façade, jalapeño, Zürich, smörgåsbord, déjà vu, naïve café.",
+    "Plain English text about the quick brown fox who jumps over the lazy dog again and again.",
+    "Numbers 12345 and symbols €100 £50 ¥1000 — “quotes” and ‘apostrophes’…",
+) * 4
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2: the tiny test models' pad, bos, eos
+
+def byte_level_bpe_tokenizer(vocab_size: int = 400):
+    """A GPT-2 style byte-level BPE trained on CORPUS, as a transformers tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
+                                        bos_token="<s>", eos_token="</s>",
+                                        clean_up_tokenization_spaces=False)
+    assert len(tokenizer) == vocab_size
+    assert tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == [0, 1, 2]
+    return tokenizer

@@ -10,6 +10,7 @@ interface) owns the device.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import threading
 import time
@@ -31,6 +32,9 @@ from jaxpage.validation import is_int, is_vector
 if TYPE_CHECKING:
     from jaxpage.config import EngineConfig
     from jaxpage.engine.block_allocator import BlockAllocator
+
+
+FINISHED_METRICS_KEPT = 65536  # requests whose latencies stats() summarizes
 
 
 class LLMEngine:
@@ -80,7 +84,10 @@ class LLMEngine:
         # one caller at a time: every public method holds it (re-entrant for stats())
         self._lock = threading.RLock()
         self._num_added = 0
-        self.finished_metrics: list[tuple[RequestMetrics, int]] = []
+        # metrics of the last finished requests, for stats(); bounded so that a
+        # long-running server does not grow without end
+        self.finished_metrics: collections.deque[RequestMetrics] = collections.deque(
+            maxlen=FINISHED_METRICS_KEPT)
         self.peak_kv_usage = 0.0
         self.num_steps = 0
         self.step_seconds = 0.0  # wall time inside step(), host and device
@@ -235,6 +242,13 @@ class LLMEngine:
         with self._lock:
             return not self.has_unfinished_requests() and self.allocator.reset_prefix_cache()
 
+    def warmup(self) -> tuple[int, float]:
+        """Compile the step shapes a server meets first (the runner's `warmup`), before any
+        request; returns (compilations, seconds). A no-op for a runner without one."""
+        with self._lock:
+            warmup = getattr(self.runner, "warmup", None)
+            return warmup() if warmup is not None else (0, 0.0)
+
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
         """Schedule, run and post-process one step.
@@ -358,7 +372,12 @@ class LLMEngine:
     def _release(self, group: RequestGroup) -> None:
         metrics = group.samples[0].metrics
         metrics.finished_time = time.perf_counter()
-        self.finished_metrics.append((metrics, max(s.num_output_tokens for s in group.samples)))
+        if isinstance(group, BeamGroup):  # the hypotheses returned, not the live beams
+            lengths = [len(h.token_ids) for h in group.best()]
+        else:
+            lengths = [s.num_output_tokens for s in group.samples]
+        metrics.num_output_tokens = max(lengths, default=0)
+        self.finished_metrics.append(metrics)
         del self.requests[group.request_id]
         for sample in group.samples:
             self._detokenizers.pop(sample.seq_id, None)
@@ -370,10 +389,8 @@ class LLMEngine:
 
     def _stats(self) -> dict[str, Any]:
         usage = self.allocator.usage()
-        ttft = [m.ttft for m, _ in self.finished_metrics if m.ttft is not None]
-        tpot = [(m.finished_time - m.first_token_time) / (n - 1)
-                for m, n in self.finished_metrics
-                if n > 1 and m.first_token_time is not None and m.finished_time is not None]
+        ttft = [m.ttft for m in self.finished_metrics if m.ttft is not None]
+        tpot = [m.tpot for m in self.finished_metrics if m.tpot is not None]
         return {
             "kv_blocks_total": usage["num_blocks"],
             "kv_blocks_used": usage["used"],
@@ -382,6 +399,8 @@ class LLMEngine:
             "prefix_cache_queries": usage["prefix_cache_queries"],
             "prefix_cache_hits": usage["prefix_cache_hits"],
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
             "compiles": self.runner.compiles,
             "compile_seconds": self.runner.compile_seconds,
             "num_steps": self.num_steps,

@@ -32,6 +32,7 @@ from jaxpage.attention import (
 from jaxpage.buckets import bucket_for, power_of_two_buckets
 from jaxpage.engine.batch import SeqInput, SeqResult
 from jaxpage.sampling import SamplingMetadata, sample
+from jaxpage.sampling_params import SamplingParams, SamplingRow
 
 if TYPE_CHECKING:
     from jaxpage.config import EngineConfig
@@ -94,6 +95,7 @@ class ModelRunner:
                             model_config.num_kv_heads, model_config.head_dim, dtype)
         self._pool_fill = float("nan") if config.debug_nan_pool else 0.0
         self.kv_pool = init_kv_pool(*self._pool_shape, fill_value=self._pool_fill)
+        self.max_model_len = max_model_len
         max_blocks = -(-max_model_len // block_size)
         # Smallest buckets are set where padding is nearly free (a decode step of 8 rows costs
         # what one row costs: both read every weight once) to keep compilations few. Above 8
@@ -170,6 +172,31 @@ class ModelRunner:
                                      strict=True):
                     results[i] = result
         return results
+
+    def warmup(self) -> tuple[int, float]:
+        """Compile the shapes a server meets first, before it serves: a decode step at every
+        decode-batch bucket and block-table width bucket, and a one-prompt chunk at every
+        token bucket and width bucket (after cached blocks or earlier chunks), each greedy
+        and sampled. Steps mixing several prompts, or prompts and decodes, compile on first
+        use (and come from JAX's persistent cache when it is on). The steps write only into
+        the reserved block 0. Returns (new compilations, seconds)."""
+        before, start = self.compiles, time.perf_counter()
+        bs = self.block_size
+        rows = {"greedy": SamplingParams(temperature=0.0), "sampled": SamplingParams()}
+        for params in rows.values():
+            row = SamplingRow(params, seed=0, step=0)
+            for num_seqs in self.decode_buckets:
+                for width in self.width_buckets:
+                    context = min(width * bs, self.max_model_len)
+                    self.execute([SeqInput([0] * width, context - 1, [0], [row])] * num_seqs)
+            for num_tokens in self.token_buckets:  # a chunk after cached (or earlier) blocks
+                tokens = min(num_tokens, self.max_model_len)
+                for width in self.width_buckets:
+                    context = min(width * bs, self.max_model_len)
+                    if context >= tokens:
+                        self.execute([SeqInput([0] * width, context - tokens, [0] * tokens,
+                                               [row])])
+        return self.compiles - before, time.perf_counter() - start
 
     def _run(self, seqs: list[SeqInput], is_decode: bool) -> list[list[SeqResult]]:
         num_seqs = bucket_for(len(seqs),

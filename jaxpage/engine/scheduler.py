@@ -279,7 +279,7 @@ class Scheduler:
         for group in beam_groups:
             if group.ready() and not group.finished:
                 try:
-                    self._apply_beam_plan(group, group.plan())
+                    self._apply_beam_plan(group, group.plan(), now)
                 except Exception as exc:
                     self.fail(group, exc)
                     continue
@@ -322,10 +322,14 @@ class Scheduler:
         parent.group.forked = True
         return children
 
-    def _apply_beam_plan(self, group: BeamGroup, plan: BeamPlan) -> None:
+    def _apply_beam_plan(self, group: BeamGroup, plan: BeamPlan, now: float) -> None:
         """Reshape a beam group as planned: children beyond a parent's first fork from it
-        (before any beam takes its new token), beams without children end."""
+        (before any beam takes its new token), beams without children end. The group's
+        first planned step is its first token (every beam shares the root's metrics)."""
         group.pending.clear()
+        metrics = group.samples[0].metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
         group.finished_hyps, group.improvable = plan.finished_hyps, plan.improvable
         beams = group.samples
         if plan.done:

@@ -13,8 +13,8 @@ import random
 from dataclasses import dataclass
 
 import pytest
-from conftest import build_hf_model
-from test_detokenizer import CORPUS, REPLACEMENT, byte_level_bpe_tokenizer
+from conftest import CORPUS, build_hf_model, byte_level_bpe_tokenizer
+from test_detokenizer import REPLACEMENT
 
 from jaxpage import LLM, SamplingParams
 
