@@ -83,6 +83,26 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+# (kind, name, help, LLMEngine.stats() key) of what is read at scrape time
+_ENGINE_METRICS = (
+    (GaugeMetricFamily, "vllm:num_requests_running",
+     "Sequences running (a request's n samples count n).", "num_running"),
+    (GaugeMetricFamily, "vllm:num_requests_waiting", "Sequences waiting (new or preempted).",
+     "num_waiting"),
+    (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).",
+     "kv_usage"),
+    (CounterMetricFamily, "vllm:prefix_cache_queries",
+     "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
+    (CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+     "prefix_cache_hits"),
+    (CounterMetricFamily, "vllm:num_preemptions", "Preemptions of running sequences.",
+     "num_preemptions"),
+    (GaugeMetricFamily, "jaxpage:compiles", "Step shapes compiled so far.", "compiles"),
+    (GaugeMetricFamily, "jaxpage:compile_seconds", "Seconds spent compiling step shapes.",
+     "compile_seconds"),
+)
+
+
 class _EngineCollector:
     """Gauges and totals read from the engine's stats at scrape time."""
 
@@ -91,27 +111,8 @@ class _EngineCollector:
         self._labels = labels
 
     def collect(self):
-        s = self._stats()
-        names, values = list(self._labels), list(self._labels.values())
-
-        def family(kind, name: str, doc: str, value: float):
-            metric = kind(name, doc, labels=names)
-            metric.add_metric(values, value)
-            return metric
-
-        yield family(GaugeMetricFamily, "vllm:num_requests_running",
-                     "Sequences running (a request's n samples count n).", s["num_running"])
-        yield family(GaugeMetricFamily, "vllm:num_requests_waiting",
-                     "Sequences waiting (new or preempted).", s["num_waiting"])
-        yield family(GaugeMetricFamily, "vllm:kv_cache_usage_perc",
-                     "Fraction of KV blocks in use (1 = full).", s["kv_usage"])
-        yield family(CounterMetricFamily, "vllm:prefix_cache_queries",
-                     "Prompt tokens looked up in the prefix cache.", s["prefix_cache_queries"])
-        yield family(CounterMetricFamily, "vllm:prefix_cache_hits",
-                     "Prompt tokens found in the prefix cache.", s["prefix_cache_hits"])
-        yield family(CounterMetricFamily, "vllm:num_preemptions",
-                     "Preemptions of running sequences.", s["num_preemptions"])
-        yield family(GaugeMetricFamily, "jaxpage:compiles",
-                     "Step shapes compiled so far.", s["compiles"])
-        yield family(GaugeMetricFamily, "jaxpage:compile_seconds",
-                     "Seconds spent compiling step shapes.", s["compile_seconds"])
+        stats = self._stats()
+        for kind, name, doc, key in _ENGINE_METRICS:
+            metric = kind(name, doc, labels=list(self._labels))
+            metric.add_metric(list(self._labels.values()), stats[key])
+            yield metric
