@@ -172,14 +172,16 @@ def init_kv_pool(
     head_dim: int,
     dtype: jnp.dtype = jnp.float32,
     fill_value: float = 0.0,
+    sharding: jax.sharding.Sharding | None = None,
 ) -> list[LayerKV]:
     """Preallocate the paged KV pool: per layer a (k, v) pair of
     [num_kv_heads, num_blocks, block_size, head_dim] filled with `fill_value` (zeros; NaN to
-    make reads of unwritten slots show). Block 0 is reserved for padding."""
+    make reads of unwritten slots show). Block 0 is reserved for padding. With a `sharding`
+    (tensor parallel: over KV heads) each device allocates only its own share."""
     if num_blocks < 2:
         raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
     shape = (num_kv_heads, num_blocks, block_size, head_dim)
-    return [(jnp.full(shape, fill_value, dtype), jnp.full(shape, fill_value, dtype))
+    return [tuple(jnp.full(shape, fill_value, dtype, device=sharding) for _ in "kv")
             for _ in range(num_layers)]
 
 

@@ -47,6 +47,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     kernel_interpret: bool = False  # Pallas kernels in interpret mode (tests on CPU)
     reservation_policy: str = "paged"
+    # devices the model is split over (mesh axis "model"; jaxpage.parallel)
+    tensor_parallel_size: int = 1
     seed: int = 0
     # debugging: the KV pool starts as NaN and every block released is refilled with NaN
     # before it is handed out again, so a read of K/V a sequence does not own shows
@@ -72,6 +74,8 @@ class EngineConfig:
               self.attention_backend, f"one of {ATTENTION_BACKENDS}")
         check(self.reservation_policy in RESERVATION_POLICIES, "reservation_policy",
               self.reservation_policy, f"one of {RESERVATION_POLICIES}")
+        check(is_positive_int(self.tensor_parallel_size), "tensor_parallel_size",
+              self.tensor_parallel_size, "an integer >= 1")
         check(is_int(self.seed), "seed", self.seed, "an integer")
         check(isinstance(self.debug_nan_pool, bool), "debug_nan_pool", self.debug_nan_pool,
               "True or False")

@@ -31,6 +31,7 @@ from jaxpage.attention import (
 )
 from jaxpage.buckets import bucket_for, power_of_two_buckets
 from jaxpage.engine.batch import SeqInput, SeqResult
+from jaxpage.parallel import TensorParallel, TensorParallelModel
 from jaxpage.sampling import SamplingMetadata, sample
 from jaxpage.sampling_params import SamplingParams, SamplingRow
 
@@ -89,12 +90,26 @@ class ModelRunner:
                                       dtype=dtype)
         self.ragged = self.backend in RAGGED_BACKENDS
         self.interpret = config.kernel_interpret
-        self.params = jax.device_put(jax.tree.map(lambda a: _cast_float(a, dtype), params))
-        self.num_blocks = num_blocks = _num_blocks(config, model_config, dtype)
-        self._pool_shape = (model_config.num_layers, num_blocks, block_size,
-                            model_config.num_kv_heads, model_config.head_dim, dtype)
+        params = jax.tree.map(lambda a: _cast_float(a, dtype), params)
+        # tensor parallel: the model runs under shard_map on its mesh, each device holding
+        # its share of the params and of the pool's KV heads (jaxpage.parallel)
+        self.parallel = None
+        pool_kv_heads, self._pool_sharding = model_config.num_kv_heads, None
+        if config.tensor_parallel_size > 1:
+            self.parallel = TensorParallel.create(model_config, config.tensor_parallel_size)
+            self.model = model = TensorParallelModel.wrap(model, self.parallel)
+            self.params = self.parallel.shard_params(params)
+            pool_kv_heads = self.parallel.pool_kv_heads
+            self._pool_sharding = self.parallel.pool_sharding
+        else:
+            self.params = jax.device_put(params)
+        devices = config.tensor_parallel_size
+        self.num_blocks = num_blocks = _num_blocks(config, model_config, dtype,
+                                                   pool_kv_heads // devices)
+        self._pool_shape = (model_config.num_layers, num_blocks, block_size, pool_kv_heads,
+                            model_config.head_dim, dtype)
         self._pool_fill = float("nan") if config.debug_nan_pool else 0.0
-        self.kv_pool = init_kv_pool(*self._pool_shape, fill_value=self._pool_fill)
+        self.kv_pool = self._new_pool()
         self.max_model_len = max_model_len
         max_blocks = -(-max_model_len // block_size)
         # Smallest buckets are set where padding is nearly free (a decode step of 8 rows costs
@@ -156,7 +171,11 @@ class ModelRunner:
 
     def reset_pool(self) -> None:
         """A new KV pool, as at start (its old contents are gone)."""
-        self.kv_pool = init_kv_pool(*self._pool_shape, fill_value=self._pool_fill)
+        self.kv_pool = self._new_pool()
+
+    def _new_pool(self):
+        return init_kv_pool(*self._pool_shape, fill_value=self._pool_fill,
+                            sharding=self._pool_sharding)
 
     def execute(self, seqs: list[SeqInput]) -> list[list[SeqResult]]:
         """Run one step over `seqs`; returns per sequence one drawn token per sampling row
@@ -274,14 +293,15 @@ class ModelRunner:
 
 
 
-def _num_blocks(config: EngineConfig, model_config: Any, dtype) -> int:
-    """KV pool blocks: `num_blocks` as given, else a byte budget (`kv_cache_memory`, or
-    `gpu_memory_utilization` of the accelerator memory left after the params, or 1 GiB on
-    CPU) divided by what one block costs over all layers."""
+def _num_blocks(config: EngineConfig, model_config: Any, dtype, kv_heads: int) -> int:
+    """KV pool blocks: `num_blocks` as given, else a byte budget per device
+    (`kv_cache_memory`, or `gpu_memory_utilization` of the accelerator memory left after the
+    params, or 1 GiB on CPU) divided by what one block costs a device over all layers (its
+    `kv_heads`)."""
     if config.num_blocks is not None:
         return config.num_blocks
     per_block = kv_bytes_per_block(model_config.num_layers, config.block_size,
-                                   model_config.num_kv_heads, model_config.head_dim, dtype)
+                                   kv_heads, model_config.head_dim, dtype)
     budget = config.kv_cache_memory
     if budget is None:
         budget = _CPU_KV_BUDGET

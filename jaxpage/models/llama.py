@@ -61,9 +61,31 @@ class LlamaModel:
     """A served model: its config plus a pure forward over (params, kv_pool, metadata).
 
     Hashable, so `jax.jit` can take it as a static argument; params are always traced.
+    With `tp_axis` set it is one device's share of a tensor-parallel model (run under
+    `jax.shard_map`, see `jaxpage.parallel`): its config holds the local head and MLP sizes,
+    and it all-reduces over `tp_axis` where a sharded matmul leaves partial sums.
     """
 
     config: ModelConfig
+    tp_axis: str | None = None
+
+    def with_tensor_parallel(self, local_config: ModelConfig, axis: str) -> LlamaModel:
+        return dataclasses.replace(self, config=local_config, tp_axis=axis)
+
+    def _all_reduce(self, x: jax.Array) -> jax.Array:
+        return x if self.tp_axis is None else jax.lax.psum(x, self.tp_axis)
+
+    def embed(self, params: Params, token_ids: jax.Array) -> jax.Array:
+        """[T] ids -> [T, H]; tensor-parallel, each device looks up the ids in its vocabulary
+        range and the partial rows are summed."""
+        table = params["embed"]
+        if self.tp_axis is None:
+            return table[token_ids]
+        rows = table.shape[0]
+        local = token_ids - jax.lax.axis_index(self.tp_axis) * rows
+        mine = (local >= 0) & (local < rows)
+        x = jnp.where(mine[:, None], table[jnp.clip(local, 0, rows - 1)], 0)
+        return jax.lax.psum(x, self.tp_axis)
 
     def forward(
         self,
@@ -87,7 +109,7 @@ class LlamaModel:
            the updated kv_pool).
         """
         cfg = self.config
-        x = params["embed"][token_ids]  # [T, H]
+        x = self.embed(params, token_ids)  # [T, H]
         cos, sin = rope_cos_sin(cfg, positions, x.dtype)
         new_pool = []
         for layer, layer_kv in zip(params["layers"], kv_pool, strict=True):
@@ -105,9 +127,15 @@ class LlamaModel:
         """[R, H] final hidden states -> [R, vocab] float32 logits."""
         if "lm_head" in params:
             # [R, H] x [H, V] -> [R, V]
-            return jnp.dot(hidden, params["lm_head"], preferred_element_type=jnp.float32)
-        # tied: [R, H] x [V, H]^T -> [R, V]
-        return jnp.einsum("rh,vh->rv", hidden, params["embed"], preferred_element_type=jnp.float32)
+            logits = jnp.dot(hidden, params["lm_head"], preferred_element_type=jnp.float32)
+        else:  # tied: [R, H] x [V, H]^T -> [R, V]
+            logits = jnp.einsum("rh,vh->rv", hidden, params["embed"],
+                                preferred_element_type=jnp.float32)
+        if self.tp_axis is None:
+            return logits
+        # each device has its vocabulary range: gather them, drop the padding
+        logits = jax.lax.all_gather(logits, self.tp_axis, axis=1, tiled=True)
+        return logits[:, : self.config.vocab_size]
 
     def _attention(self, layer, h, cos, sin, layer_kv, metadata):
         cfg = self.config
@@ -125,6 +153,7 @@ class LlamaModel:
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         out, layer_kv = paged_attention(q, k, v, layer_kv, metadata)  # [T, heads, D]
         out = out.reshape(num_tokens, cfg.q_size) @ layer["o"]  # [T, Q] x [Q, H] -> [T, H]
+        out = self._all_reduce(out)
         if "o_bias" in layer:
             out = out + layer["o_bias"]
         return out, layer_kv
@@ -135,6 +164,7 @@ class LlamaModel:
             gate_up = gate_up + layer["gate_up_bias"]
         gate, up = jnp.split(gate_up, 2, axis=-1)
         out = (jax.nn.silu(gate) * up) @ layer["down"]  # [T, I] x [I, H] -> [T, H]
+        out = self._all_reduce(out)
         if "down_bias" in layer:
             out = out + layer["down_bias"]
         return out

@@ -1,0 +1,202 @@
+"""Tensor parallelism over a `jax.sharding.Mesh` axis "model" (Megatron's layout).
+
+Each device holds 1/tp of every weight matrix and of the KV pool, and runs the model on its
+own heads under `jax.shard_map`; the collectives are the ones the layout needs and no more:
+per layer one all-reduce after the attention output projection and one after the MLP's
+down projection, plus one all-reduce for the embedding lookup and one all-gather of the
+logits per step.
+
+- q/k/v and gate/up are split by output columns, o_proj and down_proj by input rows, so
+  each device's attention and MLP need no communication until their last matmul.
+  The fused `qkv` ([H, Q + 2K]) and `gate_up` ([H, 2I]) matrices are stored interleaved by
+  device, `[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`, so that a contiguous column shard is one
+  device's own q, k and v heads.
+- The embedding and lm_head are split by vocabulary (padded to a multiple of tp), not
+  replicated: they are the largest matrices of small models (SmolLM2: 21% of its weights)
+  and Llama-3's 128k vocabulary makes a replicated copy ~1 GiB per device in bfloat16. The
+  lookup masks the ids outside a device's range and all-reduces; the logits are gathered.
+- The KV pool `[kv_heads, blocks, block_size, head_dim]` is split over KV heads. When tp
+  exceeds the KV heads, each KV head is replicated tp // num_kv_heads times (its k/v
+  projection columns too), so every device holds the KV head its query heads read.
+
+The host allocator, scheduler and block tables do not change: one block table serves every
+shard. The runner places the params (host numpy arrays go to each device as their shards:
+no device ever holds the full model) and the pool with the shardings here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+MODEL_AXIS = "model"
+
+# PartitionSpecs by param name (anything else, e.g. norms and output biases, is replicated)
+_SPECS = {
+    "embed": P(MODEL_AXIS, None), "lm_head": P(None, MODEL_AXIS),
+    "qkv": P(None, MODEL_AXIS), "qkv_bias": P(MODEL_AXIS), "o": P(MODEL_AXIS, None),
+    "gate_up": P(None, MODEL_AXIS), "gate_up_bias": P(MODEL_AXIS), "down": P(MODEL_AXIS, None),
+}
+POOL_SPEC = P(MODEL_AXIS, None, None, None)
+
+
+def valid_tp_sizes(config: Any, max_size: int) -> list[int]:
+    """The tensor-parallel sizes up to `max_size` this model can be split into."""
+    return [tp for tp in range(1, max_size + 1) if _refusal(config, tp) is None]
+
+
+def _refusal(config: Any, tp: int) -> str | None:
+    if config.num_heads % tp:
+        return f"num_heads {config.num_heads} is not a multiple of it"
+    if config.num_kv_heads % tp and tp % config.num_kv_heads:
+        return (f"it neither divides num_kv_heads {config.num_kv_heads} nor is a multiple "
+                f"of it")
+    if config.intermediate_size % tp:
+        return f"intermediate_size {config.intermediate_size} is not a multiple of it"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """How one model is split over `tp` devices (hashable: part of the jitted step's key)."""
+
+    mesh: Mesh
+    config: Any  # the model's (global) ModelConfig
+
+    @classmethod
+    def create(cls, config: Any, tp: int, devices: list | None = None) -> TensorParallel:
+        devices = jax.devices() if devices is None else devices
+        if tp > len(devices):
+            raise ValueError(f"tensor_parallel_size {tp} exceeds the {len(devices)} devices")
+        reason = _refusal(config, tp)
+        if reason is not None:
+            raise ValueError(
+                f"tensor_parallel_size {tp} cannot split this model: {reason}; valid sizes: "
+                f"{valid_tp_sizes(config, len(devices))}")
+        return cls(Mesh(np.asarray(devices[:tp]), (MODEL_AXIS,)), config)
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.shape[MODEL_AXIS]
+
+    @property
+    def kv_replicas(self) -> int:
+        """Copies of each KV head in the pool (1 unless tp > num_kv_heads)."""
+        return max(1, self.tp // self.config.num_kv_heads)
+
+    @property
+    def pool_kv_heads(self) -> int:
+        return self.config.num_kv_heads * self.kv_replicas
+
+    @property
+    def padded_vocab(self) -> int:
+        return -(-self.config.vocab_size // self.tp) * self.tp
+
+    def local_config(self) -> Any:
+        """One device's share of the model: its heads and MLP columns (the vocabulary stays
+        the global one: the logits are gathered before they are cut to it)."""
+        c = self.config
+        return dataclasses.replace(c, num_heads=c.num_heads // self.tp,
+                                   num_kv_heads=self.pool_kv_heads // self.tp,
+                                   intermediate_size=c.intermediate_size // self.tp)
+
+    # ------------------------------------------------------------ params
+    def shard_params(self, params: dict) -> dict:
+        """Host params (numpy, the single-device layout) -> the TP layout (numpy), then placed
+        shard by shard on the mesh."""
+        layout = self.tp_layout(params)
+        return jax.tree.map(lambda a, spec: jax.device_put(a, NamedSharding(self.mesh, spec)),
+                            layout, self.param_specs(layout))
+
+    def tp_layout(self, params: dict) -> dict:
+        """The single-device params rearranged so each device's shard is contiguous: fused
+        matrices interleaved by device, KV heads replicated, the vocabulary padded."""
+        c, tp = self.config, self.tp
+        q, kv, d = c.q_size, c.kv_size, c.head_dim
+
+        def qkv_columns(a: np.ndarray) -> np.ndarray:  # [..., Q + 2K] -> interleaved
+            lead = a.shape[:-1]
+            parts = [a[..., :q], a[..., q: q + kv], a[..., q + kv:]]
+            qp = parts[0].reshape(*lead, tp, -1)
+            k, v = (np.repeat(x.reshape(*lead, c.num_kv_heads, d), self.kv_replicas,
+                              axis=-2).reshape(*lead, tp, -1) for x in parts[1:])
+            return np.concatenate([qp, k, v], axis=-1).reshape(*lead, -1)
+
+        def gate_up_columns(a: np.ndarray) -> np.ndarray:  # [..., 2I] -> interleaved
+            lead = a.shape[:-1]
+            gate, up = np.split(a, 2, axis=-1)
+            return np.concatenate([gate.reshape(*lead, tp, -1), up.reshape(*lead, tp, -1)],
+                                  axis=-1).reshape(*lead, -1)
+
+        def pad_vocab(a: np.ndarray, axis: int) -> np.ndarray:
+            pad = [(0, 0)] * a.ndim
+            pad[axis] = (0, self.padded_vocab - a.shape[axis])
+            return np.pad(a, pad)
+
+        out = dict(params)
+        out["embed"] = pad_vocab(np.asarray(params["embed"]), 0)
+        if "lm_head" in params:
+            out["lm_head"] = pad_vocab(np.asarray(params["lm_head"]), 1)
+        layers = []
+        for layer in params["layers"]:
+            layer = {k: np.asarray(v) for k, v in layer.items()}
+            for name in ("qkv", "qkv_bias"):
+                if name in layer:
+                    layer[name] = qkv_columns(layer[name])
+            for name in ("gate_up", "gate_up_bias"):
+                if name in layer:
+                    layer[name] = gate_up_columns(layer[name])
+            layers.append(layer)
+        out["layers"] = layers
+        return out
+
+    @staticmethod
+    def param_specs(params: dict) -> dict:
+        def spec(path, _leaf) -> P:
+            name = path[-1].key if hasattr(path[-1], "key") else None
+            return _SPECS.get(name, P())
+
+        return jax.tree_util.tree_map_with_path(spec, params)
+
+    # ------------------------------------------------------------ the pool
+    @property
+    def pool_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, POOL_SPEC)
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelModel:
+    """A model run tensor-parallel: the same `forward` contract as the model it wraps, over
+    params in `plan`'s layout and a pool sharded over KV heads. Hashable (a static argument
+    of the jitted step)."""
+
+    local: Any  # the model over one device's share (its config local, tp_axis set)
+    plan: TensorParallel
+
+    @classmethod
+    def wrap(cls, model: Any, plan: TensorParallel) -> TensorParallelModel:
+        if not hasattr(model, "with_tensor_parallel"):
+            raise ValueError(f"{type(model).__name__} has no tensor-parallel layout "
+                             f"(with_tensor_parallel); use tensor_parallel_size 1")
+        return cls(model.with_tensor_parallel(plan.local_config(), MODEL_AXIS), plan)
+
+    @property
+    def config(self) -> Any:
+        return self.plan.config
+
+    def forward(self, params, token_ids, positions, kv_pool, metadata):
+        pool_specs = [(POOL_SPEC, POOL_SPEC) for _ in kv_pool]
+        step = jax.shard_map(
+            self.local.forward, mesh=self.plan.mesh,
+            in_specs=(TensorParallel.param_specs(params), P(), P(), pool_specs, P()),
+            out_specs=(P(), pool_specs), check_vma=False)
+        return step(params, token_ids, positions, kv_pool, metadata)

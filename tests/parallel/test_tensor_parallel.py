@@ -1,0 +1,84 @@
+"""Tensor parallelism on 8 virtual CPU devices (each case a subprocess: the device count is
+fixed when JAX starts). The oracle is the same model on one device in the same process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_worker.py")
+
+
+def run_worker(*args: str) -> dict:
+    proc = subprocess.run([sys.executable, WORKER, *args], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def assert_same_tokens(results: dict) -> None:
+    single = results.pop("1")
+    assert single["preemptions"] > 0 and single["hits"] > 0, "the workload must preempt and hit"
+    for tp, result in results.items():
+        assert result["tokens"] == single["tokens"], f"tp {tp} differs from one device"
+        assert (result["preemptions"], result["hits"]) == (single["preemptions"],
+                                                           single["hits"])
+
+
+@pytest.mark.parametrize("model, backend, sizes", [
+    ("llama8", "cpp", "2,4,8"),  # 8 query / 2 KV heads: KV heads replicated at 4 and 8
+    ("smollm9", "cpp", "3"),  # SmolLM2's 9 / 3 heads
+    ("llama8", "jnp", "4"),
+    pytest.param("llama8", "jnp", "2,8", marks=pytest.mark.slow),
+    pytest.param("llama8", "pallas_tpu", "2,4", marks=[pytest.mark.slow, pytest.mark.kernels]),
+])
+def test_tokens_equal_one_device(model, backend, sizes):
+    """A mixed workload (chunked prefill, preemption, n=2 seeded samples, a prefix-cache
+    hit, beam search) gives every token one device gives, with the same preemptions and
+    hits (one block table serves every shard)."""
+    assert_same_tokens(run_worker("tokens", model, backend, sizes))
+
+
+def test_each_device_holds_its_share():
+    """From the arrays' addressable shards: each device holds 1/tp of the weights (the k/v
+    projections times their replication when tp > KV heads) and of the pool, within 1%."""
+    layers, h, q, k, i, v = 2, 256, 256, 64, 512, 128  # llama8_wide, float32
+    kv_proj = layers * h * 2 * k * 4
+    result = run_worker("memory", "llama8_wide", "2,4,8")
+    single = result.pop("1")
+    (weights,), (pool,) = single["params"], single["pool"]
+    assert weights == 4 * (v * h * 2 + layers * (h * (q + 2 * k) + q * h + 3 * h * i + 2 * h)
+                           + h)
+    for tp, got in result.items():
+        tp = int(tp)
+        replicas = max(1, tp // 2)
+        assert len(got["params"]) == len(got["pool"]) == tp
+        want = (weights + (replicas - 1) * kv_proj) / tp
+        assert all(abs(b - want) / want < 0.01 for b in got["params"]), (tp, got, want)
+        assert got["pool"] == [pool * replicas // tp] * tp
+
+
+@pytest.mark.parametrize("tp", ["2", "8"])
+def test_the_step_holds_the_designed_collectives_and_no_pool_copy(tp):
+    """Per step: an all-reduce after each layer's o_proj and down_proj plus one for the
+    embedding, one all-gather of the logits, nothing else; the pool is donated (every
+    buffer aliased to an output) and never copied."""
+    result = run_worker("collectives", "llama8", tp)
+    layers = result.pop("num_layers")
+    for step, ops in result.items():
+        assert ops.pop("all-reduce") == 2 * layers + 1, step
+        assert ops.pop("all-gather") == 1, step
+        assert ops.pop("aliased_buffers") == 2 * layers, step
+        assert all(count == 0 for count in ops.values()), (step, ops)
+
+
+def test_bad_sizes_are_refused_naming_the_numbers():
+    messages = run_worker("refusals")
+    assert "16 exceeds the 8 devices" in messages["16"]
+    for tp in ("3", "5"):
+        assert f"tensor_parallel_size {tp} cannot split" in messages[tp]
+        assert "num_heads 8" in messages[tp] and "valid sizes: [1, 2, 4, 8]" in messages[tp]

@@ -1,0 +1,140 @@
+"""Tensor-parallel checks that need several devices: run as a subprocess with 8 virtual CPU
+devices (`python tp_worker.py CASE ARGS...`); prints one JSON line the tests assert on.
+
+The oracle of every token comparison is the same model on one device (tp 1) in the same
+process, serving the same workload.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import json  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from conftest import build_hf_model  # noqa: E402
+
+from jaxpage import LLM, BeamSearchParams, SamplingParams  # noqa: E402
+
+# 8 query / 2 KV heads (KV heads replicated at tp 4 and 8); a SmolLM2-shaped 9 / 3 (tp 3)
+MODELS = {
+    "llama8": dict(name="llama", num_attention_heads=8, num_key_value_heads=2,
+                   hidden_size=64, vocab_size=128),
+    "smollm9": dict(name="smollm2", vocab_size=96, intermediate_size=72),
+    # wide enough that the replicated norms are < 1% of a device's share
+    "llama8_wide": dict(name="llama", num_attention_heads=8, num_key_value_heads=2,
+                        hidden_size=256, intermediate_size=512, vocab_size=128),
+}
+PREFIX = list(range(40, 60))  # shared by two prompts: prefix-cache hits
+
+
+def model_dir(kind: str) -> str:
+    spec = dict(MODELS[kind])
+    path = tempfile.mkdtemp()
+    build_hf_model(spec.pop("name"), 0, **spec).save_pretrained(path)
+    return path
+
+
+def workload(llm: LLM) -> dict:
+    """Greedy prompts (one chunked), seeded n=2 samples, on a pool small enough to preempt;
+    then a prompt sharing a cached prefix, then a beam search. Returns every token and the
+    stats."""
+    greedy = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    first = llm.generate(
+        [list(range(3, 8)), list(range(3, 60)), PREFIX + [70, 71], list(range(80, 90))],
+        [greedy] * 3 + [SamplingParams(n=2, max_tokens=10, temperature=0.9, seed=7,
+                                       ignore_eos=True)], use_tqdm=False)
+    again = llm.generate([PREFIX + [72]], greedy, use_tqdm=False)
+    beams = llm.beam_search([list(range(20, 31))], BeamSearchParams(beam_width=3, max_tokens=6,
+                                                                    ignore_eos=True))
+    stats = llm.stats()
+    return {"tokens": [[c.token_ids for c in o.outputs] for o in first + again + beams],
+            "preemptions": stats["num_preemptions"], "hits": stats["prefix_cache_hits"]}
+
+
+def tokens(kind: str, backend: str, sizes: str) -> dict:
+    path = model_dir(kind)
+    block_size = 8 if backend.startswith("pallas") else 4
+    results = {}
+    for tp in [1] + [int(s) for s in sizes.split(",")]:
+        llm = LLM(path, block_size=block_size, num_blocks=120 // block_size,
+                  max_num_batched_tokens=32, max_num_seqs=6, tensor_parallel_size=tp,
+                  attention_backend=backend, kernel_interpret=backend.startswith("pallas"),
+                  debug_nan_pool=True)
+        results[tp] = workload(llm)
+    return results
+
+
+def memory(kind: str, sizes: str) -> dict:
+    """Bytes of params and pool on each device, from the arrays' addressable shards."""
+    path = model_dir(kind)
+    out = {}
+    for tp in [1] + [int(s) for s in sizes.split(",")]:
+        runner = LLM(path, block_size=4, num_blocks=32, tensor_parallel_size=tp).engine.runner
+        per_device: dict[str, dict[int, int]] = {"params": {}, "pool": {}}
+        for key, tree in (("params", runner.params), ("pool", runner.kv_pool)):
+            for leaf in jax.tree.leaves(tree):
+                for shard in leaf.addressable_shards:
+                    d = per_device[key]
+                    d[shard.device.id] = d.get(shard.device.id, 0) + shard.data.nbytes
+        out[tp] = {k: sorted(v.values()) for k, v in per_device.items()}
+    return out
+
+
+def collectives(kind: str, tp: str) -> dict:
+    """Collectives in the compiled decode and prefill steps of the sharded model."""
+    from jaxpage.engine.runner import _FORWARD
+
+    path = model_dir(kind)
+    runner = LLM(path, block_size=4, num_blocks=32,
+                 tensor_parallel_size=int(tp)).engine.runner
+    from jaxpage.attention import build_metadata
+
+    result = {"num_layers": runner.model.config.num_layers}
+    for name, num_new in (("decode", [1, 1]), ("prefill", [9, 5])):
+        positions, md = build_metadata([[1, 2, 3], [4, 5, 6]], [2, 0], num_new, 4,
+                                       num_tokens=16, num_seqs=4, backend=runner.backend)
+        token_ids = np.zeros(16, np.int32)
+        hlo = _FORWARD.lower(runner.model, runner.params, runner.kv_pool, token_ids, positions,
+                             md).compile().as_text()
+        ops = [line.split("=", 1)[1].split("(")[0].strip().split(" ")[-1]
+               for line in hlo.splitlines() if "=" in line and "(" in line]
+        result[name] = {op: ops.count(op) for op in ("all-reduce", "all-gather",
+                                                     "all-to-all", "collective-permute",
+                                                     "reduce-scatter", "all-reduce-start",
+                                                     "all-gather-start")}
+        # the donated pool is updated in place: every pool buffer aliases an output
+        alias = next(line for line in hlo.splitlines() if "input_output_alias=" in line)
+        result[name]["aliased_buffers"] = alias.split("input_output_alias=")[1].count("may-alias")
+        pool_shape = runner.kv_pool[0][0].addressable_shards[0].data.shape
+        result[name]["pool_copies"] = sum(
+            1 for line in hlo.splitlines()
+            if " copy(" in line and "[" + ",".join(map(str, pool_shape)) + "]" in line)
+    return result
+
+
+def refusals() -> dict:
+    path = model_dir("llama8")
+    messages = {}
+    for tp in (16, 3, 5):
+        try:
+            LLM(path, num_blocks=8, tensor_parallel_size=tp)
+            messages[tp] = None
+        except ValueError as e:
+            messages[tp] = str(e)
+    return messages
+
+
+if __name__ == "__main__":
+    case, *args = sys.argv[1:]
+    print(json.dumps({"tokens": tokens, "memory": memory, "collectives": collectives,
+                      "refusals": refusals}[case](*args)))
