@@ -49,6 +49,9 @@ class EngineConfig:
     reservation_policy: str = "paged"
     # devices the model is split over (mesh axis "model"; jaxpage.parallel)
     tensor_parallel_size: int = 1
+    # independent replicas, each on its own tensor_parallel_size devices
+    # (jaxpage.engine.data_parallel)
+    data_parallel_size: int = 1
     seed: int = 0
     # debugging: the KV pool starts as NaN and every block released is refilled with NaN
     # before it is handed out again, so a read of K/V a sequence does not own shows
@@ -76,6 +79,8 @@ class EngineConfig:
               self.reservation_policy, f"one of {RESERVATION_POLICIES}")
         check(is_positive_int(self.tensor_parallel_size), "tensor_parallel_size",
               self.tensor_parallel_size, "an integer >= 1")
+        check(is_positive_int(self.data_parallel_size), "data_parallel_size",
+              self.data_parallel_size, "an integer >= 1")
         check(is_int(self.seed), "seed", self.seed, "an integer")
         check(isinstance(self.debug_nan_pool, bool), "debug_nan_pool", self.debug_nan_pool,
               "True or False")

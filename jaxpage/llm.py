@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxpage.config import EngineConfig
-from jaxpage.engine.engine import LLMEngine
+from jaxpage.engine.data_parallel import build_engine
 from jaxpage.outputs import CompletionOutput, RequestOutput
 from jaxpage.sampling_params import BeamSearchParams, SamplingParams
 from jaxpage.validation import is_int, is_vector
@@ -44,7 +44,7 @@ class LLM:
             validate_model(model, params)
             if config is None:
                 config = EngineConfig(model=type(model).__name__, **engine_kwargs)
-        self.engine = LLMEngine(config, model, params, tokenizer)
+        self.engine = build_engine(config, model, params, tokenizer)
         self.tokenizer = tokenizer
         self._next_id = 0
         # generate() may be called from several threads: the lock orders request ids and

@@ -77,7 +77,7 @@ class TensorParallel:
         if reason is not None:
             raise ValueError(
                 f"tensor_parallel_size {tp} cannot split this model: {reason}; valid sizes: "
-                f"{valid_tp_sizes(config, len(devices))}")
+                f"{valid_tp_sizes(config, len(jax.devices()))}")
         return cls(Mesh(np.asarray(devices[:tp]), (MODEL_AXIS,)), config)
 
     @property

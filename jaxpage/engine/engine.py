@@ -45,7 +45,7 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, model: Any, params: Any, tokenizer: Any = None,
-                 *, runner: Any = None):
+                 *, runner: Any = None, devices: list | None = None):
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
@@ -65,7 +65,8 @@ class LLMEngine:
         if runner is None:  # the device side, imported here so this module imports no JAX
             from jaxpage.engine.runner import ModelRunner
 
-            runner = ModelRunner(model, params, config, max_model_len=self.max_model_len)
+            runner = ModelRunner(model, params, config, max_model_len=self.max_model_len,
+                                 devices=devices)
         self.runner = runner
         self.scheduler = Scheduler(
             num_blocks=runner.num_blocks, block_size=config.block_size,

@@ -76,7 +76,7 @@ class ModelRunner:
     """
 
     def __init__(self, model: Any, params: Any, config: EngineConfig, *,
-                 max_model_len: int) -> None:
+                 max_model_len: int, devices: list | None = None) -> None:
         model_config = model.config
         dtype = jnp.dtype(config.dtype)
         block_size = config.block_size
@@ -93,19 +93,24 @@ class ModelRunner:
         params = jax.tree.map(lambda a: _cast_float(a, dtype), params)
         # tensor parallel: the model runs under shard_map on its mesh, each device holding
         # its share of the params and of the pool's KV heads (jaxpage.parallel)
+        # `devices` (default: the first tensor_parallel_size) are this runner's alone: a
+        # data-parallel replica gets its own
+        tp = config.tensor_parallel_size
+        devices = list(jax.devices()[:tp] if devices is None else devices)
         self.parallel = None
-        pool_kv_heads, self._pool_sharding = model_config.num_kv_heads, None
-        if config.tensor_parallel_size > 1:
-            self.parallel = TensorParallel.create(model_config, config.tensor_parallel_size)
+        pool_kv_heads = model_config.num_kv_heads
+        if tp > 1:
+            self.parallel = TensorParallel.create(model_config, tp, devices)
             self.model = model = TensorParallelModel.wrap(model, self.parallel)
             self.params = self.parallel.shard_params(params)
             pool_kv_heads = self.parallel.pool_kv_heads
             self._pool_sharding = self.parallel.pool_sharding
         else:
-            self.params = jax.device_put(params)
-        devices = config.tensor_parallel_size
+            self.params = jax.device_put(params, devices[0])
+            self._pool_sharding = jax.sharding.SingleDeviceSharding(devices[0])
+        self.devices = devices
         self.num_blocks = num_blocks = _num_blocks(config, model_config, dtype,
-                                                   pool_kv_heads // devices)
+                                                   pool_kv_heads // tp, devices[0])
         self._pool_shape = (model_config.num_layers, num_blocks, block_size, pool_kv_heads,
                             model_config.head_dim, dtype)
         self._pool_fill = float("nan") if config.debug_nan_pool else 0.0
@@ -293,7 +298,8 @@ class ModelRunner:
 
 
 
-def _num_blocks(config: EngineConfig, model_config: Any, dtype, kv_heads: int) -> int:
+def _num_blocks(config: EngineConfig, model_config: Any, dtype, kv_heads: int,
+                device: Any) -> int:
     """KV pool blocks: `num_blocks` as given, else a byte budget per device
     (`kv_cache_memory`, or `gpu_memory_utilization` of the accelerator memory left after the
     params, or 1 GiB on CPU) divided by what one block costs a device over all layers (its
@@ -305,7 +311,7 @@ def _num_blocks(config: EngineConfig, model_config: Any, dtype, kv_heads: int) -
     budget = config.kv_cache_memory
     if budget is None:
         budget = _CPU_KV_BUDGET
-        stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+        stats = device.memory_stats() if device.platform != "cpu" else None
         if stats and "bytes_limit" in stats:
             free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
             budget = int(free * config.gpu_memory_utilization)

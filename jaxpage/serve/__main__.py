@@ -65,9 +65,9 @@ def load(args: argparse.Namespace):
     start = time.perf_counter()
     config = engine_config(args)
     engine = LLM(config=config).engine
-    logger.info("loaded %s in %.1f s: %d KV blocks of %d tokens, backend %s",
-                config.model, time.perf_counter() - start, engine.allocator.num_blocks - 1,
-                config.block_size, getattr(engine.runner, "backend", "?"))
+    logger.info("loaded %s in %.1f s: %d KV blocks of %d tokens", config.model,
+                time.perf_counter() - start, engine.stats()["kv_blocks_total"],
+                config.block_size)
     if not args.no_warmup:
         compiles, seconds = engine.warmup()
         logger.info("warm-up: %d step shapes compiled in %.1f s", compiles, seconds)

@@ -76,8 +76,25 @@ def test_the_step_holds_the_designed_collectives_and_no_pool_copy(tp):
         assert all(count == 0 for count in ops.values()), (step, ops)
 
 
+def test_data_parallel_replicas_serve_the_same_tokens_and_route_by_prefix():
+    """data_parallel_size 2 x tensor_parallel_size 4 on 8 devices: every request gets the
+    tokens one device gives; the prompt sharing a prefix with an earlier one goes to the
+    replica that cached it and hits there; both replicas work, on disjoint devices."""
+    result = run_worker("data_parallel", "llama8", "cpp", "2", "4")
+    single, replicated = result["single"], result["replicated"]
+    assert replicated["tokens"] == single["tokens"]
+    # the prompt sharing PREFIX (5 blocks of 4) found them on the replica that cached them:
+    # replica 1 (the first prompts alternate), where least-loaded routing would not send it
+    assert replicated["again_cached"] == 20
+    assert result["replica_hits"][1] >= 20
+    assert sum(result["replica_hits"]) == replicated["hits"]
+    assert all(steps > 0 for steps in result["replica_steps"])
+    assert result["replica_devices"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
 def test_bad_sizes_are_refused_naming_the_numbers():
     messages = run_worker("refusals")
+    assert "data_parallel_size 3 x tensor_parallel_size 4 = 12 devices" in messages["dp3"]
     assert "16 exceeds the 8 devices" in messages["16"]
     for tp in ("3", "5"):
         assert f"tensor_parallel_size {tp} cannot split" in messages[tp]

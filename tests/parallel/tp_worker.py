@@ -50,7 +50,7 @@ def workload(llm: LLM) -> dict:
     stats."""
     greedy = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
     first = llm.generate(
-        [list(range(3, 8)), list(range(3, 60)), PREFIX + [70, 71], list(range(80, 90))],
+        [list(range(3, 8)), PREFIX + [70, 71], list(range(3, 60)), list(range(80, 90))],
         [greedy] * 3 + [SamplingParams(n=2, max_tokens=10, temperature=0.9, seed=7,
                                        ignore_eos=True)], use_tqdm=False)
     again = llm.generate([PREFIX + [72]], greedy, use_tqdm=False)
@@ -58,7 +58,8 @@ def workload(llm: LLM) -> dict:
                                                                     ignore_eos=True))
     stats = llm.stats()
     return {"tokens": [[c.token_ids for c in o.outputs] for o in first + again + beams],
-            "preemptions": stats["num_preemptions"], "hits": stats["prefix_cache_hits"]}
+            "preemptions": stats["num_preemptions"], "hits": stats["prefix_cache_hits"],
+            "again_cached": again[0].metrics.num_cached_tokens}
 
 
 def tokens(kind: str, backend: str, sizes: str) -> dict:
@@ -122,19 +123,35 @@ def collectives(kind: str, tp: str) -> dict:
     return result
 
 
+def data_parallel(kind: str, backend: str, dp: str, tp: str) -> dict:
+    """The workload on one device and on dp replicas of tp devices each."""
+    path = model_dir(kind)
+    engine = dict(block_size=4, num_blocks=30, max_num_batched_tokens=32, max_num_seqs=6,
+                  attention_backend=backend, debug_nan_pool=True)
+    single = workload(LLM(path, **engine))
+    llm = LLM(path, data_parallel_size=int(dp), tensor_parallel_size=int(tp), **engine)
+    replicated = workload(llm)
+    stats = llm.stats()
+    return {"single": single, "replicated": replicated,
+            "replica_hits": [s["prefix_cache_hits"] for s in stats["replicas"]],
+            "replica_steps": [s["num_steps"] for s in stats["replicas"]],
+            "replica_devices": [[d.id for d in r.runner.devices]
+                                for r in llm.engine.replicas]}
+
+
 def refusals() -> dict:
     path = model_dir("llama8")
     messages = {}
-    for tp in (16, 3, 5):
+    for name, sizes in (("16", (1, 16)), ("3", (1, 3)), ("5", (1, 5)), ("dp3", (3, 4))):
         try:
-            LLM(path, num_blocks=8, tensor_parallel_size=tp)
-            messages[tp] = None
+            LLM(path, num_blocks=8, data_parallel_size=sizes[0], tensor_parallel_size=sizes[1])
+            messages[name] = None
         except ValueError as e:
-            messages[tp] = str(e)
+            messages[name] = str(e)
     return messages
 
 
 if __name__ == "__main__":
     case, *args = sys.argv[1:]
     print(json.dumps({"tokens": tokens, "memory": memory, "collectives": collectives,
-                      "refusals": refusals}[case](*args)))
+                      "data_parallel": data_parallel, "refusals": refusals}[case](*args)))
