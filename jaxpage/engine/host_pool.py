@@ -55,6 +55,10 @@ class HostBlockPool:
     def ref_count(self, block_id: int) -> int:
         return self._ref_count[block_id]
 
+    def is_cached(self, block_id: int) -> bool:
+        """Whether the block is in the cache (free to be evicted by ``take``)."""
+        return block_id in self._cached
+
     def take(self, key: _BlockKey | None, ref_count: int) -> int | None:
         """A block for new content (free first, else the LRU cached one, whose content is
         dropped), or None when every block is held. With ``ref_count`` 0 it enters the

@@ -212,7 +212,7 @@ class TieredAllocator(BlockAllocator):
         found = {b: self.host.find_key(self._block_key[b]) for b in counts
                  if self._block_key[b] is not None}
         found = {b: h for b, h in found.items() if h is not None}
-        cached = sum(1 for h in set(found.values()) if self.host.ref_count(h) == 0)
+        cached = sum(1 for h in set(found.values()) if self.host.is_cached(h))
         if not counts or len(counts) - len(found) > self.host.num_available - cached:
             return False
         host_of = {}
