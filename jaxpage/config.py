@@ -8,8 +8,9 @@ from typing import Any
 
 from jaxpage.attention import BACKENDS
 from jaxpage.engine.block_allocator import POLICIES as RESERVATION_POLICIES
+from jaxpage.engine.swap_cost import PREEMPTION_MODES
 from jaxpage.loading import DEFAULT_MODEL
-from jaxpage.validation import check, is_int, is_positive_int
+from jaxpage.validation import check, is_int, is_positive_int, is_real
 
 ATTENTION_BACKENDS = ("auto", *BACKENDS)  # "auto": the platform's kernel (select_backend)
 DTYPES = ("float32", "bfloat16")
@@ -32,6 +33,15 @@ class EngineConfig:
     max_model_len: longest sequence (prompt + output); default the model's limit.
     reservation_policy: "paged" (blocks on demand). "max" and "oracle" reserve blocks for
       max_model_len or prompt + max_tokens at admission: pre-paging baselines for benchmarks.
+    swap_space: bytes of host memory for a host pool of KV blocks (0: none). It holds the
+      blocks of swapped-out sequences and, with enable_host_prefix_cache (and prefix
+      caching on), the prefix cache's second tier: cached blocks evicted from the device
+      pool, copied back on a hit instead of prefilled again.
+    preemption_mode: what a preempted request's K/V becomes. "recompute": freed, prefilled
+      again on readmission. "swap": copied to the host pool and back (recompute when the
+      host pool is full). "auto": swapped when the cost model says that is cheaper
+      (jaxpage.engine.swap_cost), from swap_bandwidth (bytes/s) and
+      prefill_seconds_per_token, each measured as the engine runs unless given here.
     """
 
     model: str = DEFAULT_MODEL
@@ -56,6 +66,11 @@ class EngineConfig:
     # debugging: the KV pool starts as NaN and every block released is refilled with NaN
     # before it is handed out again, so a read of K/V a sequence does not own shows
     debug_nan_pool: bool = False
+    swap_space: int = 0
+    preemption_mode: str = "recompute"
+    enable_host_prefix_cache: bool = True
+    swap_bandwidth: float | None = None
+    prefill_seconds_per_token: float | None = None
 
     def __post_init__(self) -> None:
         check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
@@ -84,6 +99,18 @@ class EngineConfig:
         check(is_int(self.seed), "seed", self.seed, "an integer")
         check(isinstance(self.debug_nan_pool, bool), "debug_nan_pool", self.debug_nan_pool,
               "True or False")
+        check(is_int(self.swap_space) and self.swap_space >= 0, "swap_space", self.swap_space,
+              "an integer number of bytes >= 0")
+        check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
+              self.preemption_mode, f"one of {PREEMPTION_MODES}")
+        check(self.preemption_mode == "recompute" or self.swap_space > 0, "preemption_mode",
+              self.preemption_mode, "'recompute' when swap_space is 0 (no host pool to swap to)")
+        check(isinstance(self.enable_host_prefix_cache, bool), "enable_host_prefix_cache",
+              self.enable_host_prefix_cache, "True or False")
+        for name in ("swap_bandwidth", "prefill_seconds_per_token"):
+            value = getattr(self, name)
+            check(value is None or (is_real(value) and 0 < value < float("inf")), name, value,
+                  "None (measured) or a positive finite number")
 
     @classmethod
     def from_file(cls, path: str, **overrides: Any) -> EngineConfig:

@@ -8,10 +8,14 @@ import sys
 import numpy as np
 import pytest
 
+from jaxpage.attention import kv_bytes_per_block
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
 
+import bench_host_cache  # noqa: E402
 import bench_memory  # noqa: E402
 import bench_prefix  # noqa: E402
+import bench_swap  # noqa: E402
 
 BLOCK = 16
 
@@ -92,3 +96,45 @@ def test_prefix_caching_core(tiny):
     assert warm_on["computed"] == warm_off["computed"] - 128 * 2
     assert head["shared_computed_reduction"] == pytest.approx(head["shared_hit_rate"])
     assert all(r["cached"] > 0 for r in res["chat_on"][1:])
+
+
+def test_swap_bench_core(tiny):
+    """The measured rows account for every byte; the worked-out rows follow the formula."""
+    model, params = tiny
+    row = bench_swap.measure(model, params, 8, 64, repeats=1)
+    c = model.config
+    assert row["blocks"] == 8 and row["block_bytes"] == 2 * c.num_layers * 8 * c.num_kv_heads * (
+        c.head_dim) * 4
+    assert row["bytes"] == row["blocks"] * row["block_bytes"]
+    assert row["out_s"] > 0 and row["in_s"] > 0 and row["prefill_s"] > 0
+    h200 = bench_swap.PLATFORMS["H200 (PCIe Gen5 x16)"]
+    w = bench_swap.worked_out(h200, 16, 1024)
+    assert w["block_bytes"] == 2 * 32 * 16 * 8 * 128 * 2  # 2 MiB of bf16 K and V
+    assert w["swap_s"] == pytest.approx(2 * 2**21 / 55e9 + 4 * 2**21 / 4.8e12)
+    flops = 2 * 8.03e9 + 2 * 32 * 32 * 128 * 1024
+    assert w["recompute_s"] == pytest.approx(16 * flops / (989e12 * 0.5))
+
+
+def test_host_cache_bench_core(tiny):
+    model, params = tiny
+    c = model.config
+    host_bytes = 256 * kv_bytes_per_block(c.num_layers, BLOCK, c.num_kv_heads, c.head_dim,
+                                          np.float32)
+
+    def new_engine(host_tier):
+        return bench_memory.make_engine(model, params, None, "paged",
+                                        enable_prefix_caching=True, block_size=BLOCK,
+                                        num_blocks=25, swap_space=host_bytes if host_tier else 0,
+                                        max_model_len=512, max_num_seqs=8,
+                                        max_num_batched_tokens=512)
+
+    res = bench_host_cache.compare(new_engine, warmup=False, conversations=4, turns=3,
+                                   system_len=64, max_tokens=6)
+    head = bench_host_cache.report(res)
+    assert head["identical"] and head["host_hit_share"] > 0
+    assert head["computed_on"] < head["computed_off"]
+    for rows in (res["on"], res["off"]):
+        assert all(r["computed"] == r["prompt"] - r["cached"] for turn in rows for r in turn)
+    assert all(r["host"] == 0 for turn in res["off"] for r in turn)
+    assert res["stats_on"]["prefix_cache_host_hits"] == sum(
+        r["host"] for turn in res["on"] for r in turn)

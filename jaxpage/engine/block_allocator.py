@@ -48,14 +48,12 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from jaxpage.engine.block_hashing import (
-    _EXTRA,
     _HASH,
-    _PARENT,
     _TOKENS,
     BlockHasher,
     _BlockKey,
-    _same_content,
     encode_extra_keys,
+    match_block,
 )
 
 NULL_BLOCK = 0
@@ -68,17 +66,21 @@ class AllocationError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class PrefixHit:
-    """Result of ``BlockAllocator.lookup``: the cached full blocks a prompt can reuse, in order."""
+    """Result of ``lookup``: the cached full blocks a prompt can reuse, in order: ``block_ids``
+    in the device pool, then ``host_block_ids`` in the host tier (``TieredAllocator`` only),
+    which are copied into fresh device blocks."""
 
     block_ids: tuple[int, ...] = ()
-    block_hashes: tuple[bytes, ...] = ()
-    num_tokens: int = 0  # len(block_ids) * block_size
+    block_hashes: tuple[bytes, ...] = ()  # one per block of either tier
+    num_tokens: int = 0  # (len(block_ids) + len(host_block_ids)) * block_size
     cache_salt: str | None = None
     adapter_id: str | int | None = None
+    host_block_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if len(self.block_ids) != len(self.block_hashes):
-            raise ValueError(f"PrefixHit: {len(self.block_ids)} block_ids but "
+        if len(self.block_ids) + len(self.host_block_ids) != len(self.block_hashes):
+            raise ValueError(f"PrefixHit: {len(self.block_ids)} block_ids and "
+                             f"{len(self.host_block_ids)} host_block_ids but "
                              f"{len(self.block_hashes)} block_hashes")
 
 
@@ -157,17 +159,13 @@ class BlockAllocator:
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             level_extra = b"" if i else extra
             block_hash = self._hasher.block_hash(parent_hash, tokens, level_extra)
-            for block_id in self._hash_to_blocks.get(block_hash, ()):  # earliest registered first
-                key = self._block_key[block_id]
-                if (key[_TOKENS] == tokens and key[_EXTRA] == level_extra
-                        and (key[_PARENT] is parent_key
-                             or _same_content(key[_PARENT], parent_key))):
-                    break  # same content, not just the same hash
-            else:
+            block_id = match_block(self._hash_to_blocks.get(block_hash, ()), self._block_key,
+                                   tokens, level_extra, parent_key)
+            if block_id is None:
                 break  # first miss ends the hit
             block_ids.append(block_id)
             hashes.append(block_hash)
-            parent_hash, parent_key = block_hash, key
+            parent_hash, parent_key = block_hash, self._block_key[block_id]
         return PrefixHit(tuple(block_ids), tuple(hashes), len(block_ids) * bs,
                          cache_salt, adapter_id)
 
@@ -254,16 +252,20 @@ class BlockAllocator:
             block_id = self._free.popleft()
         else:
             block_id, _ = self._cached_free.popitem(last=False)
-            key = self._block_key[block_id]
-            bucket = self._hash_to_blocks[key[_HASH]]
-            del bucket[block_id]
-            if not bucket:
-                del self._hash_to_blocks[key[_HASH]]
-            self._block_key[block_id] = None
+            self._evict(block_id)
         self._ref_count[block_id] = 1
         if self._released is not None:
             self._released.append(block_id)
         return block_id
+
+    def _evict(self, block_id: int) -> None:
+        """Drop a cached block's hash: its content is about to be overwritten."""
+        key = self._block_key[block_id]
+        bucket = self._hash_to_blocks[key[_HASH]]
+        del bucket[block_id]
+        if not bucket:
+            del self._hash_to_blocks[key[_HASH]]
+        self._block_key[block_id] = None
 
     def _seq(self, seq_id: Hashable) -> _Sequence:
         try:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 _U32 = struct.Struct("<I")
 
@@ -37,6 +37,19 @@ def _same_content(a: _BlockKey | None, b: _BlockKey | None) -> bool:
             return False
         a, b = a[_PARENT], b[_PARENT]
     return True
+
+
+def match_block(bucket: Iterable[int], keys: Sequence[_BlockKey | None],
+                tokens: tuple[int, ...], extra: bytes, parent_key: _BlockKey | None) -> int | None:
+    """The first block of `bucket` (the ids one hash maps to, earliest registered first)
+    whose key in `keys` holds exactly `tokens` and `extra` after the prefix `parent_key`
+    stands for; None when only the hash matched. Both cache tiers look blocks up with it."""
+    for block_id in bucket:
+        key = keys[block_id]
+        if (key[_TOKENS] == tokens and key[_EXTRA] == extra
+                and (key[_PARENT] is parent_key or _same_content(key[_PARENT], parent_key))):
+            return block_id
+    return None
 
 
 def encode_extra_keys(cache_salt: str | None, adapter_id: str | int | None) -> bytes:

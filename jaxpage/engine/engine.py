@@ -24,14 +24,15 @@ from jaxpage.engine.block_hashing import encode_extra_keys
 from jaxpage.engine.detokenizer import IncrementalDetokenizer
 from jaxpage.engine.output_builder import beam_output, sample_deltas
 from jaxpage.engine.request import Request, RequestGroup
-from jaxpage.engine.scheduler import Scheduler
+from jaxpage.engine.scheduler import Scheduler, SchedulerOutput
+from jaxpage.engine.swap_cost import SwapCostModel
 from jaxpage.outputs import RequestMetrics, RequestOutput
 from jaxpage.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
 from jaxpage.validation import is_int, is_vector
 
 if TYPE_CHECKING:
     from jaxpage.config import EngineConfig
-    from jaxpage.engine.block_allocator import BlockAllocator
+    from jaxpage.engine.tiered_allocator import TieredAllocator
 
 
 FINISHED_METRICS_KEPT = 65536  # requests whose latencies stats() summarizes
@@ -68,20 +69,25 @@ class LLMEngine:
             runner = ModelRunner(model, params, config, max_model_len=self.max_model_len,
                                  devices=devices)
         self.runner = runner
+        self.swap_cost = None
+        if config.preemption_mode == "auto":
+            self.swap_cost = SwapCostModel(runner.block_bytes, config.swap_bandwidth,
+                                           config.prefill_seconds_per_token)
         self.scheduler = Scheduler(
             num_blocks=runner.num_blocks, block_size=config.block_size,
             max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
             reservation_policy=config.reservation_policy, eos_token_ids=self.eos_token_ids,
-            track_released=config.debug_nan_pool,
+            track_released=config.debug_nan_pool, num_host_blocks=runner.num_host_blocks,
+            enable_host_prefix_cache=config.enable_host_prefix_cache,
+            preemption_mode=config.preemption_mode, swap_cost=self.swap_cost,
         )
         self.requests: dict[str, RequestGroup] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # outputs of aborts between steps
-        # device work a failed step left undone: copy-on-write copies, NaN refills
-        self._copies_due: list[tuple[int, int]] = []
-        self._poison_due: list[int] = []
+        # device work a failed step left undone, in order: (runner method, its arguments)
+        self._device_work_due: list[tuple[str, tuple]] = []
         # one caller at a time: every public method holds it (re-entrant for stats())
         self._lock = threading.RLock()
         self._num_added = 0
@@ -94,7 +100,7 @@ class LLMEngine:
         self.step_seconds = 0.0  # wall time inside step(), host and device
 
     @property
-    def allocator(self) -> BlockAllocator:
+    def allocator(self) -> TieredAllocator:
         """The scheduler's block allocator (for stats and invariant checks)."""
         return self.scheduler.allocator
 
@@ -263,19 +269,20 @@ class LLMEngine:
         request alone: its output has finish_reason "abort" and `error` set, and the step
         goes on for the others. A failure of the device work (block copies, the forward,
         the sampler) raises here after putting the engine back as it was before the step:
-        no token was appended, no K/V counted as written, copy-on-write copies are redone
-        by the next step, and if the KV pool itself was lost, every running request is
-        preempted to recompute. No request is lost; the next step() goes on.
+        no token was appended, no K/V counted as written, swaps and copy-on-write copies
+        are redone first by the next step, and if the KV pool itself was lost, every
+        running request is preempted to recompute (as is a swapped-out one whose copy to
+        the host never ran). No request is lost; the next step() goes on.
         """
         with self._lock:
             start = time.perf_counter()
             outputs, self._pending = self._pending, []
             scheduled = self.scheduler.schedule()
             outputs += self._failure_outputs()
-            if not scheduled.chunks:
+            if not (scheduled.chunks or scheduled.swap_out):  # planned copies always run
                 return outputs
             try:
-                results = self._run_device(scheduled.block_copies, scheduled.seqs)
+                results = self._run_device(scheduled)
             except Exception:
                 self._pending = outputs  # reported by the next step
                 raise
@@ -302,35 +309,50 @@ class LLMEngine:
             self.step_seconds += time.perf_counter() - start
             return outputs
 
-    def _run_device(self, copies: list[tuple[int, int]], seqs) -> list:
-        """The step's device work: NaN refills (debug), copy-on-write copies, the forward
-        and the sampler. On failure nothing the host recorded is lost: undone copies and
-        refills are kept for the next step, and a lost pool is rebuilt."""
-        if self.config.debug_nan_pool:  # distinct ids: a failed step's and this step's
-            self._poison_due = list(dict.fromkeys(self._poison_due
-                                                  + self.allocator.take_released()))
-        copies = self._copies_due + copies
+    def _run_device(self, scheduled: SchedulerOutput) -> list:
+        """The step's device work, in this order: swap-outs (they read blocks this step may
+        hand out again), NaN refills (debug), swap-ins, copy-on-write copies, then the
+        forward and the sampler. Work a failed step left undone runs first, in its own
+        order, so every block is read before anything rewrites it and every host block is
+        written before it is read. On failure nothing the host recorded is lost: the undone
+        work is kept for the next step, and a lost pool is rebuilt."""
+        released = self.allocator.take_released() if self.config.debug_nan_pool else []
+        work = self._device_work_due
+        work += [(name, args) for name, args in [
+            ("swap_out", (scheduled.swap_out,)), ("fill_blocks", (released, float("nan"))),
+            ("swap_in", (scheduled.swap_in,)), ("copy_blocks", (scheduled.block_copies,)),
+        ] if args[0]]
         try:
-            if self._poison_due:
-                self.runner.fill_blocks(self._poison_due, float("nan"))
-                self._poison_due = []
-            self._copies_due = copies
-            self.runner.copy_blocks(copies)
-            self._copies_due = []
-            return self.runner.execute(seqs)
+            while work:  # each item leaves the list once done
+                name, args = work[0]
+                getattr(self.runner, name)(*args)
+                work.pop(0)
+            compiles, start = self.runner.compiles, time.perf_counter()
+            results = self.runner.execute(scheduled.seqs) if scheduled.seqs else []
         except Exception:
             if self.runner.pool_lost():
                 self._rebuild_pool()
             raise
+        if self.swap_cost is not None:
+            self.swap_cost.observe_copies(self.runner.swap_out_bytes_timed,
+                                          self.runner.swap_out_seconds_timed)
+            if self.runner.compiles == compiles and any(
+                    len(seq.token_ids) > 1 for seq in scheduled.seqs):
+                self.swap_cost.record_prefill(scheduled.num_batched_tokens,
+                                              time.perf_counter() - start)
+        return results
 
     def _rebuild_pool(self) -> None:
-        """The device freed the donated pool mid-step: every K/V is gone. Start a new pool,
-        send every running request back to recompute, and forget the prefix cache."""
+        """The device freed the donated pool mid-step: every K/V in it is gone. Start a new
+        pool, send every running request back to recompute, and forget the device prefix
+        cache. The host pool keeps its contents, except blocks whose swap-out had not run
+        yet: the swapped-out requests holding one go back to recompute too."""
+        unwritten = [host_id for name, args in self._device_work_due if name == "swap_out"
+                     for _, host_id in args[0]]
+        self._device_work_due = []
         self.runner.reset_pool()
-        self.scheduler.preempt_all()
-        self.allocator.reset_prefix_cache()
+        self.scheduler.pool_lost(unwritten)
         self.allocator.take_released()  # the new pool holds nothing stale
-        self._copies_due, self._poison_due = [], []
 
     def _failure_outputs(self) -> list[RequestOutput]:
         """Abort outputs, with the error, of requests a failure ended."""
@@ -402,6 +424,13 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            "num_swapped_preemptions": self.scheduler.num_swapped_preemptions,
+            "swap_out_blocks": self.runner.swap_out_blocks,
+            "swap_in_blocks": self.runner.swap_in_blocks,
+            "prefix_cache_host_hits": usage["prefix_cache_host_hits"],
+            "host_blocks_total": usage["host_blocks"],
+            "host_blocks_used": usage["host_used"],
+            "host_blocks_cached": usage["host_cached"],
             "compiles": self.runner.compiles,
             "compile_seconds": self.runner.compile_seconds,
             "num_steps": self.num_steps,

@@ -12,6 +12,7 @@ from jaxpage.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # waiting, with its K/V in the host pool
     FINISHED = "finished"
 
 
@@ -20,8 +21,8 @@ class Request:
     """One sequence being generated.
 
     `token_ids` is prompt + generated tokens; `num_computed_tokens` of them have their K/V
-    in the pool. A preempted request keeps its generated tokens and recomputes their K/V
-    when readmitted.
+    in the pool (in the host pool while SWAPPED). A preempted request keeps its generated
+    tokens and, unless it was swapped out, recomputes their K/V when readmitted.
     """
 
     request_id: str

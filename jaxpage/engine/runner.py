@@ -54,6 +54,21 @@ def _fill_blocks_fn(kv_pool, block_ids, value):
              v.at[:, block_ids].set(value.astype(v.dtype))) for k, v in kv_pool]
 
 
+def _gather_blocks_fn(kv_pool, block_ids):
+    # block_ids: [C] int32 (padding reads block 0)
+    # -> [C, num_layers, 2, num_kv_heads, block_size, head_dim]: a block's K and V of every
+    #    layer together, the host pool's layout
+    per_layer = [jnp.stack([k[:, block_ids], v[:, block_ids]]) for k, v in kv_pool]
+    return jnp.stack(per_layer).transpose(3, 0, 1, 2, 4, 5)
+
+
+def _scatter_blocks_fn(kv_pool, block_ids, blocks):
+    # block_ids: [C] int32 (padding writes block 0); blocks: [C, num_layers, 2, H, bs, D]
+    return [(k.at[:, block_ids].set(blocks[:, layer, 0].transpose(1, 0, 2, 3)),
+             v.at[:, block_ids].set(blocks[:, layer, 1].transpose(1, 0, 2, 3)))
+            for layer, (k, v) in enumerate(kv_pool)]
+
+
 def _forward_fn(model, params, kv_pool, token_ids, positions, attn_md):
     return model.forward(params, token_ids, positions, kv_pool, attn_md)
 
@@ -65,14 +80,19 @@ _FORWARD = jax.jit(_forward_fn, static_argnums=0, donate_argnums=2)
 _SAMPLE = jax.jit(sample)
 _COPY_BLOCKS = jax.jit(_copy_blocks_fn, donate_argnums=0)
 _FILL_BLOCKS = jax.jit(_fill_blocks_fn, donate_argnums=0)
+_GATHER_BLOCKS = jax.jit(_gather_blocks_fn)
+_SCATTER_BLOCKS = jax.jit(_scatter_blocks_fn, donate_argnums=0)
 
 
 class ModelRunner:
-    """Owns the device params, the KV pool and the compiled step functions.
+    """Owns the device params, the KV pool, the host pool and the compiled step functions.
 
     Built from the engine's config: it picks the attention backend for this platform, casts
     the params to the engine dtype and moves them to the device, then sizes the KV pool
-    from what is left (`num_blocks`, read by the scheduler's allocator).
+    from what is left (`num_blocks`, read by the scheduler's allocator) and the host pool
+    from `swap_space` (`num_host_blocks`). The host pool is a numpy array of
+    `[num_host_blocks, num_layers, 2 (K, V), num_kv_heads, block_size, head_dim]`: one
+    block's K/V of every layer in one contiguous row.
     """
 
     def __init__(self, model: Any, params: Any, config: EngineConfig, *,
@@ -109,13 +129,21 @@ class ModelRunner:
             self.params = jax.device_put(params, devices[0])
             self._pool_sharding = jax.sharding.SingleDeviceSharding(devices[0])
         self.devices = devices
-        self.num_blocks = num_blocks = _num_blocks(config, model_config, dtype,
-                                                   pool_kv_heads // tp, devices[0])
+        # one block over all layers: on each device (its KV heads), and in all (a swap)
+        per_device = kv_bytes_per_block(model_config.num_layers, block_size,
+                                        pool_kv_heads // tp, model_config.head_dim, dtype)
+        self.block_bytes = per_device * tp
+        self.num_blocks = num_blocks = _num_blocks(config, per_device, devices[0])
         self._pool_shape = (model_config.num_layers, num_blocks, block_size, pool_kv_heads,
                             model_config.head_dim, dtype)
         self._pool_fill = float("nan") if config.debug_nan_pool else 0.0
         self.kv_pool = self._new_pool()
         self.max_model_len = max_model_len
+        self.num_host_blocks = num_host_blocks = _num_host_blocks(config, self.block_bytes)
+        self.host_kv = np.zeros((num_host_blocks, model_config.num_layers, 2, pool_kv_heads,
+                                 block_size, model_config.head_dim), dtype)
+        if config.debug_nan_pool:  # a read of a host block nobody wrote shows too
+            self.host_kv.fill(np.nan)
         max_blocks = -(-max_model_len // block_size)
         # Smallest buckets are set where padding is nearly free (a decode step of 8 rows costs
         # what one row costs: both read every weight once) to keep compilations few. Above 8
@@ -131,9 +159,17 @@ class ModelRunner:
         self.len_buckets = power_of_two_buckets(min(128, max_model_len), max_model_len)
         self.ban_buckets = power_of_two_buckets(8, max(8, model_config.vocab_size))
         self.copy_buckets = power_of_two_buckets(min(8, num_blocks), max(1, num_blocks))
+        # a step's swap-outs write distinct host blocks; its swap-ins distinct device blocks
+        self.swap_out_buckets = power_of_two_buckets(min(8, max(1, num_host_blocks)),
+                                                     max(1, num_host_blocks))
         self.compiled: set[tuple] = set()
         self.compile_seconds = 0.0
         self.device_seconds = 0.0  # wall time inside jitted calls (dispatch to result)
+        self.swap_out_blocks = self.swap_in_blocks = 0
+        # swap-outs that did not compile, timed whole (gather, transfer, host write): the
+        # copy bandwidth the "auto" preemption mode measures
+        self.swap_out_bytes_timed = 0
+        self.swap_out_seconds_timed = 0.0
 
     @property
     def compiles(self) -> int:
@@ -149,7 +185,8 @@ class ModelRunner:
                    * len(self.prefill_seq_buckets)) * widths * rows
         # greedy x filters x logprobs x (no penalties + widths) x (no bans + widths)
         sampling = rows * 2 * 2 * 2 * (1 + len(self.len_buckets)) * (1 + len(self.ban_buckets))
-        return forward + sampling + 2 * len(self.copy_buckets)  # copies and NaN fills
+        swaps = len(self.swap_out_buckets) + len(self.copy_buckets) if self.num_host_blocks else 0
+        return forward + sampling + 2 * len(self.copy_buckets) + swaps  # copies, NaN fills
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -169,6 +206,38 @@ class ModelRunner:
         ids[: len(block_ids)] = block_ids
         self.kv_pool = self._timed(("fill", size), lambda: _FILL_BLOCKS(
             self.kv_pool, ids, np.float32(value)))
+
+    def swap_out(self, copies: list[tuple[int, int]]) -> None:
+        """Copy `(device block, host block)` pairs into the host pool: one jitted gather of
+        every block, one device->host transfer."""
+        if not copies:
+            return
+        size = bucket_for(len(copies), self.swap_out_buckets)
+        device_ids = np.zeros(size, np.int32)
+        device_ids[: len(copies)] = [device_id for device_id, _ in copies]
+        key = ("swap_out", size)
+        measured, start = key in self.compiled, time.perf_counter()
+        blocks = self._timed(key, lambda: jax.device_get(_GATHER_BLOCKS(self.kv_pool,
+                                                                        device_ids)))
+        self.host_kv[[host_id for _, host_id in copies]] = blocks[: len(copies)]
+        if measured:
+            self.swap_out_seconds_timed += time.perf_counter() - start
+            self.swap_out_bytes_timed += len(copies) * self.block_bytes
+        self.swap_out_blocks += len(copies)
+
+    def swap_in(self, copies: list[tuple[int, int]]) -> None:
+        """Copy `(host block, device block)` pairs into the KV pool: one host->device
+        transfer of every block, one jitted scatter into the donated pool."""
+        if not copies:
+            return
+        size = bucket_for(len(copies), self.copy_buckets)
+        host_ids = np.full(size, copies[0][0], np.int64)  # padding: any row, into block 0
+        device_ids = np.zeros(size, np.int32)
+        host_ids[: len(copies)], device_ids[: len(copies)] = zip(*copies, strict=True)
+        blocks = jax.device_put(self.host_kv[host_ids])
+        self.kv_pool = self._timed(("swap_in", size), lambda: _SCATTER_BLOCKS(
+            self.kv_pool, device_ids, blocks))
+        self.swap_in_blocks += len(copies)
 
     def pool_lost(self) -> bool:
         """Whether the KV pool's buffers were freed (a donated call failed mid-way)."""
@@ -298,16 +367,13 @@ class ModelRunner:
 
 
 
-def _num_blocks(config: EngineConfig, model_config: Any, dtype, kv_heads: int,
-                device: Any) -> int:
+def _num_blocks(config: EngineConfig, per_block: int, device: Any) -> int:
     """KV pool blocks: `num_blocks` as given, else a byte budget per device
     (`kv_cache_memory`, or `gpu_memory_utilization` of the accelerator memory left after the
-    params, or 1 GiB on CPU) divided by what one block costs a device over all layers (its
-    `kv_heads`)."""
+    params, or 1 GiB on CPU) divided by what one block costs a device over all layers
+    (`per_block` bytes)."""
     if config.num_blocks is not None:
         return config.num_blocks
-    per_block = kv_bytes_per_block(model_config.num_layers, config.block_size,
-                                   kv_heads, model_config.head_dim, dtype)
     budget = config.kv_cache_memory
     if budget is None:
         budget = _CPU_KV_BUDGET
@@ -320,6 +386,14 @@ def _num_blocks(config: EngineConfig, model_config: Any, dtype, kv_heads: int,
         raise ValueError(f"kv_cache_memory {budget} bytes holds {num_blocks} blocks of "
                          f"{per_block} bytes; need at least 2")
     return int(num_blocks)
+
+
+def _num_host_blocks(config: EngineConfig, per_block: int) -> int:
+    """Host pool blocks: `swap_space` bytes over one block's bytes (0: no host pool)."""
+    if config.swap_space and config.swap_space < per_block:
+        raise ValueError(f"swap_space {config.swap_space} bytes is smaller than one KV block "
+                         f"({per_block} bytes); use 0 (no host pool) or at least one block")
+    return config.swap_space // per_block
 
 
 def _cast_float(leaf: Any, dtype) -> Any:

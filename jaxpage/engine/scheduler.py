@@ -4,15 +4,19 @@ Each step serves the running requests first (oldest first: one decode token each
 next chunk of a prompt still being prefilled), then admits waiting requests in arrival
 order while the token budget, `max_num_seqs` and the pool allow; a prompt longer than the
 remaining budget is prefilled in chunks over several steps, and prompt blocks found in the
-prefix cache are skipped. When the pool cannot give a running request the blocks it needs,
-the newest running request is preempted by recompute: its blocks are freed and it goes back
-to the front of the waiting queue, keeping its generated tokens, which are prefilled again
-when it is readmitted. No request is admitted in a step that preempted one.
+prefix cache (either tier) are skipped. When the pool cannot give a running request the
+blocks it needs, the newest running request (with its running siblings: a request's samples
+go together) is preempted to the front of the waiting queue, keeping its generated tokens.
+By recompute, its blocks are freed and its tokens prefilled again when it is readmitted; by
+swapping (`preemption_mode` "swap", or "auto" when the cost model agrees, and only while the
+host pool has room), its blocks are copied to the host pool and, when it is readmitted,
+back into the device pool, all its swapped samples together, before it decodes on. No
+request is admitted in a step that preempted one.
 
-The scheduler owns the BlockAllocator and every change to the sequences it serves: after
-the runner has executed a step, `update` applies the results (K/V committed and hashed,
-tokens appended, samples forked, beam plans applied, sequences ended on EOS, stop tokens
-and length), in that order, in one place.
+The scheduler owns the allocator (device and host tiers) and every change to the sequences
+it serves: after the runner has executed a step, `update` applies the results (K/V
+committed and hashed, tokens appended, samples forked, beam plans applied, sequences ended
+on EOS, stop tokens and length), in that order, in one place.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from collections.abc import Iterable
 
 from jaxpage.engine.batch import SeqInput, SeqResult
 from jaxpage.engine.beam_search import BeamGroup, BeamPlan, NextBeam
-from jaxpage.engine.block_allocator import BlockAllocator
 from jaxpage.engine.request import Request, RequestGroup, RequestStatus
+from jaxpage.engine.swap_cost import SwapCostModel
+from jaxpage.engine.tiered_allocator import TieredAllocator
 from jaxpage.sampling_params import SamplingRow, sample_seed
 
 
@@ -47,10 +52,16 @@ class ScheduledChunk:
 
 @dataclasses.dataclass(slots=True)
 class SchedulerOutput:
+    """One step's plan. The device runs it in this order: `swap_out` (reads blocks that
+    this step may hand out again, so before anything writes the pool), `swap_in`,
+    `block_copies`, then the forward over `seqs`."""
+
     chunks: list[ScheduledChunk]
     seqs: list[SeqInput]  # what the runner is given, one per chunk
     block_copies: list[tuple[int, int]]  # copy-on-write (src, dst), before any write
     num_batched_tokens: int
+    swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (device, host)
+    swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (host, device)
 
 
 @dataclasses.dataclass(slots=True)
@@ -63,7 +74,8 @@ class StepUpdate:
 
 
 class Scheduler:
-    """Waiting and running queues over the BlockAllocator it owns."""
+    """Waiting and running queues over the TieredAllocator it owns. A `preemption_mode`
+    other than "recompute" needs `num_host_blocks`; "auto" decides with `swap_cost`."""
 
     def __init__(
         self,
@@ -77,12 +89,19 @@ class Scheduler:
         reservation_policy: str = "paged",
         eos_token_ids: Iterable[int] = (),
         track_released: bool = False,
+        num_host_blocks: int = 0,
+        enable_host_prefix_cache: bool = True,
+        preemption_mode: str = "recompute",
+        swap_cost: SwapCostModel | None = None,
     ) -> None:
-        self.allocator = BlockAllocator(
-            num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
-            policy=reservation_policy, max_model_len=max_model_len,
-            track_released=track_released,
+        self.allocator = TieredAllocator(
+            num_blocks, block_size, num_host_blocks=num_host_blocks,
+            enable_host_prefix_cache=enable_host_prefix_cache,
+            enable_prefix_caching=enable_prefix_caching, policy=reservation_policy,
+            max_model_len=max_model_len, track_released=track_released,
         )
+        self.preemption_mode = preemption_mode
+        self.swap_cost = swap_cost
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -92,6 +111,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.failed: list[RequestGroup] = []  # ended by a failure, not yet reported
         self.num_preemptions = 0
+        self.num_swapped_preemptions = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -105,12 +125,15 @@ class Scheduler:
         scheduled: dict[Request, ScheduledChunk] = {}  # in running order
         preempted: list[Request] = []
 
-        def drop(requests: list[Request]) -> None:  # unschedule (preempted or failed)
+        def drop(requests: list[Request]) -> dict[int, int]:  # unschedule (preempted, failed)
             nonlocal budget
+            pending_copies = {}  # their copy-on-write copies, not made: {dst: src}
             for request in requests:
                 dropped = scheduled.pop(request, None)
                 if dropped is not None:  # an older sibling already scheduled this step
                     budget += dropped.num_new_tokens
+                    pending_copies.update((dst, src) for src, dst in dropped.block_copies)
+            return pending_copies
 
         # 1. running requests, oldest first; preempt the newest when the pool runs dry
         for request in list(self.running):
@@ -124,9 +147,9 @@ class Scheduler:
             try:
                 while (copies := self.allocator.grow(
                         request.seq_id, request.num_computed_tokens + num_new)) is None:
-                    victims = self._preempt_newest()
+                    victims = self._newest_group()
+                    self._preempt(victims, drop(victims))
                     preempted += victims
-                    drop(victims)
                     if request.status is not RequestStatus.RUNNING:
                         break
             except Exception as exc:  # a failed grow changed nothing: fail this request only
@@ -142,6 +165,22 @@ class Scheduler:
         slots = sum(r.num_slots for r in self.running)
         while self.waiting and not preempted and budget > 0:
             request = self.waiting[0]
+            if request.status is RequestStatus.SWAPPED:  # back with its swapped samples
+                try:
+                    admitted = self._swap_in(budget, self.max_num_seqs - slots)
+                except Exception as exc:  # a failed swap_in changed nothing
+                    self.fail(request.group, exc)
+                    continue
+                if not admitted:
+                    break
+                for member, num_new in admitted:
+                    self.waiting.popleft()
+                    member.status = RequestStatus.RUNNING
+                    self.running.append(member)
+                    slots += member.num_slots
+                    scheduled[member] = self._chunk(member, num_new, [])
+                    budget -= num_new
+                continue
             if slots + request.num_slots > self.max_num_seqs:
                 break
             try:
@@ -172,25 +211,87 @@ class Scheduler:
 
         chunks = list(scheduled.values())
         copies = [copy for chunk in chunks for copy in chunk.block_copies]
+        swap_out, swap_in = self.allocator.take_swaps()
         return SchedulerOutput(chunks, [self._seq_input(chunk) for chunk in chunks], copies,
-                               self.max_num_batched_tokens - budget)
+                               self.max_num_batched_tokens - budget, swap_out, swap_in)
 
-    def preempt_all(self) -> None:
-        """Send every running request back to recompute (the KV pool was lost)."""
+    def pool_lost(self, unwritten_host_blocks: list[int]) -> None:
+        """The device lost the KV pool: every running request goes back to recompute, and so
+        does every swapped-out one whose host copy was never written (its swap-out was
+        still to run); the device prefix cache is forgotten, the rest of the host tier kept."""
         while self.running:
-            self._preempt_newest()
+            self._preempt(self._newest_group(), swap=False)
+        dropped = set(self.allocator.pool_lost(unwritten_host_blocks))
+        for request in self.waiting:
+            if request.seq_id in dropped:
+                request.status = RequestStatus.WAITING
+                request.num_computed_tokens = 0
 
-    def _preempt_newest(self) -> list[Request]:
-        """Preempt the newest running request, together with its running siblings (the
-        samples of one request are recomputed as a group)."""
+    def _newest_group(self) -> list[Request]:
+        """The newest running request with its running siblings (the samples of one request
+        are preempted together)."""
         victim = self.running[-1]
         group = victim.group
-        victims = [r for r in self.running if r is victim or (group is not None
-                                                                and r.group is group)]
-        for request in reversed(victims):
+        return [r for r in self.running if r is victim or (group is not None
+                                                             and r.group is group)]
+
+    def _preempt(self, victims: list[Request], pending_copies: dict[int, int] | None = None,
+                 *, swap: bool = True) -> None:
+        """Preempt a group's running samples to the front of the waiting queue, in order:
+        swapped out when the mode allows it, the cost model agrees ("auto") and the host
+        pool has room, else freed to recompute. A sample keeps the K/V of at most all its
+        tokens but the last, so that it draws again when it resumes (a beam whose draw
+        was waiting for its siblings' drops that draw, as under recompute)."""
+        kept = [(r.seq_id, min(r.num_computed_tokens, r.num_tokens - 1)) for r in victims]
+        swapped = swap and self._swap_out(kept, pending_copies or {})
+        for request, (_, keep) in zip(reversed(victims), reversed(kept), strict=True):
             self.running.remove(request)
-            self._preempt(request)
-        return victims
+            if swapped:
+                request.status = RequestStatus.SWAPPED
+                request.num_computed_tokens = keep
+                self.num_swapped_preemptions += 1
+            else:
+                self.allocator.free(request.seq_id)
+                request.status = RequestStatus.WAITING
+                request.num_computed_tokens = 0
+            request.metrics.num_preemptions += 1
+            self.num_preemptions += 1
+            self.waiting.appendleft(request)
+            if isinstance(request.group, BeamGroup):  # its draw is redone on readmission
+                request.group.pending.pop(request, None)
+
+    def _swap_out(self, kept: list[tuple[str, int]], pending_copies: dict[int, int]) -> bool:
+        if self.preemption_mode == "recompute":
+            return False
+        if self.preemption_mode == "auto" and not self.swap_cost.prefer_swap(
+                self.allocator.blocks_to_swap_out(kept, pending_copies),
+                sum(keep for _, keep in kept)):
+            return False
+        return self.allocator.swap_out(kept, pending_copies)
+
+    def _swap_in(self, budget: int, free_slots: int) -> list[tuple[Request, int]]:
+        """Swap in the swapped-out samples of one request at the front of the waiting
+        queue, together (sharing their blocks again), or as many of the first of them as
+        the token budget, the running slots and the pool allow. Returns each admitted
+        sample with the tokens it computes this step; none when even the first waits."""
+        first = self.waiting[0]
+        plan = []
+        for request in self.waiting:
+            if request.status is not RequestStatus.SWAPPED or not (
+                    request is first or (first.group is not None
+                                         and request.group is first.group)):
+                break
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0 or request.num_slots > free_slots:
+                break
+            plan.append((request, num_new))
+            budget -= num_new
+            free_slots -= request.num_slots
+        while plan and not self.allocator.swap_in(
+                [(r.seq_id, r.num_computed_tokens + num_new, r.max_num_tokens)
+                 for r, num_new in plan]):
+            plan.pop()
+        return plan
 
     def _chunk(self, request: Request, num_new: int,
                copies: list[tuple[int, int]]) -> ScheduledChunk:
@@ -203,16 +304,6 @@ class Scheduler:
             sample=start + num_new == request.num_tokens,
             block_copies=copies,
         )
-
-    def _preempt(self, request: Request) -> None:
-        self.allocator.free(request.seq_id)
-        request.status = RequestStatus.WAITING
-        request.num_computed_tokens = 0
-        request.metrics.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(request)
-        if isinstance(request.group, BeamGroup):  # its draw is recomputed on readmission
-            request.group.pending.pop(request, None)
 
     def _seq_input(self, chunk: ScheduledChunk) -> SeqInput:
         """The runner's view of a chunk: block table, tokens and, when it ends the known
@@ -399,6 +490,9 @@ class Scheduler:
             self.allocator.free(request.seq_id)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
+        elif request.status is RequestStatus.SWAPPED:
+            self.waiting.remove(request)
+            self.allocator.drop_swapped(request.seq_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason

@@ -15,10 +15,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from jaxpage.engine.block_allocator import AllocationError, BlockAllocator, PrefixHit
+from jaxpage.engine.tiered_allocator import TieredAllocator
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODULE_PATHS = [REPO_ROOT / "jaxpage" / "engine" / name
-                for name in ("block_allocator.py", "block_hashing.py")]
+                for name in ("block_allocator.py", "block_hashing.py", "host_pool.py",
+                             "tiered_allocator.py")]
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -158,14 +160,17 @@ class AllocatorMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(6, 12), block_size=st.integers(2, 4))
     def setup(self, num_blocks: int, block_size: int) -> None:
         self.bs = block_size
-        self.alloc = BlockAllocator(num_blocks, block_size, enable_prefix_caching=self.caching,
-                                    hash_fn=self.hash_fn)
+        self.alloc = self.new_allocator(num_blocks, block_size)
         self.model = NaiveAllocator(num_blocks, block_size, self.caching)
         self.kv = [[None] * block_size for _ in range(num_blocks)]
         self.tokens: dict[int, list[int]] = {}  # live seq -> its tokens (computed and future)
         self.corpus: list[tuple[list[int], str | None, str | int | None]] = []
         self.last_freed: tuple[list[int], str | None, str | int | None] | None = None
         self.next_id = 0
+
+    def new_allocator(self, num_blocks: int, block_size: int) -> BlockAllocator:
+        return BlockAllocator(num_blocks, block_size, enable_prefix_caching=self.caching,
+                              hash_fn=self.hash_fn)
 
     def draw_seq(self, data) -> int:
         return data.draw(st.sampled_from(sorted(self.tokens)), label="seq")
@@ -353,6 +358,14 @@ class NoCachingMachine(AllocatorMachine):
     caching = False
 
 
+class NoHostTierMachine(AllocatorMachine):
+    """The allocator every engine without swap_space runs: a TieredAllocator with no host
+    blocks is the device allocator, block id for block id."""
+
+    def new_allocator(self, num_blocks: int, block_size: int) -> BlockAllocator:
+        return TieredAllocator(num_blocks, block_size, num_host_blocks=0, hash_fn=self.hash_fn)
+
+
 def _case(machine: type[RuleBasedStateMachine], examples: int):
     machine.TestCase.settings = settings(
         max_examples=examples, stateful_step_count=30, deadline=None,
@@ -364,6 +377,327 @@ TestAllocatorMachine = _case(AllocatorMachine, 300)
 TestConstantHashMachine = _case(ConstantHashMachine, 150)
 TestOneByteHashMachine = _case(OneByteHashMachine, 100)
 TestNoCachingMachine = _case(NoCachingMachine, 60)
+TestNoHostTierMachine = _case(NoHostTierMachine, 60)
+
+
+# --------------------------------------------------------------------------- two tiers
+
+
+def tiered_snapshot(alloc: TieredAllocator) -> tuple:
+    """Both tiers' state as plain values (white-box: for no-change checks)."""
+    host = alloc.host
+    swapped = {s: (list(r.host_table), r.num_computed_tokens, list(r.block_hashes))
+               for s, r in alloc._swapped.items()}
+    return (snapshot(alloc), list(host._free), list(host._cached), list(host._ref_count),
+            [None if k is None else k[0] for k in host._key], list(host._pinned), swapped,
+            dict(alloc._swap_out_plan), list(alloc._swap_in_plan))
+
+
+class TieredMachine(RuleBasedStateMachine):
+    """The allocator with a host tier, driven as the scheduler drives it: allocations with
+    hits in either tier, grow (copy-on-write), commit, fork, free, swap out / swap in of
+    groups of sequences, host-tier evictions (the device LRU evicting into a small host
+    pool, the host LRU making room), lookups, resets.
+
+    The oracle is a pair of simulated pools (a token per slot, plus the salt and adapter of
+    the sequence that wrote each block), on which each step's swap-outs, swap-ins and
+    copy-on-write copies are applied in the device's order at the step's end (a commit or a
+    fork ends the step first: the engine writes K/V and forks after the step's device
+    work). After every rule, with this step's work projected: both tiers' invariants hold,
+    every live sequence reads its own tokens back through its table, every swapped-out one
+    through its host table, and every prefix hit (device or host blocks) holds exactly the
+    prompt's tokens, written under the query's salt and adapter.
+    """
+
+    hash_fn = None
+    host_caching = True
+    salts, adapters = SALTS, ADAPTERS
+
+    @initialize(num_blocks=st.integers(5, 10), num_host_blocks=st.integers(1, 12),
+                block_size=st.integers(2, 4))
+    def setup(self, num_blocks: int, num_host_blocks: int, block_size: int) -> None:
+        self.bs = block_size
+        self.alloc = TieredAllocator(num_blocks, block_size, num_host_blocks=num_host_blocks,
+                                     enable_host_prefix_cache=self.host_caching,
+                                     hash_fn=self.hash_fn)
+        self.kv = [[None] * block_size for _ in range(num_blocks)]
+        self.kv_owner = [None] * num_blocks  # (salt, adapter) of the block's writer
+        self.host = [[None] * block_size for _ in range(num_host_blocks)]
+        self.host_owner = [None] * num_host_blocks
+        self.tokens: dict[int, list[int]] = {}  # live seq -> its tokens
+        self.swapped: dict[int, list[int]] = {}  # swapped-out seq -> its kept tokens
+        self.keys: dict[int, tuple] = {}  # seq -> (salt, adapter)
+        self.copies: list[tuple[int, int]] = []  # this step's copy-on-write copies
+        self.corpus: list[tuple[list[int], str | None, str | int | None]] = []
+        self.freed: list[tuple[list[int], str | None, str | int | None]] = []
+        self.next_id = self.host_hit_tokens = 0
+
+    draw_prompt = AllocatorMachine.draw_prompt
+
+    def draw_seqs(self, data, pool: dict) -> list[int]:
+        return data.draw(st.lists(st.sampled_from(sorted(pool)), min_size=1, max_size=3,
+                                  unique=True), label="seqs")
+
+    def projected(self, swap_out=None, swap_in=None):
+        """The pools after this step's device work: swap-outs, swap-ins, then copies."""
+        if swap_out is None:
+            swap_out = [(d, h) for h, d in self.alloc._swap_out_plan.items()]
+            swap_in = self.alloc._swap_in_plan
+        kv, kv_owner = [list(b) for b in self.kv], list(self.kv_owner)
+        host, host_owner = [list(b) for b in self.host], list(self.host_owner)
+        for device_id, host_id in swap_out:
+            host[host_id], host_owner[host_id] = list(kv[device_id]), kv_owner[device_id]
+        for host_id, device_id in swap_in:
+            kv[device_id], kv_owner[device_id] = list(host[host_id]), host_owner[host_id]
+        for src, dst in self.copies:
+            kv[dst], kv_owner[dst] = list(kv[src]), kv_owner[src]
+        return kv, kv_owner, host, host_owner
+
+    def end_step(self) -> None:
+        plan = ([(d, h) for h, d in self.alloc._swap_out_plan.items()],
+                list(self.alloc._swap_in_plan))
+        assert self.alloc.take_swaps() == plan
+        self.kv, self.kv_owner, self.host, self.host_owner = self.projected(*plan)
+        self.copies = []
+        assert not self.alloc.host._pinned
+
+    def lookup_checked(self, prompt, salt, adapter) -> PrefixHit:
+        hit = self.alloc.lookup(prompt, cache_salt=salt, adapter_id=adapter)
+        kv, kv_owner, host, host_owner = self.projected()
+        blocks = ([(kv, kv_owner, b) for b in hit.block_ids]
+                  + [(host, host_owner, h) for h in hit.host_block_ids])
+        assert hit.num_tokens == len(blocks) * self.bs <= max(len(prompt) - 1, 0)
+        assert self.host_caching or not hit.host_block_ids
+        for i, (pool, owner, block_id) in enumerate(blocks):
+            assert pool[block_id] == prompt[i * self.bs:(i + 1) * self.bs], (i, block_id)
+            assert owner[block_id] == (salt, adapter), "a hit across salts or adapters"
+        return hit
+
+    @rule(data=st.data(), chunk=st.integers(1, 12))
+    def allocate(self, data, chunk: int) -> None:
+        self.allocate_prompt(*self.draw_prompt(data), chunk)
+
+    @precondition(lambda self: self.freed)
+    @rule(data=st.data())
+    def revisit(self, data) -> None:
+        """A finished sequence's tokens again (a returning conversation): its blocks may
+        be cached on the device, in the host tier, or gone."""
+        prompt, salt, adapter = data.draw(st.sampled_from(self.freed), label="freed")
+        self.allocate_prompt(prompt + [1], salt, adapter, len(prompt) + 1)
+
+    def allocate_prompt(self, prompt, salt, adapter, chunk: int) -> None:
+        hit = self.lookup_checked(prompt, salt, adapter)
+        num_tokens = min(len(prompt), hit.num_tokens + chunk)
+        seq, before = self.next_id, tiered_snapshot(self.alloc)
+        self.next_id += 1
+        if not self.alloc.allocate(seq, num_tokens, hit):
+            assert tiered_snapshot(self.alloc) == before
+            return
+        assert self.alloc.num_computed_tokens(seq) == hit.num_tokens
+        self.tokens[seq], self.keys[seq] = list(prompt), (salt, adapter)
+        self.corpus.append((list(prompt), salt, adapter))
+        self.host_hit_tokens += len(hit.host_block_ids) * self.bs
+
+    @rule(data=st.data(), keep=st.booleans())
+    def fill_the_pool(self, data, keep: bool) -> None:
+        """A prompt of every free device block, prefilled (and maybe finished): the device
+        evicts its whole cache into the host tier, whose LRU makes room in turn."""
+        free = self.alloc.num_free_blocks
+        if free < 1:
+            return
+        prompt = data.draw(st.lists(TOKENS, min_size=free * self.bs, max_size=free * self.bs),
+                           label="filler")
+        seq = self.next_id
+        self.next_id += 1
+        assert self.alloc.allocate(seq, len(prompt))
+        self.end_step()
+        self.alloc.commit(seq, prompt)
+        for pos, token in enumerate(prompt):
+            block_id = self.alloc.block_table(seq)[pos // self.bs]
+            self.kv[block_id][pos % self.bs] = token
+            self.kv_owner[block_id] = (None, None)
+        if keep:
+            self.tokens[seq], self.keys[seq] = prompt, (None, None)
+        else:
+            self.alloc.free(seq)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), extra=st.integers(0, 6))
+    def grow(self, data, extra: int) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.tokens)), label="seq")
+        before = tiered_snapshot(self.alloc)
+        copies = self.alloc.grow(seq, self.alloc.num_computed_tokens(seq) + extra)
+        if copies is None:
+            assert tiered_snapshot(self.alloc) == before
+        else:
+            self.copies += copies
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), k=st.integers(1, 6))
+    def commit(self, data, k: int) -> None:
+        self.end_step()
+        seq = data.draw(st.sampled_from(sorted(self.tokens)), label="seq")
+        table, computed = self.alloc.block_table(seq), self.alloc.num_computed_tokens(seq)
+        n = min(computed + k, len(table) * self.bs)
+        if any(self.alloc.ref_count(table[i]) > 1
+               for i in range(computed // self.bs, ceil_div(n, self.bs))):
+            return  # needs grow() first (the base machine checks the refusal)
+        tokens = self.tokens[seq]
+        if len(tokens) < n:
+            tokens += data.draw(st.lists(TOKENS, min_size=n - len(tokens),
+                                         max_size=n - len(tokens)), label="decoded")
+        self.alloc.commit(seq, tokens[:n])
+        for pos in range(computed, n):
+            block_id = table[pos // self.bs]
+            self.kv[block_id][pos % self.bs] = tokens[pos]
+            self.kv_owner[block_id] = self.keys[seq]
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def fork(self, data) -> None:
+        self.end_step()
+        parent, child = data.draw(st.sampled_from(sorted(self.tokens)), label="seq"), self.next_id
+        self.next_id += 1
+        self.alloc.fork(parent, child)
+        self.tokens[child], self.keys[child] = list(self.tokens[parent]), self.keys[parent]
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.tokens)), label="seq")
+        table = self.alloc.block_table(seq)  # its copies are not made: its chunk is dropped
+        self.copies = [(src, dst) for src, dst in self.copies if dst not in table]
+        self.freed.append((self.tokens[seq][:self.alloc.num_computed_tokens(seq)],
+                           *self.keys[seq]))
+        self.corpus.append(self.freed[-1])
+        self.alloc.free(seq)
+        del self.tokens[seq]
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def swap_out(self, data) -> None:
+        seqs = self.draw_seqs(data, self.tokens)
+        kept = [(s, data.draw(st.integers(0, self.alloc.num_computed_tokens(s)), label="keep"))
+                for s in seqs]
+        pending = {dst: src for src, dst in self.copies}
+        tables = {seq: self.alloc.block_table(seq) for seq in seqs}
+        before = tiered_snapshot(self.alloc)
+        incoming = {d for _, d in self.alloc._swap_in_plan}  # filled after the swap-outs
+        if any(pending.get(b, b) in incoming
+               for seq, keep in kept for b in tables[seq][:ceil_div(keep, self.bs)]):
+            with pytest.raises(AllocationError):
+                self.alloc.swap_out(kept, pending)
+            assert tiered_snapshot(self.alloc) == before
+            return
+        blocks = self.alloc.blocks_to_swap_out(kept, pending)
+        available = self.alloc.host.num_available
+        ok = self.alloc.swap_out(kept, pending)
+        assert ok or blocks == 0 or blocks > available, "room on the host, yet no swap-out"
+        if not ok:
+            assert tiered_snapshot(self.alloc) == before
+            return
+        dropped = {b for table in tables.values() for b in table}  # their chunks' copies
+        self.copies = [(src, dst) for src, dst in self.copies if dst not in dropped]
+        for seq, keep in kept:
+            self.swapped[seq] = self.tokens.pop(seq)[:keep]
+            assert seq not in self.alloc and self.alloc.is_swapped(seq)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data) -> None:
+        seqs = self.draw_seqs(data, self.swapped)
+        plan = [(s, len(self.swapped[s]) + data.draw(st.integers(0, 3), label="new"), None)
+                for s in seqs]
+        host_tables = {s: self.alloc.swapped_table(s) for s in seqs}
+        before = tiered_snapshot(self.alloc)
+        if not self.alloc.swap_in(plan):
+            assert tiered_snapshot(self.alloc) == before
+            return
+        device_of: dict[int, int] = {}  # full host block -> the device block it became
+        for seq, num_tokens, _ in plan:
+            self.tokens[seq] = self.swapped.pop(seq)
+            table, computed = self.alloc.block_table(seq), self.alloc.num_computed_tokens(seq)
+            assert computed == len(self.tokens[seq])
+            assert len(table) == ceil_div(num_tokens, self.bs)
+            for i, host_id in enumerate(host_tables[seq][:computed // self.bs]):
+                assert device_of.setdefault(host_id, table[i]) == table[i], "sharing lost"
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def drop_swapped(self, data) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.swapped)), label="seq")
+        self.alloc.drop_swapped(seq)
+        del self.swapped[seq]
+
+    @rule(data=st.data())
+    def lookup(self, data) -> None:
+        self.lookup_checked(*self.draw_prompt(data))
+
+    @rule()
+    def step(self) -> None:
+        self.end_step()
+
+    @rule(data=st.data())
+    def lose_pool(self, data) -> None:
+        """The device loses its pool in a step, before or after the step's swap-outs ran:
+        every live sequence is freed (to recompute); so is every swapped-out one that holds a
+        host block whose copy never arrived. The rest of the host tier stays valid."""
+        swap_out, _ = self.alloc.take_swaps()
+        ran = data.draw(st.booleans(), label="swap-outs ran")
+        if ran:
+            self.host, self.host_owner = self.projected(swap_out, [])[2:]
+        unwritten = set() if ran else {host_id for _, host_id in swap_out}
+        self.copies = []
+        for seq in sorted(self.tokens):
+            self.alloc.free(seq)
+            self.freed.append((self.tokens.pop(seq), *self.keys[seq]))
+        expected = {s for s in self.swapped if unwritten & set(self.alloc.swapped_table(s))}
+        assert set(self.alloc.pool_lost(sorted(unwritten))) == expected
+        for seq in expected:
+            del self.swapped[seq]
+        self.kv = [[None] * self.bs for _ in self.kv]
+        self.kv_owner = [None] * len(self.kv)
+
+    @rule()
+    def reset(self) -> None:
+        self.end_step()
+        ok = self.alloc.reset_prefix_cache()
+        assert ok == (not self.tokens and not self.swapped)
+        if ok:
+            assert self.alloc.usage()["cached_free"] == self.alloc.usage()["host_cached"] == 0
+
+    @invariant()
+    def pools_hold_what_the_tables_say(self) -> None:
+        alloc = self.alloc
+        alloc.check_invariants()
+        kv, _, host, _ = self.projected()
+        for seq, tokens in self.tokens.items():
+            table, computed = alloc.block_table(seq), alloc.num_computed_tokens(seq)
+            read = [kv[table[p // self.bs]][p % self.bs] for p in range(computed)]
+            assert read == tokens[:computed], f"seq {seq} reads wrong KV through its table"
+        for seq, tokens in self.swapped.items():
+            table = alloc.swapped_table(seq)
+            read = [host[table[p // self.bs]][p % self.bs] for p in range(len(tokens))]
+            assert read == tokens, f"swapped seq {seq} reads wrong KV through its host table"
+        assert alloc.usage()["prefix_cache_host_hits"] == self.host_hit_tokens
+
+
+class TieredConstantHashMachine(TieredMachine):
+    """Every block of both tiers hashes alike: hits must still match exact content."""
+
+    hash_fn = staticmethod(lambda data: b"\x00" * 8)
+    salts, adapters = st.sampled_from([None, "a"]), st.sampled_from([None, "a", 1])
+
+
+class SwapOnlyMachine(TieredMachine):
+    """A host pool for swapping only: no evicted blocks kept, no host hits."""
+
+    host_caching = False
+
+
+TestTieredMachine = _case(TieredMachine, 250)
+TestTieredConstantHashMachine = _case(TieredConstantHashMachine, 100)
+TestSwapOnlyMachine = _case(SwapOnlyMachine, 60)
 
 
 # --------------------------------------------------------------------------- hand-worked cases
@@ -636,3 +970,74 @@ def test_allocator_does_not_import_jax():
         "assert 'numpy' not in sys.modules, 'numpy was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --------------------------------------------------------------------------- two tiers, by hand
+
+
+def test_evicted_blocks_move_to_the_host_tier_and_come_back_on_a_hit():
+    alloc = TieredAllocator(4, 2, num_host_blocks=4)  # 3 usable device blocks
+    assert committed(alloc, "a", [1, 2, 3, 4, 5]) == [1, 2, 3]
+    alloc.free("a")  # cached: 2, 1 (LRU first); block 3 (partial) free
+    assert alloc.allocate("b", 6) and alloc.block_table("b") == [3, 2, 1]
+    # the two evicted cached blocks, LRU first, into host blocks 0 and 1 this step
+    assert alloc.take_swaps() == ([(2, 0), (1, 1)], [])
+    alloc.free("b")
+    hit = alloc.lookup([1, 2, 3, 4, 5])
+    assert hit.block_ids == () and hit.host_block_ids == (1, 0) and hit.num_tokens == 4
+    assert alloc.allocate("c", 5, hit)
+    assert alloc.block_table("c") == [1, 2, 3] and alloc.num_computed_tokens("c") == 4
+    assert alloc.take_swaps() == ([], [(1, 1), (0, 2)])  # host -> the first fresh blocks
+    alloc.commit("c", [1, 2, 3, 4, 5])
+    alloc.check_invariants()
+    usage = alloc.usage()
+    assert (usage["prefix_cache_hits"], usage["prefix_cache_host_hits"]) == (4, 4)
+    assert (usage["host_cached"], usage["host_free"]) == (2, 2)  # still cached on the host
+
+
+def test_swap_out_shares_and_reads_pending_copy_on_write_at_its_source():
+    alloc = TieredAllocator(8, 4, num_host_blocks=4)
+    assert committed(alloc, "a", [1, 2, 3, 4, 5, 6]) == [1, 2]  # block 2 partly filled
+    alloc.fork("a", "b")
+    assert alloc.grow("a", 7) == [(2, 3)]  # a writes next: its copy of block 2 is pending
+    # the scheduler preempts both before the copy is made: block 3 is read at block 2
+    assert alloc.blocks_to_swap_out([("a", 6), ("b", 6)], {3: 2}) == 2
+    assert alloc.swap_out([("a", 6), ("b", 6)], {3: 2})
+    assert alloc.swapped_table("a") == alloc.swapped_table("b") == [0, 1]
+    assert alloc.take_swaps() == ([(1, 0), (2, 1)], [])
+    assert [alloc.host.ref_count(h) for h in (0, 1)] == [2, 2]
+    alloc.check_invariants()
+    # back together: the full block is shared again; the partly filled one, which both
+    # write next, is copied once per sequence (and block 1 is still cached on the device)
+    assert alloc.swap_in([("a", 7, None), ("b", 7, None)])
+    assert alloc.block_table("a") == [1, 4] and alloc.block_table("b") == [1, 5]
+    assert alloc.ref_count(1) == 2 and alloc.take_swaps() == ([], [(1, 4), (1, 5)])
+    alloc.check_invariants()
+    assert alloc.usage()["host_used"] == 0
+
+
+def test_a_host_block_read_this_step_is_not_rewritten_in_the_same_step():
+    alloc = TieredAllocator(6, 2, num_host_blocks=1, enable_prefix_caching=False)
+    committed(alloc, "a", [1, 2])
+    committed(alloc, "c", [3, 4])
+    assert alloc.swap_out([("a", 2)])
+    alloc.take_swaps()
+    assert alloc.swap_in([("a", 3, None)])  # reads host block 0 this step
+    assert not alloc.swap_out([("c", 2)])  # it would write block 0 before that read
+    swap_out, swap_in = alloc.take_swaps()
+    assert swap_out == [] and len(swap_in) == 1
+    assert alloc.swap_out([("c", 2)]) and alloc.swapped_table("c") == [0]  # next step
+    alloc.check_invariants()
+
+
+def test_host_pool_lru_keeps_what_was_used_last():
+    from jaxpage.engine.host_pool import HostBlockPool
+
+    pool = HostBlockPool(2, caching=True)
+    keys = [(bytes([i]), (i,), None, b"") for i in range(3)]
+    assert pool.take(keys[0], 0) == 0 and pool.take(keys[1], 0) == 1
+    assert pool.find_key(keys[0]) == 0
+    pool.touch(0)  # block 0's content was evicted from the device again: it is recent
+    assert pool.take(keys[2], 0) == 1  # the LRU, block 1, makes room
+    assert pool.find_key(keys[1]) is None and pool.find_key(keys[0]) == 0
+    pool.check_invariants([0, 0])

@@ -134,22 +134,27 @@ def word_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w2")
 
 
-@pytest.mark.parametrize("policy, num_requests, max_model_len", [
-    ("paged", 400, 128), ("oracle", 200, 128), ("max", 160, 48)])
-def test_soak(path, policy, num_requests, max_model_len):
+@pytest.mark.parametrize("policy, num_requests, max_model_len, swap", [
+    ("paged", 400, 128, False), ("oracle", 200, 128, False), ("max", 160, 48, False),
+    ("paged", 300, 128, True)])
+def test_soak(path, policy, num_requests, max_model_len, swap):
     """Random requests (sampling settings, n > 1, beams, stop strings and stop tokens) and
-    aborts of live requests (running, waiting and preempted ones) on a small pool."""
+    aborts of live requests (running, waiting and preempted ones, and swapped-out ones when
+    preempting by swapping into a host pool of 12 blocks, often full) on a small pool."""
     from jaxpage import BeamSearchParams
+    from jaxpage.engine.request import RequestStatus
 
     rng = np.random.default_rng(2024)
+    swapping = dict(swap_space=12 * 1024, preemption_mode="swap") if swap else {}
     llm = LLM(path, tokenizer=word_tokenizer(), block_size=4, num_blocks=96,
               max_num_batched_tokens=64, max_num_seqs=16, max_model_len=max_model_len,
-              reservation_policy=policy)
+              reservation_policy=policy, **swapping)
     engine = llm.engine
     max_prompt = max_model_len // 2
     finished: dict[str, int] = {}
     submitted, next_id, step = [], 0, 0
-    aborted_where = {"running": 0, "waiting": 0, "preempted": 0}
+    aborted_where = {"running": 0, "waiting": 0, "preempted": 0} | ({"swapped": 0} if swap
+                                                                      else {})
     while next_id < num_requests or engine.has_unfinished_requests():
         for _ in range(int(rng.integers(0, 6)) if next_id < num_requests else 0):
             prompt = rng.integers(0, 97, size=int(rng.integers(1, max_prompt))).tolist()
@@ -189,8 +194,8 @@ def test_soak(path, policy, num_requests, max_model_len):
             scheduler = engine.scheduler
             live = {r.request_id: "running" for r in scheduler.running}
             for r in scheduler.waiting:
-                live.setdefault(r.request_id, "preempted" if r.metrics.num_preemptions
-                                else "waiting")
+                live.setdefault(r.request_id, "swapped" if r.status is RequestStatus.SWAPPED
+                                else "preempted" if r.metrics.num_preemptions else "waiting")
             if live:  # from the kind hit least so far, so that every kind gets hit
                 kind = min(set(live.values()), key=lambda k: aborted_where[k])
                 candidates = sorted(r for r, where in live.items() if where == kind)
@@ -209,8 +214,9 @@ def test_soak(path, policy, num_requests, max_model_len):
         assert step < 30_000
     assert set(finished) == set(submitted)
     usage = engine.allocator.usage()
-    assert usage["used"] == 0 and not engine.requests
+    assert usage["used"] == usage["host_used"] == 0 and not engine.requests
     stats = llm.stats()
     assert stats["num_preemptions"] > 0
+    assert (stats["num_swapped_preemptions"] > 0) == swap
     assert all(aborted_where.values()), aborted_where
     assert stats["compiles"] <= engine.runner.max_compiles

@@ -35,10 +35,14 @@ def workload():
     ]
 
 
-def make_llm(path):
+def make_llm(path, **overrides):
     # a pool small enough that the workload preempts
     return LLM(path, block_size=4, num_blocks=20, max_num_batched_tokens=32, max_num_seqs=8,
-               debug_nan_pool=True)
+               debug_nan_pool=True, **overrides)
+
+
+# preemption by swapping, with a host pool of 64 blocks (each 1 KiB for the tiny llama)
+SWAP = dict(swap_space=64 * 1024, preemption_mode="swap")
 
 
 def run(llm, fault=None):
@@ -75,7 +79,7 @@ def run(llm, fault=None):
     else:
         raise AssertionError("the workload did not finish")
     usage = engine.allocator.usage()
-    assert usage["used"] == 0 and not engine.requests, "the pool is not quiescent"
+    assert usage["used"] == usage["host_used"] == 0 and not engine.requests, "not quiescent"
     return final, raised
 
 
@@ -175,6 +179,23 @@ def pool_lost(engine):  # the device call fails after freeing the donated pool
     return runner.execute
 
 
+def transfer(name, lose_pool=False):
+    """The first non-empty swap transfer (`name`: "swap_out" or "swap_in") fails; with
+    `lose_pool`, after freeing the donated pool (a swap-out can lose it only through a
+    device fault: its gather donates nothing)."""
+    def install(engine):
+        runner = engine.runner
+
+        def fail(copies):
+            if lose_pool:
+                for leaf in jax.tree.leaves(runner.kv_pool):
+                    leaf.delete()
+            raise RuntimeError(f"injected failure in {name}")
+        setattr(runner, name, Once(getattr(runner, name), lambda copies: bool(copies), fail))
+        return getattr(runner, name)
+    return install
+
+
 def detokenize(engine):  # appending p0's text fails: only p0 ends
     engine._detokenize = Once(engine._detokenize, lambda sample: sample.request_id == "p0")
     return engine._detokenize
@@ -209,6 +230,46 @@ def test_a_fault_in_each_stage_leaves_the_others_untouched(path, clean, stage, m
         else:
             assert out.error is None
             assert tokens(out) == tokens(clean[request_id]), request_id
+
+
+@pytest.fixture(scope="module")
+def clean_swap(path, clean):
+    """The workload preempting by swapping, without faults: it swaps, and every request
+    produces what it produces under recompute."""
+    llm = make_llm(path, **SWAP)
+    final, raised = run(llm)
+    assert raised == 0 and llm.stats()["num_swapped_preemptions"] > 0
+    assert {r: tokens(out) for r, out in final.items()} == {
+        r: tokens(out) for r, out in clean.items()}
+    return final
+
+
+SWAP_STAGES = {  # stage: (installer, step it is armed at)
+    "swap_out": (transfer("swap_out"), 0),  # redone first by the next step
+    "swap_in": (transfer("swap_in"), 0),
+    # the pool is lost with the swap-out still to run: its host copies never arrive and the
+    # requests holding them recompute; the rest of the host pool stays valid
+    "swap_out_pool_lost": (transfer("swap_out", lose_pool=True), 0),
+    "swap_in_pool_lost": (transfer("swap_in", lose_pool=True), 0),
+    "copy_on_write": (copy_on_write, 1),
+    "runner": (runner_call, 6),
+    "pool_lost": (pool_lost, 9),  # swapped-out requests keep their host copies
+}
+
+
+@pytest.mark.parametrize("stage", list(SWAP_STAGES))
+def test_a_fault_around_a_swap_leaves_every_request_untouched(path, clean_swap, stage):
+    """A failed swap transfer (or another device failure while requests are swapped out)
+    raises out of its step and loses nothing: every request produces its clean tokens."""
+    install, step = SWAP_STAGES[stage]
+    fault = fault_at(step, install)
+    llm = make_llm(path, **SWAP)
+    final, raised = run(llm, fault)
+    assert fault.armed and fault.armed[0].fired, f"the {stage} fault never fired"
+    assert raised == 1
+    assert {r: tokens(out) for r, out in final.items()} == {
+        r: tokens(out) for r, out in clean_swap.items()}
+    assert llm.stats()["num_swapped_preemptions"] > 0
 
 
 def test_a_fault_in_detokenization_ends_only_that_request(hf_model_dir):

@@ -9,6 +9,9 @@ import sys
 HOST_MODULES = [
     "jaxpage.engine.block_allocator",
     "jaxpage.engine.block_hashing",
+    "jaxpage.engine.host_pool",
+    "jaxpage.engine.tiered_allocator",
+    "jaxpage.engine.swap_cost",
     "jaxpage.engine.request",
     "jaxpage.engine.beam_search",
     "jaxpage.engine.batch",
