@@ -29,18 +29,23 @@ def assert_same_tokens(results: dict) -> None:
                                                            single["hits"])
 
 
-@pytest.mark.parametrize("model, backend, sizes", [
-    ("llama8", "cpp", "2,4,8"),  # 8 query / 2 KV heads: KV heads replicated at 4 and 8
-    ("smollm9", "cpp", "3"),  # SmolLM2's 9 / 3 heads
-    ("llama8", "jnp", "4"),
-    pytest.param("llama8", "jnp", "2,8", marks=pytest.mark.slow),
-    pytest.param("llama8", "pallas_tpu", "2,4", marks=[pytest.mark.slow, pytest.mark.kernels]),
+@pytest.mark.parametrize("model, backend, sizes, preemption", [
+    ("llama8", "cpp", "2,4,8", "recompute"),  # 8 query / 2 KV heads: replicated at 4 and 8
+    ("smollm9", "cpp", "3", "recompute"),  # SmolLM2's 9 / 3 heads
+    ("llama8", "cpp", "4", "swap"),  # the host pool holds every KV head of a block
+    ("llama8", "jnp", "4", "recompute"),
+    pytest.param("llama8", "jnp", "2,8", "recompute", marks=pytest.mark.slow),
+    pytest.param("llama8", "pallas_tpu", "2,4", "recompute",
+                 marks=[pytest.mark.slow, pytest.mark.kernels]),
 ])
-def test_tokens_equal_one_device(model, backend, sizes):
+def test_tokens_equal_one_device(model, backend, sizes, preemption):
     """A mixed workload (chunked prefill, preemption, n=2 seeded samples, a prefix-cache
     hit, beam search) gives every token one device gives, with the same preemptions and
     hits (one block table serves every shard)."""
-    assert_same_tokens(run_worker("tokens", model, backend, sizes))
+    results = run_worker("tokens", model, backend, sizes, preemption)
+    if preemption == "swap":
+        assert all(r["swapped"] > 0 for r in results.values())
+    assert_same_tokens(results)
 
 
 def test_each_device_holds_its_share():

@@ -62,16 +62,19 @@ def workload(llm: LLM) -> dict:
             "again_cached": again[0].metrics.num_cached_tokens}
 
 
-def tokens(kind: str, backend: str, sizes: str) -> dict:
+def tokens(kind: str, backend: str, sizes: str, preemption: str = "recompute") -> dict:
     path = model_dir(kind)
     block_size = 8 if backend.startswith("pallas") else 4
+    swap = {} if preemption == "recompute" else dict(preemption_mode=preemption,
+                                                      swap_space=1 << 20)
     results = {}
     for tp in [1] + [int(s) for s in sizes.split(",")]:
         llm = LLM(path, block_size=block_size, num_blocks=120 // block_size,
                   max_num_batched_tokens=32, max_num_seqs=6, tensor_parallel_size=tp,
                   attention_backend=backend, kernel_interpret=backend.startswith("pallas"),
-                  debug_nan_pool=True)
+                  debug_nan_pool=True, **swap)
         results[tp] = workload(llm)
+        results[tp]["swapped"] = llm.stats()["num_swapped_preemptions"]
     return results
 
 
