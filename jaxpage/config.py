@@ -20,7 +20,8 @@ def choices(field: str) -> tuple | None:
     """The allowed values of an EngineConfig field that takes one of a fixed list (for the
     command-line flags), else None."""
     return {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS,
-            "reservation_policy": RESERVATION_POLICIES}.get(field)
+            "reservation_policy": RESERVATION_POLICIES,
+            "preemption_mode": PREEMPTION_MODES}.get(field)
 
 
 @dataclasses.dataclass(frozen=True)

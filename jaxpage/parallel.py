@@ -155,6 +155,20 @@ class TensorParallel:
         out["layers"] = layers
         return out
 
+    def layout_shapes(self, shapes: dict) -> dict:
+        """`tp_layout`'s effect on param shapes (a pytree of tuples, as `param_shapes`), for
+        abstract arrays: the qkv columns grow with the replicated KV heads, the vocabulary
+        is padded; everything else only moves."""
+        c = self.config
+        qkv = c.q_size + 2 * c.kv_size * self.kv_replicas
+        out = dict(shapes, embed=(self.padded_vocab, c.hidden_size))
+        if "lm_head" in shapes:
+            out["lm_head"] = (c.hidden_size, self.padded_vocab)
+        out["layers"] = [dict(layer, qkv=(layer["qkv"][0], qkv),
+                              **({"qkv_bias": (qkv,)} if "qkv_bias" in layer else {}))
+                         for layer in shapes["layers"]]
+        return out
+
     @staticmethod
     def param_specs(params: dict) -> dict:
         def spec(path, _leaf) -> P:

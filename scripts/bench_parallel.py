@@ -95,21 +95,7 @@ def layout_shapes(config, tp: int) -> dict:
     from jaxpage.models.llama import param_shapes
 
     shapes = param_shapes(config)
-    if tp == 1:
-        return shapes
-    p = plan(config, tp)
-    qkv = config.q_size + 2 * config.kv_size * p.kv_replicas  # k and v heads repeated
-    out = dict(shapes, embed=(p.padded_vocab, config.hidden_size))
-    if "lm_head" in shapes:
-        out["lm_head"] = (config.hidden_size, p.padded_vocab)
-    layers = []
-    for layer in shapes["layers"]:
-        layer = dict(layer, qkv=(layer["qkv"][0], qkv))
-        if "qkv_bias" in layer:
-            layer["qkv_bias"] = (qkv,)
-        layers.append(layer)  # gate_up is reordered, not resized
-    out["layers"] = layers
-    return out
+    return shapes if tp == 1 else plan(config, tp).layout_shapes(shapes)
 
 
 def weight_bytes_per_device(config, tp: int, dtype: str) -> int:

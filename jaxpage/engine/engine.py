@@ -64,10 +64,10 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         if runner is None:  # the device side, imported here so this module imports no JAX
-            from jaxpage.engine.runner import ModelRunner
+            from jaxpage.engine.runner import build_runner
 
-            runner = ModelRunner(model, params, config, max_model_len=self.max_model_len,
-                                 devices=devices)
+            runner = build_runner(model, params, config, max_model_len=self.max_model_len,
+                                  devices=devices)
         self.runner = runner
         self.swap_cost = None
         if config.preemption_mode == "auto":

@@ -84,6 +84,18 @@ _GATHER_BLOCKS = jax.jit(_gather_blocks_fn)
 _SCATTER_BLOCKS = jax.jit(_scatter_blocks_fn, donate_argnums=0)
 
 
+def build_runner(model: Any, params: Any, config: EngineConfig, *, max_model_len: int,
+                 devices: list | None = None) -> Any:
+    """The engine's runner: a ModelRunner, whose device calls every process makes together
+    when JAX spans several processes (jaxpage.distributed)."""
+    runner = ModelRunner(model, params, config, max_model_len=max_model_len, devices=devices)
+    if jax.process_count() == 1:
+        return runner
+    from jaxpage.distributed import MultiHostRunner
+
+    return MultiHostRunner(runner)
+
+
 class ModelRunner:
     """Owns the device params, the KV pool, the host pool and the compiled step functions.
 

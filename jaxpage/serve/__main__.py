@@ -33,6 +33,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="requests accepted and not finished beyond which new ones get 503")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip compiling the common step shapes before serving")
+    p.add_argument("--distributed", action="store_true",
+                   help="one engine over several processes: jax.distributed from "
+                        "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID (process "
+                        "0 serves, the others follow it)")
     p.add_argument("--log-level", default="info")
     add_engine_args(p)
     return p.parse_args(argv)
@@ -47,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if app is None:  # a follower process: it served process 0's device calls
+        return 0
     import uvicorn
 
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -55,16 +61,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def load(args: argparse.Namespace):
-    """Load the model, warm the compiled steps up and build the app."""
+    """Load the model, warm the compiled steps up and build the app (None on a follower
+    process, after process 0 has stopped)."""
     from jaxpage import LLM
     from jaxpage.engine_args import enable_compile_cache, engine_config
     from jaxpage.serve import build_app
 
     if args.compile_cache:
         enable_compile_cache(args.compile_cache)
+    if args.distributed:
+        from jaxpage import distributed
+
+        distributed.initialize()
     start = time.perf_counter()
     config = engine_config(args)
-    engine = LLM(config=config).engine
+    llm = LLM(config=config)
+    engine = llm.engine
+    if args.distributed and not distributed.is_leader():
+        logger.info("following process 0")
+        distributed.follow(llm)
+        return None
     logger.info("loaded %s in %.1f s: %d KV blocks of %d tokens", config.model,
                 time.perf_counter() - start, engine.stats()["kv_blocks_total"],
                 config.block_size)

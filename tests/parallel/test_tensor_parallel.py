@@ -104,3 +104,15 @@ def test_bad_sizes_are_refused_naming_the_numbers():
     for tp in ("3", "5"):
         assert f"tensor_parallel_size {tp} cannot split" in messages[tp]
         assert "num_heads 8" in messages[tp] and "valid sizes: [1, 2, 4, 8]" in messages[tp]
+
+
+def test_the_sharded_decode_step_exports_for_tpu_at_llama3_8b_shapes():
+    """No TPU here: `jax.export` lowers the tensor-parallel decode step for TPU on an
+    abstract 8-device mesh at Llama-3-8B shapes (32 / 8 heads, head_dim 128, 8k context,
+    bfloat16), with the Pallas TPU decode kernel (a Mosaic custom call) inside and the
+    designed collectives per layer."""
+    result = run_worker("export_tpu", "32")
+    assert result["platforms"] == ["tpu"] and result["nr_devices"] == 8
+    assert result["mosaic_calls"] >= 1
+    assert result["all_reduces"] == 2 * result["num_layers"] + 1
+    assert result["all_gathers"] == 1

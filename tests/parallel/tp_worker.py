@@ -62,17 +62,22 @@ def workload(llm: LLM) -> dict:
             "again_cached": again[0].metrics.num_cached_tokens}
 
 
+# a pool small enough that the workload preempts, a token budget that chunks its long prompt
+ENGINE_FOR_TOKENS = dict(block_size=4, num_blocks=30, max_num_batched_tokens=32,
+                         max_num_seqs=6, debug_nan_pool=True)
+
+
 def tokens(kind: str, backend: str, sizes: str, preemption: str = "recompute") -> dict:
     path = model_dir(kind)
-    block_size = 8 if backend.startswith("pallas") else 4
-    swap = {} if preemption == "recompute" else dict(preemption_mode=preemption,
-                                                      swap_space=1 << 20)
+    engine = dict(ENGINE_FOR_TOKENS, attention_backend=backend,
+                  kernel_interpret=backend.startswith("pallas"))
+    if backend.startswith("pallas"):  # the TPU kernel's tiles: 8 tokens a block
+        engine.update(block_size=8, num_blocks=15)
+    if preemption != "recompute":
+        engine.update(preemption_mode=preemption, swap_space=1 << 20)
     results = {}
-    for tp in [1] + [int(s) for s in sizes.split(",")]:
-        llm = LLM(path, block_size=block_size, num_blocks=120 // block_size,
-                  max_num_batched_tokens=32, max_num_seqs=6, tensor_parallel_size=tp,
-                  attention_backend=backend, kernel_interpret=backend.startswith("pallas"),
-                  debug_nan_pool=True, **swap)
+    for tp in [1] + [int(s) for s in sizes.split(",") if s]:
+        llm = LLM(path, tensor_parallel_size=tp, **engine)
         results[tp] = workload(llm)
         results[tp]["swapped"] = llm.stats()["num_swapped_preemptions"]
     return results
@@ -129,8 +134,7 @@ def collectives(kind: str, tp: str) -> dict:
 def data_parallel(kind: str, backend: str, dp: str, tp: str) -> dict:
     """The workload on one device and on dp replicas of tp devices each."""
     path = model_dir(kind)
-    engine = dict(block_size=4, num_blocks=30, max_num_batched_tokens=32, max_num_seqs=6,
-                  attention_backend=backend, debug_nan_pool=True)
+    engine = dict(ENGINE_FOR_TOKENS, attention_backend=backend)
     single = workload(LLM(path, **engine))
     llm = LLM(path, data_parallel_size=int(dp), tensor_parallel_size=int(tp), **engine)
     replicated = workload(llm)
@@ -140,6 +144,56 @@ def data_parallel(kind: str, backend: str, dp: str, tp: str) -> dict:
             "replica_steps": [s["num_steps"] for s in stats["replicas"]],
             "replica_devices": [[d.id for d in r.runner.devices]
                                 for r in llm.engine.replicas]}
+
+
+def export_tpu(num_layers: str) -> dict:
+    """The tensor-parallel decode step at Llama-3-8B shapes (32 query / 8 KV heads,
+    head_dim 128, 8k context) exported for TPU on an abstract 8-device mesh, with the Pallas
+    TPU decode kernel inside: no TPU and no weights needed."""
+    from jax.sharding import AbstractMesh, NamedSharding
+
+    from jaxpage.attention import AttentionMetadata
+    from jaxpage.engine.runner import _forward_fn
+    from jaxpage.models.config import ModelConfig
+    from jaxpage.models.llama import LlamaModel, param_shapes
+    from jaxpage.parallel import MODEL_AXIS, POOL_SPEC, TensorParallel, TensorParallelModel
+
+    config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096,
+                         intermediate_size=14336, num_layers=int(num_layers), num_heads=32,
+                         num_kv_heads=8, head_dim=128, max_position_embeddings=8192)
+    plan = TensorParallel(AbstractMesh((8,), (MODEL_AXIS,)), config)
+    model = TensorParallelModel.wrap(LlamaModel(config), plan)
+    bf16, i32 = jax.numpy.bfloat16, jax.numpy.int32
+
+    def abstract(shape, spec, dtype=bf16):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(plan.mesh, spec))
+
+    shapes = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, bf16),
+                          plan.layout_shapes(param_shapes(config)),
+                          is_leaf=lambda x: isinstance(x, tuple))
+    params = jax.tree.map(lambda leaf, spec: abstract(leaf.shape, spec), shapes,
+                          TensorParallel.param_specs(shapes))
+    rows, block_size, num_blocks, width = 64, 16, 4096, 8192 // 16
+    pool = [tuple(abstract((plan.pool_kv_heads, num_blocks, block_size, 128), POOL_SPEC)
+                  for _ in "kv") for _ in range(config.num_layers)]
+    replicated = jax.sharding.PartitionSpec()
+    md = AttentionMetadata(
+        slot_mapping=abstract((rows,), replicated, i32),
+        block_tables=abstract((rows, width), replicated, i32),
+        seq_lens=abstract((rows,), replicated, i32),
+        query_start_loc=abstract((rows + 1,), replicated, i32),
+        logits_indices=abstract((rows,), replicated, i32),
+        max_query_len=1, backend="pallas_tpu")
+    step = jax.jit(_forward_fn, static_argnums=0, donate_argnums=2)
+    exported = jax.export.export(step, platforms=["tpu"])(
+        model, params, pool, abstract((rows,), replicated, i32),
+        abstract((rows,), replicated, i32), md)
+    text = exported.mlir_module()
+    return {"platforms": list(exported.platforms), "nr_devices": exported.nr_devices,
+            "mosaic_calls": text.count("tpu_custom_call"),
+            "all_reduces": text.count("stablehlo.all_reduce"),
+            "all_gathers": text.count("stablehlo.all_gather"),
+            "num_layers": config.num_layers}
 
 
 def refusals() -> dict:
@@ -155,6 +209,10 @@ def refusals() -> dict:
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "model_dir":  # for the multi-process test: the model both processes load
+        print(json.dumps(model_dir(sys.argv[2])))
+        sys.exit()
     case, *args = sys.argv[1:]
     print(json.dumps({"tokens": tokens, "memory": memory, "collectives": collectives,
-                      "data_parallel": data_parallel, "refusals": refusals}[case](*args)))
+                      "data_parallel": data_parallel, "export_tpu": export_tpu,
+                      "refusals": refusals}[case](*args)))
