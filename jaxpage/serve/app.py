@@ -250,11 +250,16 @@ def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
 
 
 # ---------------------------------------------------------------- helpers
+# Characters some line readers end a line at (Python's splitlines, httpx's aiter_lines)
+# though SSE does not: escaped inside the JSON strings they can only appear in.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(events: AsyncIterator[dict | str]) -> StreamingResponse:
     async def body():
         async for event in events:
             data = event if isinstance(event, str) else json.dumps(event, ensure_ascii=False)
-            yield f"data: {data}\n\n"
+            yield f"data: {data.translate(_LINE_BREAKS)}\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})

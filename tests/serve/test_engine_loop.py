@@ -165,3 +165,25 @@ def test_beam_search_reports_ttft_and_tpot(llama_dir):
     stats = llm.stats()
     assert stats["ttft"]["count"] == 2 and stats["ttft"]["mean"] > 0
     assert stats["tpot"]["count"] == 2 and stats["tpot"]["mean"] > 0
+
+
+def test_sse_events_survive_line_readers_that_split_on_unicode_breaks():
+    """Generated text may hold U+0085, U+2028, U+2029: valid inside SSE, but Python's
+    splitlines (and httpx's aiter_lines) end lines there; each event must stay one line
+    and decode to the same text."""
+    import asyncio
+
+    from jaxpage.serve.app import _sse
+
+    text = "a\x85b\u2028c\u2029d\x1ce 日本"
+
+    async def events():
+        yield {"text": text}
+        yield "[DONE]"
+
+    async def body():
+        return "".join([chunk async for chunk in _sse(events()).body_iterator])
+
+    lines = [line for line in asyncio.run(body()).splitlines() if line]
+    assert lines[-1] == "data: [DONE]" and len(lines) == 2
+    assert json.loads(lines[0][len("data: "):]) == {"text": text}
