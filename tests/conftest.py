@@ -84,6 +84,21 @@ def hf_model_dir(tmp_path_factory):
     return make
 
 
+def add_due(engine, pending: list, step: int) -> None:
+    """Add the workload items `(request_id, prompt, params, step to add it at)` due by
+    `step` to `engine` (beam searches by their BeamSearchParams) and drop them from
+    `pending`."""
+    from jaxpage import BeamSearchParams
+
+    for item in [w for w in pending if w[3] <= step]:
+        request_id, prompt, params, _ = item
+        if isinstance(params, BeamSearchParams):
+            engine.add_beam_request(request_id, prompt, params)
+        else:
+            engine.add_request(request_id, prompt, params)
+        pending.remove(item)
+
+
 def hf_logits(model, token_ids) -> np.ndarray:
     """HF transformers' float32 logits [len, vocab] for one sequence (the oracle)."""
     import torch

@@ -312,6 +312,32 @@ class _View:
         return {"id": self.id, "object": self.chunk_name if chunk else self.object_name,
                 "created": self.created, "model": self.model}
 
+    prompt_tokens = 0
+
+    def delta_choice(self, out: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
+        """The streamed choice of one completion's delta."""
+        raise NotImplementedError
+
+    async def chunks(self, stream: RequestStream) -> AsyncIterator[dict | str]:
+        """The SSE events: a chunk per delta, an error event if the engine ended a request
+        or died, the usage chunk when asked for, then [DONE]."""
+        generated = 0
+        try:
+            async for out in stream:
+                if out.error is not None:
+                    yield error_body(f"the engine ended this request: {out.error}",
+                                     "internal_server_error")
+                    continue
+                for c in out.outputs:
+                    generated += len(c.token_ids)
+                    yield {**self.header(True), "choices": [self.delta_choice(out, c)]}
+        except (EngineDeadError, OverloadedError) as exc:
+            yield error_body(str(exc), "service_unavailable")
+        if self.body.include_usage:
+            yield {**self.header(True), "choices": [],
+                   "usage": _usage(self.prompt_tokens, generated)}
+        yield "[DONE]"
+
     async def collect(self, stream: RequestStream) -> dict[str, list[CompletionOutput]]:
         """Every request's full completions, by request id."""
         merged: dict[str, dict[int, CompletionOutput]] = {}
@@ -334,6 +360,8 @@ class _CompletionView(_View):
         super().__init__(base, model, tokenizer)
         self.body, self.prompts = body, prompts
         self.index_of = {r.request_id: i for i, r in enumerate(requests)}
+        self.prompt_tokens = sum(len(ids) for ids, _ in prompts)
+        self.offsets: dict[tuple[int, int], int] = {}  # streamed text of each choice
 
     def prompt_text(self, i: int) -> str:
         ids, text = self.prompts[i]
@@ -367,38 +395,18 @@ class _CompletionView(_View):
             for c in final[request_id]:
                 choices.append(self.choice(i, c, echo + c.text, len(echo)))
                 generated += len(c.token_ids)
-        prompt_tokens = sum(len(ids) for ids, _ in self.prompts)
         return {**self.header(False), "choices": choices,
-                "usage": _usage(prompt_tokens, generated)}
+                "usage": _usage(self.prompt_tokens, generated)}
 
-    async def chunks(self, stream: RequestStream) -> AsyncIterator[dict | str]:
-        echoed: set[tuple[int, int]] = set()
-        offsets: dict[tuple[int, int], int] = {}
-        generated = 0
-        try:
-            async for out in stream:
-                i = self.index_of[out.request_id]
-                if out.error is not None:
-                    yield error_body(f"the engine ended this request: {out.error}",
-                                     "internal_server_error")
-                    continue
-                for c in out.outputs:
-                    key = (i, c.index)
-                    text = c.text
-                    if self.body.echo and key not in echoed:
-                        echoed.add(key)
-                        text = self.prompt_text(i) + text
-                    offset = offsets.get(key, 0)
-                    offsets[key] = offset + len(text)
-                    generated += len(c.token_ids)
-                    yield {**self.header(True), "choices": [self.choice(i, c, text, offset)]}
-        except (EngineDeadError, OverloadedError) as exc:
-            yield error_body(str(exc), "service_unavailable")
-        if self.body.include_usage:
-            prompt_tokens = sum(len(ids) for ids, _ in self.prompts)
-            yield {**self.header(True), "choices": [],
-                   "usage": _usage(prompt_tokens, generated)}
-        yield "[DONE]"
+    def delta_choice(self, out: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
+        i = self.index_of[out.request_id]
+        key = (i, c.index)
+        text = c.text
+        if self.body.echo and key not in self.offsets:  # its first delta carries the prompt
+            text = self.prompt_text(i) + text
+        offset = self.offsets.get(key, 0)
+        self.offsets[key] = offset + len(text)
+        return self.choice(i, c, text, offset)
 
 
 class _ChatView(_View):
@@ -408,6 +416,7 @@ class _ChatView(_View):
                  tokenizer: Any) -> None:
         super().__init__(base, model, tokenizer)
         self.body, self.prompt_tokens = body, prompt_tokens
+        self.started: set[int] = set()  # choices whose role was sent
 
     def logprobs(self, completion: CompletionOutput) -> dict | None:
         if completion.logprobs is None:
@@ -435,29 +444,12 @@ class _ChatView(_View):
         return {**self.header(False), "choices": choices,
                 "usage": _usage(self.prompt_tokens, generated)}
 
-    async def chunks(self, stream: RequestStream) -> AsyncIterator[dict | str]:
-        started: set[int] = set()
-        generated = 0
-        try:
-            async for out in stream:
-                if out.error is not None:
-                    yield error_body(f"the engine ended this request: {out.error}",
-                                     "internal_server_error")
-                    continue
-                for c in out.outputs:
-                    delta: dict[str, Any] = {}
-                    if c.index not in started:
-                        started.add(c.index)
-                        delta["role"] = "assistant"
-                    if c.text or "role" in delta:
-                        delta["content"] = c.text
-                    generated += len(c.token_ids)
-                    yield {**self.header(True), "choices": [{
-                        "index": c.index, "delta": delta, "logprobs": self.logprobs(c),
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
-        except (EngineDeadError, OverloadedError) as exc:
-            yield error_body(str(exc), "service_unavailable")
-        if self.body.include_usage:
-            yield {**self.header(True), "choices": [],
-                   "usage": _usage(self.prompt_tokens, generated)}
-        yield "[DONE]"
+    def delta_choice(self, out: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
+        delta: dict[str, Any] = {}
+        if c.index not in self.started:
+            self.started.add(c.index)
+            delta["role"] = "assistant"
+        if c.text or "role" in delta:
+            delta["content"] = c.text
+        return {"index": c.index, "delta": delta, "logprobs": self.logprobs(c),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jax
 import pytest
-from conftest import hf_greedy
+from conftest import add_due, hf_greedy
 
 import jaxpage.engine.runner as runner_module
 from jaxpage import LLM, BeamSearchParams, SamplingParams
@@ -52,13 +52,7 @@ def run(llm, fault=None):
     pending = workload()
     merged, final, raised = {}, {}, 0
     for step in range(2000):
-        for item in [w for w in pending if w[3] <= step]:
-            request_id, prompt, params, _ = item
-            if isinstance(params, BeamSearchParams):
-                engine.add_beam_request(request_id, prompt, params)
-            else:
-                engine.add_request(request_id, prompt, params)
-            pending.remove(item)
+        add_due(engine, pending, step)
         if not pending and not engine.has_unfinished_requests():
             break
         if fault is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import hf_greedy
+from conftest import add_due, hf_greedy
 
 from jaxpage import LLM, BeamSearchParams, EngineConfig, SamplingParams
 from jaxpage.attention import kv_bytes_per_block
@@ -56,13 +56,7 @@ def serve(llm, before_step=None, after_step=None):
     pending = workload()
     merged, final = {}, {}
     for step in range(2000):
-        for item in [w for w in pending if w[3] <= step]:
-            request_id, prompt, params, _ = item
-            if isinstance(params, BeamSearchParams):
-                engine.add_beam_request(request_id, prompt, params)
-            else:
-                engine.add_request(request_id, prompt, params)
-            pending.remove(item)
+        add_due(engine, pending, step)
         if not pending and not engine.has_unfinished_requests():
             break
         state = before_step(engine) if before_step else None
