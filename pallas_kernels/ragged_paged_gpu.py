@@ -1,0 +1,264 @@
+"""Ragged paged attention on GPU: prefill chunks and decode tokens in one Pallas (Triton) call.
+
+The batch is token-flat and ragged, as the engine packs a step (see `ragged_tiles`): each
+sequence brings any number of new queries (decode: one; a prefill chunk: many), which attend
+causally to everything cached before them and to the earlier queries of their own chunk.
+`ragged_tiles` cuts the queries into tiles of `rows = tokens x GQA group` rows; one program
+per (tile, KV head, KV split) multiplies its `[rows, D]` tile by `keys_per_block` keys at a
+time, gathered page by page through the sequence's block table where they lie in the pool,
+with an online softmax in registers, as the decode kernel (`paged_decode_gpu`) does for one
+query. A tile reads keys only up to its last query (the causal bound); within that, the
+mask `key_pos <= row_pos` is exact per row.
+
+Splits (flash-decoding) cut a tile's keys into equal shares in whole compute blocks, each
+program writing its running max, sum and unnormalized output, merged afterwards in jnp
+(`paged_decode_gpu._combine_splits`); they matter for long contexts with few tiles. A pure
+decode step (`max_query_len` 1) gets one-token tiles of >= 16 rows (`tl.dot`'s minimum);
+otherwise tiles of ~64 rows reuse every K/V page for many queries.
+
+The oracle is `pallas_kernels.reference.paged_attention_reference` (same signature);
+tests/kernels/test_ragged_kernels.py holds the two, and a float64 NumPy oracle, to each other.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import ragged_tiles
+from pallas_kernels.checks import check_ragged_inputs
+from pallas_kernels.paged_decode_gpu import (  # noqa: F401 (the deprecation filter is set there)
+    MIN_DOT_ROWS,
+    TARGET_PROGRAMS,
+    _combine_splits,
+    _next_power_of_2,
+)
+
+DECODE_ROWS = MIN_DOT_ROWS
+PREFILL_ROWS = 64
+# Keys per inner step: 128 for the thin decode tiles (memory bound, as in paged_decode_gpu);
+# 64 for prefill tiles, whose [rows, keys] score tile lives in registers.
+DECODE_KEYS_PER_BLOCK = 128
+PREFILL_KEYS_PER_BLOCK = 64
+DEFAULT_NUM_WARPS = 4
+DEFAULT_NUM_STAGES = 2
+
+
+def pool_head_dim(head_dim: int) -> int:
+    """The head dim a pool must have for this kernel to read it without a copy: Triton tiles
+    are powers of 2 (>= 16)."""
+    return max(16, _next_power_of_2(head_dim))
+
+
+def _ragged_kernel(
+    q_ref,  # [rows, D]: this tile's queries of one KV head's group
+    k_ref,  # [num_blocks, block_size, D]: this KV head's K pool
+    v_ref,  # [num_blocks, block_size, D]: this KV head's V pool
+    table_ref,  # [table_width]: the tile's sequence's block table (whole compute blocks)
+    kv_len_ref,  # [1]: keys the tile reads (its last query's position + 1; 0 if empty)
+    row_pos_ref,  # [rows]: position of each row's query, -1 for empty rows
+    out_ref,  # [rows, D] f32: this split's unnormalized output
+    max_ref,  # [rows] f32: this split's running max (-inf where no key was seen)
+    sum_ref,  # [rows] f32: this split's sum of exp(score - max)
+    *,
+    scale: float,
+    num_splits: int,
+    pages_per_compute_block: int,
+):
+    rows, head_dim = q_ref.shape
+    block_size = k_ref.shape[1]
+    keys = pages_per_compute_block * block_size
+    split = pl.program_id(2)
+    kv_len = kv_len_ref[0]
+
+    # This split's pages: an equal share of the tile's pages, in whole compute blocks.
+    num_pages = pl.cdiv(kv_len, block_size)
+    pages_per_split = pl.cdiv(pl.cdiv(num_pages, num_splits), pages_per_compute_block)
+    pages_per_split = pages_per_split * pages_per_compute_block
+    first_page = split * pages_per_split
+    end_page = jnp.minimum(first_page + pages_per_split, num_pages)
+    num_steps = pl.cdiv(jnp.maximum(end_page - first_page, 0), pages_per_compute_block)
+
+    q = q_ref[...]  # [R, D]
+    row_pos = row_pos_ref[...]  # [R]
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+
+    def step(i, carry):
+        acc, row_max, row_sum = carry  # [R, D], [R], [R]
+        page = first_page + i * pages_per_compute_block
+        page_ids = table_ref[pl.ds(page, pages_per_compute_block)]  # [P]
+        # Pages wholly past the tile's keys are never read: their entries may be anything.
+        page_pos = page + jnp.arange(pages_per_compute_block, dtype=jnp.int32)
+        page_ids = jnp.where(page_pos < num_pages, page_ids, 0)
+        k = k_ref[page_ids].reshape(keys, head_dim)  # [P * B, D]
+        v = v_ref[page_ids].reshape(keys, head_dim)
+        key_pos = page * block_size + jnp.arange(keys, dtype=jnp.int32)  # [Kb]
+
+        # [R, D] x [Kb, D] -> [R, Kb]. Causal per row; row_pos < kv_len <= the sequence's
+        # length, so keys past it (unowned slots, maybe NaN) are masked too.
+        scores = jax.lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), precision=precision,
+            preferred_element_type=jnp.float32) * scale
+        scores = jnp.where(key_pos[None, :] <= row_pos[:, None], scores, -jnp.inf)
+        new_max = jnp.maximum(row_max, scores.max(axis=1))
+        # a row may have seen no key yet (all masked so far): exponents against 0, not -inf
+        safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+        correction = jnp.exp(row_max - safe_max)  # 0 while row_max is -inf
+        probs = jnp.exp(scores - safe_max[:, None])  # [R, Kb]; 0 where masked
+        row_sum = row_sum * correction + probs.sum(axis=1)
+        v = jnp.where((key_pos < kv_len)[:, None], v, jnp.zeros_like(v))  # 0 * NaN = NaN
+        # [R, Kb] x [Kb, D] -> [R, D]
+        update = jax.lax.dot_general(
+            probs.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+            preferred_element_type=jnp.float32)
+        return acc * correction[:, None] + update, new_max, row_sum
+
+    init = (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    acc, row_max, row_sum = jax.lax.fori_loop(0, num_steps, step, init)
+    out_ref[...] = acc
+    max_ref[...] = row_max
+    sum_ref[...] = row_sum
+
+
+def _build_call(*, scale, num_tiles, num_kv_heads, rows, head_dim, num_blocks, block_size,
+                table_width, num_splits, pages_per_compute_block, num_warps, num_stages,
+                interpret):
+    """The pallas_call over grid (tile, KV head, split)."""
+    kernel = functools.partial(
+        _ragged_kernel, scale=scale, num_splits=num_splits,
+        pages_per_compute_block=pages_per_compute_block)
+    split_shape = (num_tiles, num_kv_heads, num_splits, rows)
+    return pl.pallas_call(
+        kernel,
+        grid=(num_tiles, num_kv_heads, num_splits),
+        in_specs=[
+            # q tiles [N, K, R, D]: tile i's rows of KV head h
+            pl.BlockSpec((None, None, rows, head_dim), lambda i, h, j: (i, h, 0, 0)),
+            # k_pool [K, NB, B, D]: all blocks of KV head h (pages are gathered in the body)
+            pl.BlockSpec((None, num_blocks, block_size, head_dim), lambda i, h, j: (h, 0, 0, 0)),
+            pl.BlockSpec((None, num_blocks, block_size, head_dim), lambda i, h, j: (h, 0, 0, 0)),
+            # tile tables [N, W]: the block table of tile i's sequence
+            pl.BlockSpec((None, table_width), lambda i, h, j: (i, 0)),
+            # tile kv lengths [N]
+            pl.BlockSpec((1,), lambda i, h, j: (i,)),
+            # row positions [N, R]
+            pl.BlockSpec((None, rows), lambda i, h, j: (i, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, rows, head_dim), lambda i, h, j: (i, h, j, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda i, h, j: (i, h, j, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda i, h, j: (i, h, j, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((*split_shape, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct(split_shape, jnp.float32),
+            jax.ShapeDtypeStruct(split_shape, jnp.float32),
+        ],
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention_gpu",
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("max_query_len", "scale", "pages_per_compute_block", "num_splits",
+                     "num_warps", "num_stages", "interpret"),
+)
+def ragged_paged_attention_gpu(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    query_start_loc: jax.Array,
+    *,
+    max_query_len: int,
+    scale: float | None = None,
+    pages_per_compute_block: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int = DEFAULT_NUM_WARPS,
+    num_stages: int = DEFAULT_NUM_STAGES,
+    interpret: bool = False,
+) -> jax.Array:
+    """Attention of a ragged batch of queries over a paged KV pool, on GPU.
+
+    Args:
+      q: [T, num_heads, head_dim] float32 or bfloat16 (already rotated). Query head h reads
+        KV head h // (num_heads // num_kv_heads).
+      k_pool, v_pool: [num_kv_heads, num_blocks, block_size, pool_head_dim], q's dtype, this
+        step's K/V already written. pool_head_dim >= head_dim: a pool allocated at
+        `pool_head_dim(head_dim)` (zeros past head_dim) is read in place; any other is padded
+        here, which copies it. Slots no sequence owns may hold anything, NaN included.
+      block_tables: [S, W] int32; entries past a sequence's length are never read.
+      seq_lens: [S] int32 tokens of each sequence including this step's (0: padding).
+      query_start_loc: [S + 1] int32 offsets of each sequence's queries in q; tokens past
+        query_start_loc[S] are padding.
+      max_query_len: static bound on queries per sequence (1: a pure decode step).
+      scale: softmax scale, default head_dim ** -0.5.
+      pages_per_compute_block: pages per inner step (power of 2); default 128 keys' worth
+        for decode, 64 for prefill.
+      num_splits: KV splits per tile; default enough for ~4 waves of programs on 132 SMs.
+      num_warps, num_stages: Triton launch parameters.
+      interpret: run in Pallas interpret mode (CPU).
+
+    Returns:
+      [T, num_heads, head_dim] in q's dtype; rows of padding tokens are zero.
+    """
+    check_ragged_inputs(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, num_blocks, block_size, pool_dim = k_pool.shape
+    num_seqs, table_width = block_tables.shape
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size {block_size} must be a power of 2")
+    scale = head_dim**-0.5 if scale is None else scale
+    padded_dim = pool_head_dim(pool_dim)
+    if padded_dim != pool_dim:  # copies the pools; pools sized by pool_head_dim avoid it
+        pad = ((0, 0), (0, 0), (0, 0), (0, padded_dim - pool_dim))
+        k_pool, v_pool = jnp.pad(k_pool, pad), jnp.pad(v_pool, pad)
+
+    group = num_heads // num_kv_heads
+    layout = ragged_tiles.tile_layout(
+        num_tokens, num_seqs, group, max_query_len, decode_rows=DECODE_ROWS,
+        prefill_rows=PREFILL_ROWS, round_rows=_next_power_of_2)
+    if pages_per_compute_block is None:
+        keys = DECODE_KEYS_PER_BLOCK if max_query_len <= 1 else PREFILL_KEYS_PER_BLOCK
+        pages_per_compute_block = max(1, keys // block_size)
+    if pages_per_compute_block < 1 or pages_per_compute_block & (pages_per_compute_block - 1):
+        raise ValueError(
+            f"pages_per_compute_block {pages_per_compute_block} must be a power of 2 >= 1")
+    if pages_per_compute_block * block_size < MIN_DOT_ROWS:
+        raise ValueError(f"pages_per_compute_block * block_size = "
+                         f"{pages_per_compute_block * block_size} must be >= {MIN_DOT_ROWS}")
+    max_compute_blocks = max(1, -(-table_width // pages_per_compute_block))
+    if num_splits is None:
+        wanted = -(-TARGET_PROGRAMS // (layout.num_tiles * num_kv_heads))
+        num_splits = max(1, min(wanted, max_compute_blocks))
+    if num_splits < 1:
+        raise ValueError(f"num_splits {num_splits} must be >= 1")
+
+    tiles = ragged_tiles.make_tiles(layout, seq_lens, query_start_loc, num_tokens)
+    q_tiles = ragged_tiles.gather_queries(q, tiles, layout, padded_dim)  # [N, K, R, Dp]
+    # each tile's table row, whole compute blocks wide so the last step's slice is in bounds
+    padded_width = max_compute_blocks * pages_per_compute_block
+    tile_tables = jnp.pad(block_tables, ((0, 0), (0, padded_width - table_width)))
+    tile_tables = tile_tables[tiles.tile_seq]  # [N, W]
+
+    call = _build_call(
+        scale=scale, num_tiles=layout.num_tiles, num_kv_heads=num_kv_heads, rows=layout.rows,
+        head_dim=padded_dim, num_blocks=num_blocks, block_size=block_size,
+        table_width=padded_width, num_splits=num_splits,
+        pages_per_compute_block=pages_per_compute_block, num_warps=num_warps,
+        num_stages=num_stages, interpret=interpret)
+    partial_out, split_max, split_sum = call(
+        q_tiles, k_pool, v_pool, tile_tables, tiles.tile_kv_len, tiles.row_pos)
+    out = _combine_splits(partial_out, split_max, split_sum)  # [N, K, R, Dp]
+    return ragged_tiles.scatter_outputs(out, tiles, layout, num_tokens, head_dim, q.dtype)
