@@ -20,11 +20,12 @@ from pallas_kernels.blockwise import paged_attention_blockwise, write_kv
 from pallas_kernels.reference import paged_attention_reference
 
 # "cpp": the C++ kernel called through XLA FFI (the CPU path, float32 pools); "jnp": blockwise
-# online-softmax jnp (any platform and dtype); "reference": the dense jnp oracle.
+# online-softmax jnp (any platform and dtype); "reference": the dense jnp oracle;
+# "pallas_gpu" / "pallas_tpu": the ragged Pallas kernels (Triton / Mosaic).
 BACKENDS = ("cpp", "jnp", "reference", "pallas_gpu", "pallas_tpu")
 # Backends that cost each sequence only its own queries and keys (no padding to
 # max_query_len): the runner packs a step's decode and prefill into one call for them.
-RAGGED_BACKENDS = ("cpp",)
+RAGGED_BACKENDS = ("cpp", "pallas_gpu", "pallas_tpu")
 # The Pallas kernels and the platform each one is compiled for.
 _PALLAS_PLATFORM = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 
@@ -48,9 +49,9 @@ class AttentionMetadata:
         for all T rows.
     Static fields (part of the compiled shape):
       max_query_len: most tokens any sequence has in this step (1 for pure decode).
-      backend: one of BACKENDS. The Pallas backends run decode steps
-        (max_query_len 1) in their kernel and prefill chunks on the jnp path; "cpp" runs both
-        in its kernel (and ignores max_query_len).
+      backend: one of BACKENDS. The ragged backends (RAGGED_BACKENDS: the C++ kernel and
+        the Pallas kernels) run decode tokens and prefill chunks of one step in one call;
+        the Pallas kernels size their query tiles from max_query_len (1: decode tiles).
       interpret: run the Pallas kernel in interpret mode (any platform, slow).
     """
 
@@ -94,33 +95,31 @@ def paged_attention(
     """
     if metadata.backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {metadata.backend!r}; choose from {BACKENDS}")
+    head_dim, pool_dim = q.shape[-1], layer_kv[0].shape[-1]
+    scale = head_dim**-0.5 if scale is None else scale
+    if pool_dim > head_dim:  # a pool padded at allocation (pool_head_dim): zeros past head_dim
+        pad = ((0, 0), (0, 0), (0, pool_dim - head_dim))
+        k, v = jnp.pad(k, pad), jnp.pad(v, pad)
     k_pool, v_pool = write_kv(*layer_kv, k, v, metadata.slot_mapping)
+    if metadata.backend in _PALLAS_PLATFORM:  # ragged: decode and prefill in one call
+        kernel = _pallas_kernel(metadata.backend)
+        out = kernel(q, k_pool, v_pool, metadata.block_tables, metadata.seq_lens,
+                     metadata.query_start_loc, max_query_len=metadata.max_query_len,
+                     scale=scale, interpret=metadata.interpret)
+        return out, (k_pool, v_pool)
+    if pool_dim > head_dim:  # zero lanes of q meet zero lanes of K: the scores are unchanged
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, pool_dim - head_dim)))
     if metadata.backend == "cpp":
         out = cpu_attention.paged_attention_cpu(q, k_pool, v_pool, metadata.block_tables,
                                                 metadata.seq_lens, metadata.query_start_loc,
                                                 scale=scale)
-        return out, (k_pool, v_pool)
-    if metadata.backend in _PALLAS_PLATFORM and metadata.max_query_len == 1:
-        # decode: one query per sequence, token i belongs to sequence i
-        kernel = _pallas_kernel(metadata.backend)
-        num_seqs = metadata.seq_lens.shape[0]
-        out = kernel(q[:num_seqs], k_pool, v_pool, metadata.block_tables, metadata.seq_lens,
-                     scale=scale, interpret=metadata.interpret)
-        out = jnp.zeros_like(q).at[:num_seqs].set(out.astype(q.dtype))
-        return out, (k_pool, v_pool)
-    attend = paged_attention_reference if metadata.backend == "reference" else (
-        paged_attention_blockwise)
-    out = attend(
-        q,
-        k_pool,
-        v_pool,
-        metadata.block_tables,
-        metadata.seq_lens,
-        metadata.query_start_loc,
-        max_query_len=metadata.max_query_len,
-        scale=scale,
-    )
-    return out, (k_pool, v_pool)
+    else:
+        attend = paged_attention_reference if metadata.backend == "reference" else (
+            paged_attention_blockwise)
+        out = attend(q, k_pool, v_pool, metadata.block_tables, metadata.seq_lens,
+                     metadata.query_start_loc, max_query_len=metadata.max_query_len,
+                     scale=scale)
+    return out[..., :head_dim], (k_pool, v_pool)
 
 
 def select_backend(requested: str, *, interpret: bool, head_dim: int, block_size: int,
@@ -156,12 +155,25 @@ def select_backend(requested: str, *, interpret: bool, head_dim: int, block_size
 
 def _pallas_kernel(backend: str):
     if backend == "pallas_gpu":
-        from pallas_kernels.paged_decode_gpu import paged_decode_attention_gpu
+        from pallas_kernels.ragged_paged_gpu import ragged_paged_attention_gpu
 
-        return paged_decode_attention_gpu
-    from pallas_kernels.paged_decode_tpu import paged_decode_attention_tpu
+        return ragged_paged_attention_gpu
+    from pallas_kernels.ragged_paged_tpu import ragged_paged_attention_tpu
 
-    return paged_decode_attention_tpu
+    return ragged_paged_attention_tpu
+
+
+def pool_head_dim(backend: str, head_dim: int) -> int:
+    """The head dim the KV pool is allocated with for `backend`: the lanes its kernel reads
+    without a copy (TPU: whole 128-lane vregs; GPU Triton: a power of 2), padded once at
+    allocation instead of on every call. The other backends read head_dim as is."""
+    if backend == "pallas_tpu":
+        return -(-head_dim // 128) * 128
+    if backend == "pallas_gpu":
+        from pallas_kernels.ragged_paged_gpu import pool_head_dim as gpu_pool_head_dim
+
+        return gpu_pool_head_dim(head_dim)
+    return head_dim
 
 
 def init_kv_pool(

@@ -89,8 +89,10 @@ def make_tiles(layout: TileLayout, seq_lens: jax.Array, query_start_loc: jax.Arr
     total_tiles = jnp.sum(tiles_per_seq)
     tile = jnp.arange(layout.num_tiles, dtype=jnp.int32)  # [N]
     # the last sequence whose first tile is <= tile (sequences without tiles share their
-    # first tile with the next one and are passed over)
-    seq = jnp.searchsorted(first_tile, tile, side="right").astype(jnp.int32) - 1
+    # first tile with the next one and are passed over). One fused compare of [N, S]: the
+    # default binary search is a loop, a launch and a host round trip per step on a GPU.
+    seq = jnp.searchsorted(first_tile, tile, side="right",
+                           method="compare_all").astype(jnp.int32) - 1
     seq = jnp.clip(seq, 0, seq_lens.shape[0] - 1)
     live_tile = tile < total_tiles  # [N]
     tile_in_seq = tile - first_tile[seq]  # [N]

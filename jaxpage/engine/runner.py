@@ -27,6 +27,7 @@ from jaxpage.attention import (
     build_metadata,
     init_kv_pool,
     kv_bytes_per_block,
+    pool_head_dim,
     select_backend,
 )
 from jaxpage.buckets import bucket_for, power_of_two_buckets
@@ -141,19 +142,21 @@ class ModelRunner:
             self.params = jax.device_put(params, devices[0])
             self._pool_sharding = jax.sharding.SingleDeviceSharding(devices[0])
         self.devices = devices
+        # the pool's head dim is what the kernel reads in place (padded once, here)
+        pool_dim = pool_head_dim(self.backend, model_config.head_dim)
         # one block over all layers: on each device (its KV heads), and in all (a swap)
         per_device = kv_bytes_per_block(model_config.num_layers, block_size,
-                                        pool_kv_heads // tp, model_config.head_dim, dtype)
+                                        pool_kv_heads // tp, pool_dim, dtype)
         self.block_bytes = per_device * tp
         self.num_blocks = num_blocks = _num_blocks(config, per_device, devices[0])
         self._pool_shape = (model_config.num_layers, num_blocks, block_size, pool_kv_heads,
-                            model_config.head_dim, dtype)
+                            pool_dim, dtype)
         self._pool_fill = float("nan") if config.debug_nan_pool else 0.0
         self.kv_pool = self._new_pool()
         self.max_model_len = max_model_len
         self.num_host_blocks = num_host_blocks = _num_host_blocks(config, self.block_bytes)
         self.host_kv = np.zeros((num_host_blocks, model_config.num_layers, 2, pool_kv_heads,
-                                 block_size, model_config.head_dim), dtype)
+                                 block_size, pool_dim), dtype)
         if config.debug_nan_pool:  # a read of a host block nobody wrote shows too
             self.host_kv.fill(np.nan)
         max_blocks = -(-max_model_len // block_size)

@@ -1,4 +1,4 @@
-"""The engine with each attention backend forced (the Pallas decode kernels in interpret mode
+"""The engine with each attention backend forced (the ragged Pallas kernels in interpret mode
 on CPU) generates exactly the dense reference backend's greedy tokens."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxpage import LLM, SamplingParams
+from jaxpage.attention import RAGGED_BACKENDS, pool_head_dim
 from pallas_kernels import cpu_attention
 
 pytestmark = pytest.mark.kernels
@@ -20,22 +21,67 @@ needs_cpp = pytest.mark.skipif(not cpu_attention.available(),
                                reason="the C++ kernel could not be built here")
 
 
+def mixed_workload(engine, add_at: dict[int, list]) -> dict[str, list[int]]:
+    """Run `add_at` (step -> [(request_id, prompt, params)]) through `engine` to the end;
+    returns each request's tokens. The engine's runner is spied on (the real `execute` still
+    runs) so the test can see that steps mixing decode tokens and prompt chunks happened."""
+    runner = engine.runner
+    real_execute = runner.execute
+    runner.mixed_steps = 0
+
+    def execute(seqs):
+        lengths = {len(s.token_ids) == 1 for s in seqs}
+        runner.mixed_steps += lengths == {True, False}
+        return real_execute(seqs)
+
+    runner.execute = execute
+    tokens: dict[str, list[int]] = {}
+    for step in range(200):
+        for request_id, prompt, params in add_at.pop(step, []):
+            engine.add_request(request_id, prompt, params)
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.outputs[0].token_ids
+        if not add_at and not engine.has_unfinished_requests():
+            return tokens
+    raise AssertionError("the workload did not finish in 200 steps")
+
+
 @pytest.mark.parametrize("backend", [pytest.param("cpp", marks=needs_cpp), "jnp", "pallas_gpu",
                                      "pallas_tpu"])
 def test_engine_greedy_tokens_match_reference_backend(hf_model_dir, backend):
+    """A mixed workload: chunked prompts (a 16-token budget cuts the 23- and 40-token ones),
+    prompts arriving while others decode (steps of decode tokens and chunks together), and
+    prompts sharing a 24-token prefix with earlier ones (prefix-cache hits, so chunks start
+    mid-sequence and mid-block)."""
     path, _ = hf_model_dir("qwen3")  # 6 query heads on 2 KV heads, head_dim 16
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 97, size=n).tolist() for n in (5, 16, 23)]
+    shared = rng.integers(3, 97, size=24).tolist()
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    kwargs = dict(block_size=8, num_blocks=32, max_num_batched_tokens=64, max_num_seqs=4)
-    reference = LLM(path, attention_backend="reference", **kwargs).generate(
-        prompts, params, use_tqdm=False)
+
+    def workload():
+        prompts = {"a": rng.integers(3, 97, size=5).tolist(), "b": shared + [5, 6, 7],
+                   "c": rng.integers(3, 97, size=23).tolist(), "d": shared + [9] * 16,
+                   "e": shared + [11], "f": rng.integers(3, 97, size=1).tolist()}
+        return {0: [("a", prompts["a"], params), ("b", prompts["b"], params)],
+                3: [("c", prompts["c"], params), ("d", prompts["d"], params)],
+                8: [("e", prompts["e"], params), ("f", prompts["f"], params)]}
+
+    kwargs = dict(block_size=8, num_blocks=48, max_num_batched_tokens=16, max_num_seqs=4,
+                  enable_prefix_caching=True)
+    state = rng.bit_generator.state
+    reference = LLM(path, attention_backend="reference", **kwargs).engine
+    expected = mixed_workload(reference, workload())
+    rng.bit_generator.state = state  # the same prompts again
     interpret = backend.startswith("pallas")
-    kernel_llm = LLM(path, attention_backend=backend, kernel_interpret=interpret, **kwargs)
-    assert kernel_llm.engine.runner.backend == backend
-    outs = kernel_llm.generate(prompts, params, use_tqdm=False)
-    for ref, out in zip(reference, outs, strict=True):
-        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    engine = LLM(path, attention_backend=backend, kernel_interpret=interpret, **kwargs).engine
+    assert engine.runner.backend == backend
+    assert mixed_workload(engine, workload()) == expected
+    assert engine.stats()["prefix_cache_hits"] > 0
+    if backend in RAGGED_BACKENDS:
+        assert engine.runner.mixed_steps > 0
+    # the pool is allocated in the layout the kernel reads: 128 lanes on TPU for head_dim 16
+    assert engine.runner.kv_pool[0][0].shape[-1] == pool_head_dim(backend, 16)
 
 
 def test_kernel_backend_on_the_wrong_platform_is_refused(hf_model_dir):
