@@ -170,8 +170,8 @@ def _build_call(*, scale, num_tiles, num_kv_heads, rows, head_dim, num_blocks, b
 
 @functools.partial(
     jax.jit,
-    static_argnames=("max_query_len", "scale", "pages_per_compute_block", "num_splits",
-                     "num_warps", "num_stages", "interpret"),
+    static_argnames=("max_query_len", "scale", "query_rows", "pages_per_compute_block",
+                     "num_splits", "num_warps", "num_stages", "interpret"),
 )
 def ragged_paged_attention_gpu(
     q: jax.Array,
@@ -183,6 +183,7 @@ def ragged_paged_attention_gpu(
     *,
     max_query_len: int,
     scale: float | None = None,
+    query_rows: int = PREFILL_ROWS,
     pages_per_compute_block: int | None = None,
     num_splits: int | None = None,
     num_warps: int = DEFAULT_NUM_WARPS,
@@ -204,6 +205,7 @@ def ragged_paged_attention_gpu(
         query_start_loc[S] are padding.
       max_query_len: static bound on queries per sequence (1: a pure decode step).
       scale: softmax scale, default head_dim ** -0.5.
+      query_rows: rows of a tile when max_query_len > 1 (queries x GQA group; a power of 2).
       pages_per_compute_block: pages per inner step (power of 2); default 128 keys' worth
         for decode, 64 for prefill.
       num_splits: KV splits per tile; default enough for ~4 waves of programs on 132 SMs.
@@ -228,7 +230,7 @@ def ragged_paged_attention_gpu(
     group = num_heads // num_kv_heads
     layout = ragged_tiles.tile_layout(
         num_tokens, num_seqs, group, max_query_len, decode_rows=DECODE_ROWS,
-        prefill_rows=PREFILL_ROWS, round_rows=_next_power_of_2)
+        prefill_rows=query_rows, round_rows=_next_power_of_2)
     if pages_per_compute_block is None:
         keys = DECODE_KEYS_PER_BLOCK if max_query_len <= 1 else PREFILL_KEYS_PER_BLOCK
         pages_per_compute_block = max(1, keys // block_size)

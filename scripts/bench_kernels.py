@@ -299,7 +299,19 @@ RAGGED_SCENARIOS = {
     ],
 }
 RAGGED_GRID = {"full": "full", "quick": "full", "interpret": "interpret"}
-GPU_PEAK = dict(bytes_per_s=4.3e12, flops=790e12)  # H200 as measured here (KINDS.md)
+# Kernel settings tried by --sweep (ragged kernel only): tile rows for chunks, keys per
+# inner step (pages of 16), Triton warps and pipeline stages
+SWEEP = {
+    "gpu": [dict(query_rows=64, pages_per_compute_block=4, num_warps=4, num_stages=2),
+            dict(query_rows=128, pages_per_compute_block=4, num_warps=8, num_stages=2),
+            dict(query_rows=64, pages_per_compute_block=8, num_warps=4, num_stages=2),
+            dict(query_rows=64, pages_per_compute_block=2, num_warps=4, num_stages=3),
+            dict(query_rows=32, pages_per_compute_block=4, num_warps=4, num_stages=2),
+            dict(query_rows=64, pages_per_compute_block=8, num_warps=8, num_stages=3),
+            dict(pages_per_compute_block=16, num_warps=4, num_stages=2),
+            dict(pages_per_compute_block=8, num_warps=8, num_stages=3)],
+    "tpu": [dict(pages_per_compute_block=4), dict(pages_per_compute_block=8)],
+}
 
 
 def ragged_kernel(platform):
@@ -369,7 +381,7 @@ def contiguous_ragged(q, data, max_query_len):
     return jnp.zeros_like(q).at[token.reshape(-1)].set(out, mode="drop")
 
 
-def ragged_methods(platform, interpret, kernel_args, seqs, block_size):
+def ragged_methods(platform, interpret, kernel_args, seqs, block_size, only_ragged=False):
     """name -> f(q, data) for one scenario, and name -> why one is unavailable."""
     kernel = ragged_kernel(platform)
     max_query_len = max(new for _, new in seqs)
@@ -381,6 +393,8 @@ def ragged_methods(platform, interpret, kernel_args, seqs, block_size):
         "contiguous": functools.partial(contiguous_ragged, max_query_len=max_query_len),
     }
     unavailable = {}
+    if only_ragged:
+        return {"ragged": methods["ragged"]}, unavailable
     is_decode = all(new == 1 for _, new in seqs)
     fresh_prefill = all(cached == 0 for cached, _ in seqs) and len({n for _, n in seqs}) == 1
     if is_decode:
@@ -435,12 +449,13 @@ def ragged_costs(seqs, heads, itemsize):
 
 
 def bench_ragged(platform, interpret, kernel_args, scenario, seqs, block_size, heads, seed,
-                 target_s, repeats):
+                 target_s, repeats, only_ragged=False):
     data, q = make_ragged_data(jax.random.key(seed), seqs, block_size, heads)
     expected = np.asarray(paged_attention_reference(
         q, data["k_pool"], data["v_pool"], data["tables"], data["lengths"],
         data["query_start"], max_query_len=max(new for _, new in seqs)).astype(jnp.float32))
-    methods, unavailable = ragged_methods(platform, interpret, kernel_args, seqs, block_size)
+    methods, unavailable = ragged_methods(platform, interpret, kernel_args, seqs, block_size,
+                                          only_ragged)
     kv_bytes, flops = ragged_costs(seqs, heads, jnp.dtype(DTYPE).itemsize)
     record = dict(scenario=scenario, block_size=block_size, num_seqs=len(seqs),
                   num_tokens=int(q.shape[0]), heads=heads, kv_bytes=kv_bytes, flops=flops,
@@ -523,9 +538,11 @@ def print_ragged_row(record):
           f" {record.get('ragged_tflops', float('nan')):7.1f} {checks:>5}", flush=True)
 
 
-def run_ragged_section(platform, interpret, kernel_args, grid_name, grid, seed, records):
+def run_ragged_section(platform, interpret, kernel_args, grid_name, grid, seed, records,
+                       sweep=False):
     heads = grid.get("heads", (NUM_HEADS, NUM_KV_HEADS, HEAD_DIM))
-    print(f"\n[{platform} ragged] heads {heads}, block 16; us per call; ratios ragged/other; "
+    print(f"\n[{platform} ragged{' ' + str(kernel_args) if sweep else ''}] heads {heads}, "
+          "block 16; us per call; ratios ragged/other; "
           "GB/s and TFLOP/s of the ragged kernel against the K/V bytes and causal FLOPs; "
           "checks ragged,contig,decode,jax")
     print(f"{'scenario':<26} {'T':>5} {'ragged':>10} {'contig':>10} {'decode_k':>10} "
@@ -533,19 +550,93 @@ def run_ragged_section(platform, interpret, kernel_args, grid_name, grid, seed, 
           f"{'chk':>5}")
     for i, (scenario, seqs) in enumerate(RAGGED_SCENARIOS[RAGGED_GRID[grid_name]]):
         record = bench_ragged(platform, interpret, kernel_args, scenario, seqs, 16, heads,
-                              seed + 1000 + i, grid["target_s"], grid["repeats"])
+                              seed + 1000 + i, grid["target_s"], grid["repeats"], sweep)
         record["platform"] = platform
+        record["kernel_args"] = kernel_args
         records.append(record)
         print_ragged_row(record)
         for name, error in record["errors"].items():
             print(f"      {name}: {error}")
-    for num_tokens in (1, 256, 4096):
+    for num_tokens in () if sweep else (1, 256, 4096):
         write = bench_kv_write(interpret, 16, heads, num_tokens, seed)
         records.append(dict(platform=platform, kv_write=write))
         print(f"K/V write of {num_tokens:>5} tokens into a donated "
               f"{write['pool_bytes'] / 2**30:.2f} GiB pool: "
               f"{write['seconds']['write'] * 1e6:9.1f} us; adding 1 to the pool (a full "
               f"read + write): {write['seconds']['copy'] * 1e6:9.1f} us")
+
+
+# --- the engine: a whole model's steps through the ragged kernel --------------------------
+
+SMOLLM2_SHAPES = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                      num_heads=9, num_kv_heads=3, head_dim=64)
+ENGINE_WORKLOADS = {"full": dict(num_prompts=64, prompt_len=256, max_tokens=64),
+                    "interpret": dict(num_prompts=3, prompt_len=20, max_tokens=4)}
+
+
+def random_model(seed, **shapes):
+    """(model, params): a random-weight Llama of the given shapes, weights drawn on device."""
+    from jaxpage.models.config import ModelConfig
+    from jaxpage.models.llama import LlamaModel, param_shapes
+
+    config = ModelConfig(architecture="LlamaForCausalLM", max_position_embeddings=8192,
+                         tie_word_embeddings=True, **shapes)
+    shapes_tree = param_shapes(config)
+    leaves, treedef = jax.tree.flatten(shapes_tree, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    params = [0.05 * jax.random.normal(k, shape, jnp.bfloat16) for k, shape in zip(keys, leaves)]
+    return LlamaModel(config), jax.tree.unflatten(treedef, params)
+
+
+def bench_engine(backends, interpret, grid_name, seed):
+    """Greedy generation of one workload with each backend: tokens per second (after a
+    warm-up run of the same workload compiled every shape) and whether the tokens agree."""
+    from jaxpage import LLM, SamplingParams
+
+    workload = ENGINE_WORKLOADS["interpret" if grid_name == "interpret" else "full"]
+    model, params = random_model(seed, **SMOLLM2_SHAPES)
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, SMOLLM2_SHAPES["vocab_size"], workload["prompt_len"]).tolist()
+               for _ in range(workload["num_prompts"])]
+    sampling = SamplingParams(max_tokens=workload["max_tokens"], temperature=0, ignore_eos=True)
+    results = {}
+    for backend in backends:
+        try:
+            llm = LLM(model, params=params, dtype="bfloat16", attention_backend=backend,
+                      kernel_interpret=interpret and backend.startswith("pallas"),
+                      block_size=16, max_model_len=1024, max_num_seqs=64,
+                      max_num_batched_tokens=2048, kv_cache_memory=2 << 30)
+            llm.generate(prompts, sampling, use_tqdm=False)  # compiles
+            start = time.perf_counter()
+            outs = llm.generate(prompts, sampling, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            tokens = [o.outputs[0].token_ids for o in outs]
+            results[backend] = dict(seconds=seconds, tokens=tokens,
+                                    generated_per_s=sum(map(len, tokens)) / seconds,
+                                    compiles=llm.engine.runner.compiles)
+        except Exception as error:
+            results[backend] = dict(error=f"{type(error).__name__}: {str(error)[:500]}")
+    return workload, results
+
+
+def run_engine_section(platform, interpret, grid_name, seed, records):
+    ours = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}[platform]
+    backends = (ours, "jnp")
+    workload, results = bench_engine(backends, interpret, grid_name, seed)
+    print(f"\n[{platform} engine] random-weight SmolLM2-135M shapes, bf16, {workload}: "
+          "greedy generation after a warm-up run")
+    base = results.get("jnp", {}).get("tokens")
+    for backend, result in results.items():
+        if "error" in result:
+            print(f"{backend:<12} error: {result['error']}")
+            continue
+        same = (sum(a == b for a, b in zip(result["tokens"], base, strict=True))
+                if base else None)
+        print(f"{backend:<12} {result['seconds']:7.2f} s  {result['generated_per_s']:9.0f} "
+              f"generated tok/s  {result['compiles']:3d} compiles  "
+              f"identical to jnp: {same}/{len(result['tokens'])}")
+    records.append(dict(platform=platform, engine=workload, results={
+        b: {k: v for k, v in r.items() if k != "tokens"} for b, r in results.items()}))
 
 
 def print_row(record):
@@ -589,9 +680,14 @@ def main(argv=None):
     parser.add_argument("--kernel-arg", action="append", default=[], metavar="NAME=VALUE",
                         help="keyword for our kernel, e.g. num_splits=8 (repeatable)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sections", default="ragged,decode",
+    parser.add_argument("--sections", default="ragged,engine,decode",
                         help="comma-separated, in order: ragged (decode, prefill and mixed "
-                        "steps through the ragged kernel), decode (the decode kernel's grid)")
+                        "steps through the ragged kernel), engine (a random-weight model's "
+                        "generation with our kernel and with jnp), decode (the decode "
+                        "kernel's grid)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="after the sections, time the ragged kernel alone at each of "
+                        "SWEEP's settings (within --budget-s)")
     parser.add_argument("--budget-s", type=float, default=480,
                         help="start no decode config after this many seconds (a lease's limit)")
     args = parser.parse_args(argv)
@@ -624,6 +720,9 @@ def main(argv=None):
                 run_ragged_section(platform, args.interpret, kernel_args, grid_name, grid,
                                    args.seed, records)
                 continue
+            if section == "engine":
+                run_engine_section(platform, args.interpret, grid_name, args.seed, records)
+                continue
             print(f"\n[{platform}] times in us per call; ratios paged/contiguous, paged/jax; "
                   "checks paged,contiguous,jax: . ok, X mismatch, E error")
             print(f"{'batch':>5} {'ctx':>6} {'blk':>3} {'R':>3} {'paged':>10} {'contig':>10} "
@@ -639,8 +738,15 @@ def main(argv=None):
                 print_row(record)
                 for name, error in record["errors"].items():
                     print(f"      {name}: {error}")
+        for setting in SWEEP[platform] if args.sweep else ():
+            if time.perf_counter() - started > args.budget_s:
+                skipped += 1
+                continue
+            run_ragged_section(platform, args.interpret, setting, grid_name, grid, args.seed,
+                               records, sweep=True)
     if skipped:
-        print(f"skipped {skipped} decode configs past --budget-s {args.budget_s:.0f}")
+        print(f"skipped {skipped} decode configs or sweep settings past --budget-s "
+              f"{args.budget_s:.0f}")
     meta["seconds"] = time.perf_counter() - started
     print(f"\n{len(records)} configs in {meta['seconds']:.0f} s")
     if args.out:
