@@ -33,7 +33,8 @@ class LLM:
 
             if config is None:
                 config = EngineConfig(model=model or DEFAULT_MODEL, **engine_kwargs)
-            model_config, params, loaded_tokenizer = load_model(config.model, config.dtype)
+            model_config, params, loaded_tokenizer = load_model(config.model, config.dtype,
+                                                                config.cache_gguf)
             model = LlamaModel(model_config)
             tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
         else:

@@ -78,9 +78,18 @@ def load_tokenizer(kind: str, path: str) -> Any | None:
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_model(name_or_path: str, dtype: Any = "float32") -> tuple[ModelConfig, dict, Any]:
-    """(config, numpy params, tokenizer or None) for a model name or path."""
+def load_model(name_or_path: str, dtype: Any = "float32",
+               cache_gguf: bool = True) -> tuple[ModelConfig, dict, Any]:
+    """(config, numpy params, tokenizer or None) for a model name or path.
+
+    A GGUF file is converted once to a jaxpage checkpoint in the cache directory and read
+    from there afterwards (`jaxpage.loading.gguf_cache`); `cache_gguf=False` dequantizes
+    the file every time and writes nothing."""
     kind, path = resolve_model(name_or_path)
+    if kind == "gguf" and cache_gguf:
+        from jaxpage.loading.gguf_cache import load_gguf_cached
+
+        return load_gguf_cached(path, dtype)
     if kind == "hf":
         from jaxpage.loading.hf import load_hf_dir
 
