@@ -61,6 +61,7 @@ def test_generate_cli_without_torch_prints_no_dependency_notices(tmp_path):
         # nothing on stderr but the closing summary line
         lines = [line for line in done.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and "tok/s" in lines[0], (name, done.stderr)
+        assert " | attention cpp" in lines[0] or " | attention jnp" in lines[0], lines[0]
     assert os.path.isdir(tmp_path / "cache" / "gguf")
 
 
