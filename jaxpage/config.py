@@ -72,6 +72,9 @@ class EngineConfig:
     enable_host_prefix_cache: bool = True
     swap_bandwidth: float | None = None
     prefill_seconds_per_token: float | None = None
+    # a GGUF model is converted once to a jaxpage checkpoint under $JAXPAGE_CACHE_DIR
+    # (~/.cache/jaxpage/gguf) and loaded from it later (jaxpage.loading.gguf_cache)
+    cache_gguf: bool = True
 
     def __post_init__(self) -> None:
         check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
@@ -108,6 +111,8 @@ class EngineConfig:
               self.preemption_mode, "'recompute' when swap_space is 0 (no host pool to swap to)")
         check(isinstance(self.enable_host_prefix_cache, bool), "enable_host_prefix_cache",
               self.enable_host_prefix_cache, "True or False")
+        check(isinstance(self.cache_gguf, bool), "cache_gguf", self.cache_gguf,
+              "True or False")
         for name in ("swap_bandwidth", "prefill_seconds_per_token"):
             value = getattr(self, name)
             check(value is None or (is_real(value) and 0 < value < float("inf")), name, value,

@@ -27,7 +27,8 @@ def convert(src: str, dst: str, dtype: str = "float32", overwrite: bool = False)
     check_destination(os.path.abspath(dst), overwrite)  # fail before the slow load
     kind, path = resolve_model(src)
     start = time.perf_counter()
-    config, params, tokenizer = load_model(src, dtype)
+    # not through the GGUF cache: the checkpoint asked for is the only one written
+    config, params, tokenizer = load_model(src, dtype, cache_gguf=False)
     loaded = time.perf_counter()
     save_checkpoint(dst, config, params, tokenizer, overwrite=overwrite)
     saved = time.perf_counter()

@@ -8,8 +8,10 @@ import dataclasses
 import os
 from typing import Any
 
+from jaxpage.cache_dir import cache_root
+
 DEFAULT_COMPILE_CACHE = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
-    os.path.expanduser("~"), ".cache", "jaxpage", "xla")
+    cache_root(), "xla")
 
 _PARSERS = {"int": int, "float": float, "str": str}
 

@@ -153,7 +153,8 @@ def print_summary(llm, outputs: list, elapsed: float, load_seconds: float) -> No
         f"{generated / max(elapsed, 1e-9):.1f} tok/s | mean TTFT {ttft_ms:.0f} ms"
         f" | mean TPOT {stats['tpot']['mean'] * 1e3:.0f} ms | peak KV usage "
         f"{stats['kv_peak_usage']:.1%} | prefix-cache hit rate {hit_rate:.1%} | "
-        f"{stats['compiles']} compiles ({stats['compile_seconds']:.1f}s), load {load_seconds:.1f}s",
+        f"{stats['compiles']} compiles ({stats['compile_seconds']:.1f}s), load {load_seconds:.1f}s"
+        f" | attention {llm.attention_backend}",
         file=sys.stderr,
     )
 

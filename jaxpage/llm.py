@@ -33,7 +33,8 @@ class LLM:
 
             if config is None:
                 config = EngineConfig(model=model or DEFAULT_MODEL, **engine_kwargs)
-            model_config, params, loaded_tokenizer = load_model(config.model, config.dtype)
+            model_config, params, loaded_tokenizer = load_model(config.model, config.dtype,
+                                                                config.cache_gguf)
             model = LlamaModel(model_config)
             tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
         else:
@@ -119,6 +120,13 @@ class LLM:
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+    @property
+    def attention_backend(self) -> str:
+        """The attention backend the engine runs, "auto" resolved for this platform ("cpp"
+        or "jnp" on CPU, "pallas_gpu", "pallas_tpu"; jaxpage.attention.select_backend)."""
+        replicas = getattr(self.engine, "replicas", None)  # data parallel: all alike
+        return (replicas[0] if replicas else self.engine).runner.backend
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing done) while requests are in flight."""

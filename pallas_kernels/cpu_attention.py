@@ -8,11 +8,12 @@ it lies in the pool. The kernel is compiled on first use with the machine's C++ 
 the jaxlib version and the CPU; `available()` says whether that worked, and callers fall back to the
 jnp path when it did not (no compiler, another platform, float pools other than float32).
 
-Environment: `JAXPAGE_NO_CPU_KERNEL` (any value) turns the kernel off; `JAXPAGE_CACHE` moves the
-build cache; `JAXPAGE_CPU_KERNEL_LIB` names a prebuilt shared library of `cpu_attention.cc`
-to register instead of building one (for checks that need another build of the same source,
-e.g. `scripts/check_cpu_kernel_sanitizers.py`'s build with ASan and UBSan; unset, the kernel
-is built and cached as above).
+Environment: `JAXPAGE_NO_CPU_KERNEL` (any value) turns the kernel off; `JAXPAGE_CACHE_DIR`
+(or the older `JAXPAGE_CACHE`) moves the build cache; `JAXPAGE_CPU_KERNEL_LIB` names a
+prebuilt shared library of `cpu_attention.cc` to register instead of building one (for
+checks that need another build of the same source, e.g.
+`scripts/check_cpu_kernel_sanitizers.py`'s build with ASan and UBSan; unset, the kernel is
+built and cached as above).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ QUERY_TILE = 32
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("JAXPAGE_CACHE") or os.path.join(
+    # the same root as jaxpage.cache_dir.cache_root (not imported: this package stands alone)
+    root = os.environ.get("JAXPAGE_CACHE_DIR") or os.environ.get("JAXPAGE_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxpage")
     return Path(root)
 

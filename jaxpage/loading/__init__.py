@@ -7,10 +7,37 @@ params in the layout of `jaxpage.models.llama` (the runner moves them to the dev
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from typing import Any
 
 from jaxpage.models.config import ModelConfig
+
+# What transformers logs (as an "advisory" warning) when it is imported without PyTorch:
+# 5.x "PyTorch was not found. Models won't be available and only tokenizers, ...", 4.x
+# "None of PyTorch, TensorFlow >= 2.0, or Flax have been found. Models won't be ...".
+_NO_TORCH_NOTICES = ("PyTorch was not found.", "None of PyTorch, TensorFlow")
+
+
+class _NoTorchNoticeFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name == "transformers"
+                    and str(record.msg).startswith(_NO_TORCH_NOTICES))
+
+
+def _hide_transformers_no_torch_notice() -> None:
+    """jaxpage imports transformers (here, in this package) only for its tokenizers, which
+    need no torch, so its notice that torch is missing says nothing true about jaxpage and
+    would greet every run of a plain `pip install jaxpage`. Drop that one record, nothing
+    else transformers logs; left alone when the user sets TRANSFORMERS_VERBOSITY."""
+    if os.environ.get("TRANSFORMERS_VERBOSITY"):
+        return
+    logger = logging.getLogger("transformers")
+    if not any(isinstance(f, _NoTorchNoticeFilter) for f in logger.filters):
+        logger.addFilter(_NoTorchNoticeFilter())
+
+
+_hide_transformers_no_torch_notice()
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -78,9 +105,18 @@ def load_tokenizer(kind: str, path: str) -> Any | None:
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_model(name_or_path: str, dtype: Any = "float32") -> tuple[ModelConfig, dict, Any]:
-    """(config, numpy params, tokenizer or None) for a model name or path."""
+def load_model(name_or_path: str, dtype: Any = "float32",
+               cache_gguf: bool = True) -> tuple[ModelConfig, dict, Any]:
+    """(config, numpy params, tokenizer or None) for a model name or path.
+
+    A GGUF file is converted once to a jaxpage checkpoint in the cache directory and read
+    from there afterwards (`jaxpage.loading.gguf_cache`); `cache_gguf=False` dequantizes
+    the file every time and writes nothing."""
     kind, path = resolve_model(name_or_path)
+    if kind == "gguf" and cache_gguf:
+        from jaxpage.loading.gguf_cache import load_gguf_cached
+
+        return load_gguf_cached(path, dtype)
     if kind == "hf":
         from jaxpage.loading.hf import load_hf_dir
 

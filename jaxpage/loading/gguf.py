@@ -55,6 +55,9 @@ LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 ROPE_FREQS = "rope_freqs.weight"
+# Bump when load_gguf or gguf_tokenizer changes what it makes of a file: conversions cached
+# by an older version (jaxpage.loading.gguf_cache) are then made again.
+CONVERSION_VERSION = 1
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
