@@ -39,11 +39,11 @@ from pallas_kernels.paged_decode_gpu import (  # noqa: F401 (the deprecation fil
 )
 
 DECODE_ROWS = MIN_DOT_ROWS
-PREFILL_ROWS = 64
-# Keys per inner step: 128 for the thin decode tiles (memory bound, as in paged_decode_gpu);
-# 64 for prefill tiles, whose [rows, keys] score tile lives in registers.
-DECODE_KEYS_PER_BLOCK = 128
-PREFILL_KEYS_PER_BLOCK = 64
+PREFILL_ROWS = 64  # beat 32 and 128 (8 warps) on the H200 sweep
+# Keys per inner step. On an H200 (docs/bench/h200_kernels_run2.log, --sweep) 128 keys beat
+# 64, 32 and 256 on prefill and mixed steps (64-row tiles, 4 warps, 2 stages) and were within
+# noise of 64 on decode.
+KEYS_PER_BLOCK = 128
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 2
 
@@ -206,8 +206,7 @@ def ragged_paged_attention_gpu(
       max_query_len: static bound on queries per sequence (1: a pure decode step).
       scale: softmax scale, default head_dim ** -0.5.
       query_rows: rows of a tile when max_query_len > 1 (queries x GQA group; a power of 2).
-      pages_per_compute_block: pages per inner step (power of 2); default 128 keys' worth
-        for decode, 64 for prefill.
+      pages_per_compute_block: pages per inner step (power of 2); default 128 keys' worth.
       num_splits: KV splits per tile; default enough for ~4 waves of programs on 132 SMs.
       num_warps, num_stages: Triton launch parameters.
       interpret: run in Pallas interpret mode (CPU).
@@ -232,8 +231,7 @@ def ragged_paged_attention_gpu(
         num_tokens, num_seqs, group, max_query_len, decode_rows=DECODE_ROWS,
         prefill_rows=query_rows, round_rows=_next_power_of_2)
     if pages_per_compute_block is None:
-        keys = DECODE_KEYS_PER_BLOCK if max_query_len <= 1 else PREFILL_KEYS_PER_BLOCK
-        pages_per_compute_block = max(1, keys // block_size)
+        pages_per_compute_block = max(1, KEYS_PER_BLOCK // block_size)
     if pages_per_compute_block < 1 or pages_per_compute_block & (pages_per_compute_block - 1):
         raise ValueError(
             f"pages_per_compute_block {pages_per_compute_block} must be a power of 2 >= 1")

@@ -291,6 +291,10 @@ RAGGED_SCENARIOS = {
         ("prefill 2x1k after 3k", [(3072, 1024)] * 2),
         ("mixed 64 dec@1k + 2x512", [(1023, 1)] * 64 + [(0, 512), (1536, 512)]),
         ("mixed 128 dec@2k + 256", [(2047, 1)] * 128 + [(4096, 256)]),
+        # SmolLM2-135M's attention: 3 query heads per KV head, head_dim 64
+        ("smollm2: decode 64x2k", [(2047, 1)] * 64, (9, 3, 64)),
+        ("smollm2: mixed 32 dec + 2x256", [(1023, 1)] * 32 + [(0, 256), (700, 256)],
+         (9, 3, 64)),
     ],
     "interpret": [
         ("decode 3x100", [(99, 1)] * 3),
@@ -548,8 +552,12 @@ def run_ragged_section(platform, interpret, kernel_args, grid_name, grid, seed, 
     print(f"{'scenario':<26} {'T':>5} {'ragged':>10} {'contig':>10} {'decode_k':>10} "
           f"{'jax':>10} {'r/cont':>7} {'r/dec':>7} {'r/jax':>7} {'GB/s':>7} {'TFLOP/s':>7} "
           f"{'chk':>5}")
-    for i, (scenario, seqs) in enumerate(RAGGED_SCENARIOS[RAGGED_GRID[grid_name]]):
-        record = bench_ragged(platform, interpret, kernel_args, scenario, seqs, 16, heads,
+    for i, (scenario, seqs, *scenario_heads) in enumerate(
+            RAGGED_SCENARIOS[RAGGED_GRID[grid_name]]):
+        if scenario_heads and grid_name == "interpret":
+            continue  # the interpret grid keeps its tiny heads
+        record = bench_ragged(platform, interpret, kernel_args, scenario, seqs, 16,
+                              scenario_heads[0] if scenario_heads else heads,
                               seed + 1000 + i, grid["target_s"], grid["repeats"], sweep)
         record["platform"] = platform
         record["kernel_args"] = kernel_args
@@ -571,6 +579,7 @@ def run_ragged_section(platform, interpret, kernel_args, grid_name, grid, seed, 
 SMOLLM2_SHAPES = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                       num_heads=9, num_kv_heads=3, head_dim=64)
 ENGINE_WORKLOADS = {"full": dict(num_prompts=64, prompt_len=256, max_tokens=64),
+                    "check": dict(num_prompts=32, prompt_len=128, max_tokens=32),
                     "interpret": dict(num_prompts=3, prompt_len=20, max_tokens=4)}
 
 
@@ -588,12 +597,17 @@ def random_model(seed, **shapes):
     return LlamaModel(config), jax.tree.unflatten(treedef, params)
 
 
-def bench_engine(backends, interpret, grid_name, seed):
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where two generations differ (None if they agree)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def bench_engine(backends, interpret, workload_name, seed, dtype):
     """Greedy generation of one workload with each backend: tokens per second (after a
-    warm-up run of the same workload compiled every shape) and whether the tokens agree."""
+    warm-up run of the same workload compiled every shape) and the tokens."""
     from jaxpage import LLM, SamplingParams
 
-    workload = ENGINE_WORKLOADS["interpret" if grid_name == "interpret" else "full"]
+    workload = ENGINE_WORKLOADS[workload_name]
     model, params = random_model(seed, **SMOLLM2_SHAPES)
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, SMOLLM2_SHAPES["vocab_size"], workload["prompt_len"]).tolist()
@@ -602,7 +616,7 @@ def bench_engine(backends, interpret, grid_name, seed):
     results = {}
     for backend in backends:
         try:
-            llm = LLM(model, params=params, dtype="bfloat16", attention_backend=backend,
+            llm = LLM(model, params=params, dtype=dtype, attention_backend=backend,
                       kernel_interpret=interpret and backend.startswith("pallas"),
                       block_size=16, max_model_len=1024, max_num_seqs=64,
                       max_num_batched_tokens=2048, kv_cache_memory=2 << 30)
@@ -620,23 +634,35 @@ def bench_engine(backends, interpret, grid_name, seed):
 
 
 def run_engine_section(platform, interpret, grid_name, seed, records):
+    """bfloat16 against the jnp path (speed), and float32 with every matmul at full precision
+    against the dense reference (where greedy tokens must agree but for near-ties)."""
     ours = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}[platform]
-    backends = (ours, "jnp")
-    workload, results = bench_engine(backends, interpret, grid_name, seed)
-    print(f"\n[{platform} engine] random-weight SmolLM2-135M shapes, bf16, {workload}: "
-          "greedy generation after a warm-up run")
-    base = results.get("jnp", {}).get("tokens")
-    for backend, result in results.items():
-        if "error" in result:
-            print(f"{backend:<12} error: {result['error']}")
-            continue
-        same = (sum(a == b for a, b in zip(result["tokens"], base, strict=True))
-                if base else None)
-        print(f"{backend:<12} {result['seconds']:7.2f} s  {result['generated_per_s']:9.0f} "
-              f"generated tok/s  {result['compiles']:3d} compiles  "
-              f"identical to jnp: {same}/{len(result['tokens'])}")
-    records.append(dict(platform=platform, engine=workload, results={
-        b: {k: v for k, v in r.items() if k != "tokens"} for b, r in results.items()}))
+    for dtype, other, precision, workload_name in (("bfloat16", "jnp", "default", "full"),
+                                                   ("float32", "reference", "highest", "check")):
+        if grid_name == "interpret":
+            workload_name = "interpret"
+        with jax.default_matmul_precision(precision):
+            workload, results = bench_engine((ours, other), interpret, workload_name, seed,
+                                             dtype)
+        print(f"\n[{platform} engine] random-weight SmolLM2-135M shapes, {dtype}, matmul "
+              f"precision {precision}, {workload}: greedy generation after a warm-up run")
+        base = results.get(other, {}).get("tokens")
+        for backend, result in results.items():
+            if "error" in result:
+                print(f"{backend:<12} error: {result['error']}")
+                continue
+            differ = [first_difference(a, b) for a, b in zip(result["tokens"], base or [])]
+            differ = [d for d in differ if d is not None]
+            result["first_differences"] = differ
+            print(f"{backend:<12} {result['seconds']:7.2f} s  {result['generated_per_s']:9.0f} "
+                  f"generated tok/s  {result['compiles']:3d} compiles  identical to {other}: "
+                  f"{len(result['tokens']) - len(differ) if base else '-'}/"
+                  f"{len(result['tokens'])}; first differing token of the others: "
+                  f"{sorted(differ)}")
+        records.append(dict(platform=platform, engine=workload, dtype=dtype,
+                            precision=precision, results={
+                                b: {k: v for k, v in r.items() if k != "tokens"}
+                                for b, r in results.items()}))
 
 
 def print_row(record):
