@@ -1,0 +1,383 @@
+"""Ragged paged attention on TPU: Pallas Mosaic, manual double-buffered page DMAs.
+
+A step's ragged, token-flat batch (decode tokens and prefill chunks together) is cut into
+tiles by `pallas_kernels.ragged_tiles`: a tile is up to `rows` query rows of one sequence,
+`tokens_per_tile` consecutive query tokens times the GQA group of query heads, for every KV
+head (`[K, rows, Dp]`). A pure-decode step gets one-token tiles of a sublane multiple of
+rows (8 f32, 16 bf16); a step with chunks gets tiles of ~128 rows (one MXU width).
+
+One grid step per tile. Per tile, its sequence, the number of keys it reads (its last
+query's position + 1) and the flattened block tables are scalar-prefetched into SMEM. K and
+V stay in HBM (`memory_space=ANY`) and are copied into VMEM `pages_per_compute_block` pages
+at a time, one DMA per page and pool carrying all KV heads of that page (`[K, block_size,
+Dp]`, strided in HBM). Copies are double-buffered: the copy of the next compute block is
+started before the current one is waited for and computed, and the last compute block of a
+tile starts the first one of the chunk's next tile (tiles of one sequence each copy their
+pages; nothing is shared between tiles), so the pipeline only drains at the end of a chunk.
+For every KV head, the tile is one [rows, Dp] x [Dp, tokens] product, causally masked by
+each row's query position (a VMEM input, replicated over 128 lanes), with an online softmax
+in VMEM scratch (max and sum replicated over 128 lanes, as in JAX's flash attention kernel).
+
+The tiles are dealt round-robin to `batch_chunks` chunks on a "parallel" grid axis (one per
+TensorCore on megacore chips, v4 and v5p): live tiles come first (empty ones, kept for a
+static grid, last), so dealing them out balances the cores where contiguous halves would
+not. Within a chunk, steps run in order ("arbitrary"), which the cross-tile prefetch relies
+on.
+
+The pool's head dim Dp may exceed q's D (pools allocated padded to 128 lanes, zeros past
+D): only the queries are zero-padded to Dp, and the output is cut back to D.
+
+The oracle is `pallas_kernels.reference.paged_attention_reference`;
+tests/kernels/test_ragged_kernels.py holds the two (and a float64 NumPy one) to each other
+in the TPU interpreter. Lowering to Mosaic is tested on CPU; Mosaic's layout passes (libtpu)
+and the defaults have not met a TPU yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import ragged_tiles
+from pallas_kernels.checks import check_ragged_inputs
+from pallas_kernels.paged_decode_tpu import (
+    DEFAULT_BATCH_CHUNKS,
+    DEFAULT_TOKENS_PER_COMPUTE_BLOCK,
+    LANES,
+    MAX_UNROLLED_HEADS,
+    SUBLANES,
+    _round_up,
+    _rows,
+    _start_both,
+    _wait_both,
+    interpret_params,
+)
+
+# Query rows of a prefill tile: one pass of a 128-wide MXU.
+PREFILL_ROWS = 128
+
+
+def _ragged_kernel(
+    # scalar prefetch
+    tile_seq_ref,  # [N] int32 (SMEM): sequence of each tile
+    tile_kv_len_ref,  # [N] int32 (SMEM): keys each tile reads, 0 for empty tiles
+    tables_ref,  # [S * W] int32 (SMEM): flattened block tables
+    # inputs
+    row_pos_ref,  # [R, 128] int32: each row's query position (-1: no query), lane-replicated
+    q_ref,  # [K, R, Dp] pool dtype: this tile's queries, grouped by KV head
+    k_hbm,  # [K, num_blocks, block_size, Dp] (HBM): K pool
+    v_hbm,  # [K, num_blocks, block_size, Dp] (HBM): V pool
+    # outputs
+    out_ref,  # [K, R, Dp] f32
+    # scratch
+    k_buf,  # [2, P, K, block_size, Dp] (VMEM): double buffer of K pages
+    v_buf,  # [2, P, K, block_size, Dp] (VMEM): double buffer of V pages
+    k_sems,  # [2] DMA semaphores, one per K buffer slot
+    v_sems,  # [2] DMA semaphores, one per V buffer slot
+    max_ref,  # [K, R, 128] f32: running max of the scores, replicated over lanes
+    sum_ref,  # [K, R, 128] f32: running sum of exp(score - max), replicated over lanes
+    acc_ref,  # [K, R, Dp] f32: running unnormalized output
+    state_ref,  # [2] int32 (SMEM): [slot of the next compute block, its copy already started]
+    *,
+    scale: float,
+    num_chunks: int,
+    tiles_per_chunk: int,
+    table_width: int,
+    pages_per_compute_block: int,
+):
+    num_kv_heads, _, head_dim = q_ref.shape
+    block_size = k_hbm.shape[2]
+    tokens = pages_per_compute_block * block_size
+    precision = jax.lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
+    chunk, step = pl.program_id(0), pl.program_id(1)
+    tile = step * num_chunks + chunk  # tiles are dealt round-robin to the chunks
+    kv_len = tile_kv_len_ref[tile]
+    num_compute_blocks = pl.cdiv(kv_len, tokens)
+
+    def page_copies(copy_tile, block, slot):
+        """(valid, K copy, V copy) for each page of compute block `block` of `copy_tile`."""
+        copy_seq = tile_seq_ref[copy_tile]
+        copies = []
+        for p in range(pages_per_compute_block):
+            page = block * pages_per_compute_block + p
+            page_id = tables_ref[copy_seq * table_width + page]
+            valid = page * block_size < tile_kv_len_ref[copy_tile]  # pages past it: no copy
+            k_copy = pltpu.make_async_copy(k_hbm.at[:, page_id], k_buf.at[slot, p], k_sems.at[slot])
+            v_copy = pltpu.make_async_copy(v_hbm.at[:, page_id], v_buf.at[slot, p], v_sems.at[slot])
+            copies.append((valid, k_copy, v_copy))
+        return copies
+
+    def start(copy_tile, block, slot):
+        for valid, k_copy, v_copy in page_copies(copy_tile, block, slot):
+            pl.when(valid)(functools.partial(_start_both, k_copy, v_copy))
+
+    def wait(copy_tile, block, slot):
+        for valid, k_copy, v_copy in page_copies(copy_tile, block, slot):
+            pl.when(valid)(functools.partial(_wait_both, k_copy, v_copy))
+
+    @pl.when(step == 0)
+    def _reset_pipeline():
+        state_ref[0] = 0
+        state_ref[1] = 0
+
+    def head_step(h, slot, mask, value_mask):
+        q = q_ref[h]  # [R, Dp]
+        k = _rows(k_buf[slot, :, h])  # [P, B, Dp] -> [T, Dp]
+        v = _rows(v_buf[slot, :, h])  # [P, B, Dp] -> [T, Dp]
+        # [R, Dp] x [T, Dp] -> [R, T]; bf16 products are exact in f32, f32 needs HIGHEST
+        scores = jax.lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), precision=precision,
+            preferred_element_type=jnp.float32) * scale
+        # unowned slots (and pages not copied) may hold anything, NaN included: select, not
+        # add, and zero their values (0 * NaN = NaN)
+        scores = jnp.where(mask, scores, -jnp.inf)
+        v = jnp.where(value_mask, v, jnp.zeros_like(v))
+        prev_max = max_ref[h]  # [R, 128]
+        new_max = jnp.maximum(prev_max, scores.max(axis=1, keepdims=True))
+        # a row with no visible key so far (an empty row: position -1) has max -inf:
+        # subtract 0 instead, so that its exps are exp(-inf) = 0, not NaN
+        safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+        correction = jnp.exp(prev_max - safe_max)  # [R, 128]; 0 while prev_max is -inf
+        probs = jnp.exp(scores - jnp.tile(safe_max, (1, tokens // LANES)))  # [R, T]
+        sum_ref[h] = sum_ref[h] * correction + probs.sum(axis=1, keepdims=True)
+        max_ref[h] = new_max
+        # [R, T] x [T, Dp] -> [R, Dp]
+        update = jax.lax.dot_general(
+            probs.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+            preferred_element_type=jnp.float32)
+        acc_ref[h] = acc_ref[h] * jnp.tile(correction, (1, head_dim // LANES)) + update
+
+    def block_step(block, carry):
+        slot = state_ref[0]
+        next_slot = 1 - slot
+
+        @pl.when(block + 1 < num_compute_blocks)
+        def _prefetch_next_block():
+            start(tile, block + 1, next_slot)
+
+        @pl.when(block + 1 == num_compute_blocks)
+        def _prefetch_next_tile():
+            # live tiles precede empty ones, so if the chunk's next tile is empty, so are
+            # all after it
+            next_tile = tile + num_chunks
+            last = (tiles_per_chunk - 1) * num_chunks + chunk
+
+            @pl.when((next_tile <= last)
+                     & (tile_kv_len_ref[jnp.minimum(next_tile, last)] > 0))
+            def _():
+                start(next_tile, 0, next_slot)
+                state_ref[1] = 1
+
+        wait(tile, block, slot)
+
+        # causal: a row sees keys up to its own position, which also keeps it inside the
+        # sequence (position < seq_len) and inside the tile's copied pages (< kv_len)
+        row_pos = jnp.tile(row_pos_ref[...], (1, tokens // LANES))  # [R, T]
+        key_pos = block * tokens + jax.lax.broadcasted_iota(jnp.int32, row_pos.shape, 1)
+        mask = key_pos <= row_pos
+        value_pos = block * tokens + jax.lax.broadcasted_iota(jnp.int32, (tokens, head_dim), 0)
+        value_mask = value_pos < kv_len  # [T, Dp]
+        if num_kv_heads <= MAX_UNROLLED_HEADS:
+            for h in range(num_kv_heads):
+                head_step(h, slot, mask, value_mask)
+        else:
+            def head_loop_body(h, head_carry):
+                head_step(h, slot, mask, value_mask)
+                return head_carry
+
+            jax.lax.fori_loop(0, num_kv_heads, head_loop_body, 0)
+        state_ref[0] = next_slot
+        return carry
+
+    @pl.when(num_compute_blocks > 0)
+    def _attend():
+        @pl.when(state_ref[1] == 0)
+        def _first_copy():  # not prefetched by the previous tile
+            start(tile, 0, state_ref[0])
+
+        state_ref[1] = 0
+        max_ref[...] = jnp.full(max_ref.shape, -jnp.inf, jnp.float32)
+        sum_ref[...] = jnp.zeros(sum_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        jax.lax.fori_loop(0, num_compute_blocks, block_step, 0)
+        total = jnp.tile(sum_ref[...], (1, 1, head_dim // LANES))  # [K, R, Dp]
+        out_ref[...] = acc_ref[...] / jnp.where(total > 0, total, 1.0)  # empty rows: 0 / 1
+
+    @pl.when(num_compute_blocks == 0)
+    def _empty_tile():
+        out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+
+
+def _build_ragged_call(
+    *,
+    scale: float,
+    num_chunks: int,
+    tiles_per_chunk: int,
+    num_kv_heads: int,
+    rows: int,
+    head_dim: int,
+    block_size: int,
+    pool_dtype,
+    table_width: int,
+    pages_per_compute_block: int,
+    interpret,
+):
+    """The pallas_call over grid (chunk, tile within the chunk)."""
+    kernel = functools.partial(
+        _ragged_kernel, scale=scale, num_chunks=num_chunks, tiles_per_chunk=tiles_per_chunk,
+        table_width=table_width, pages_per_compute_block=pages_per_compute_block)
+    num_tiles = num_chunks * tiles_per_chunk
+    itemsize = jnp.dtype(pool_dtype).itemsize
+    buffer_shape = (2, pages_per_compute_block, num_kv_heads, block_size, head_dim)
+    tile_shape = (num_kv_heads, rows, head_dim)
+    vmem_bytes = (
+        2 * itemsize * math.prod(buffer_shape)  # K and V page buffers
+        + 2 * (itemsize + 4) * math.prod(tile_shape)  # q and out tiles, double-buffered
+        + 4 * math.prod(tile_shape)  # accumulator
+        + 4 * 2 * num_kv_heads * rows * LANES  # running max and sum
+        + 2 * 4 * rows * LANES)  # row positions, double-buffered
+    # default scoped VMEM is 16 MiB (v5e) to 32 MiB: raise it only for very large tiles
+    vmem_limit = None if vmem_bytes < 8 * 2**20 else vmem_bytes + 16 * 2**20
+
+    def tile_block(chunk, step, *_):
+        return (step * num_chunks + chunk, 0, 0, 0)
+
+    def row_block(chunk, step, *_):
+        return (step * num_chunks + chunk, 0, 0)
+
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3,  # tile sequences, tile key counts, flattened block tables
+        grid=(num_chunks, tiles_per_chunk),
+        in_specs=[
+            # row_pos [N, R, 128] int32: one tile's query positions per step
+            pl.BlockSpec((None, rows, LANES), row_block),
+            # q [N, K, R, Dp] pool dtype: one tile's queries per step
+            pl.BlockSpec((None, num_kv_heads, rows, head_dim), tile_block),
+            # k_pool [K, num_blocks, B, Dp]: left in HBM, pages are copied by hand
+            pl.BlockSpec(memory_space=pl.ANY),
+            # v_pool [K, num_blocks, B, Dp]: likewise
+            pl.BlockSpec(memory_space=pl.ANY),
+        ],
+        # out [N, K, R, Dp] f32: one tile's outputs per step
+        out_specs=pl.BlockSpec((None, num_kv_heads, rows, head_dim), tile_block),
+        scratch_shapes=[
+            pltpu.VMEM(buffer_shape, pool_dtype),  # K pages, two slots
+            pltpu.VMEM(buffer_shape, pool_dtype),  # V pages, two slots
+            pltpu.SemaphoreType.DMA((2,)),  # K copies, per slot
+            pltpu.SemaphoreType.DMA((2,)),  # V copies, per slot
+            pltpu.VMEM((num_kv_heads, rows, LANES), jnp.float32),  # running max
+            pltpu.VMEM((num_kv_heads, rows, LANES), jnp.float32),  # running sum
+            pltpu.VMEM(tile_shape, jnp.float32),  # accumulator
+            pltpu.SMEM((2,), jnp.int32),  # pipeline state
+        ],
+    )
+    return pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((num_tiles, *tile_shape), jnp.float32),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=vmem_limit),
+        interpret=interpret,
+        name="ragged_paged_attention_tpu",
+    )
+
+
+@functools.partial(
+    jax.jit, static_argnames=("max_query_len", "scale", "interpret", "pages_per_compute_block",
+                              "batch_chunks"))
+def ragged_paged_attention_tpu(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    query_start_loc: jax.Array,
+    *,
+    max_query_len: int,
+    scale: float | None = None,
+    interpret: bool = False,
+    pages_per_compute_block: int | None = None,
+    batch_chunks: int = DEFAULT_BATCH_CHUNKS,
+) -> jax.Array:
+    """Attention of a ragged batch of queries over paged K/V, on TPU; the contract of
+    `pallas_kernels.reference.paged_attention_reference`.
+
+    Args:
+      q: [T, num_heads, D] float32 or bfloat16 queries (already rotated). Query head h
+        reads KV head h // (num_heads // num_kv_heads).
+      k_pool, v_pool: [num_kv_heads, num_blocks, block_size, Dp], q's dtype, Dp >= D;
+        lanes past D must be zero in owned slots. This step's K/V must already be written.
+        Slots that no sequence owns may hold anything, NaN included.
+      block_tables: [S, max_blocks_per_seq] int32 block ids in [0, num_blocks); entries
+        past a sequence's length are never read. The whole table is scalar-prefetched into
+        SMEM, so S * max_blocks_per_seq must fit there.
+      seq_lens: [S] int32 tokens of each sequence including this step's queries; 0 marks a
+        padding sequence (no queries).
+      query_start_loc: [S + 1] int32 offsets of each sequence's queries in `q` (its last
+        tokens); tokens past `query_start_loc[S]` are padding, their rows zero.
+      max_query_len: static upper bound on queries per sequence (1 for pure decode).
+      scale: softmax scale, default D ** -0.5.
+      interpret: run in interpret mode on CPU (`pltpu.InterpretParams` when available).
+      pages_per_compute_block: pages per compute block; pages * block_size must be a
+        multiple of 128. Default: 128 tokens' worth.
+      batch_chunks: chunks of the tiles on the "parallel" grid axis (2 feeds both
+        TensorCores of a megacore chip).
+
+    Returns:
+      [T, num_heads, D] in q's dtype.
+
+    block_size must be a multiple of 8. A pool whose Dp is not a multiple of 128 is
+    zero-padded here, which copies it: size pools to 128 lanes to avoid it.
+    """
+    check_ragged_inputs(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc,
+                        max_query_len)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, _, block_size, pool_dim = k_pool.shape
+    num_seqs = block_tables.shape[0]
+    if block_size % SUBLANES:
+        raise ValueError(f"block_size {block_size} must be a multiple of {SUBLANES}")
+    if pages_per_compute_block is None:
+        pages_per_compute_block = max(1, -(-DEFAULT_TOKENS_PER_COMPUTE_BLOCK // block_size))
+    if pages_per_compute_block < 1 or (pages_per_compute_block * block_size) % LANES:
+        raise ValueError(
+            f"pages_per_compute_block {pages_per_compute_block} * block_size {block_size}"
+            f" must be a positive multiple of {LANES}")
+    if batch_chunks < 1:
+        raise ValueError(f"batch_chunks {batch_chunks} must be >= 1")
+    scale = head_dim**-0.5 if scale is None else scale
+    if interpret is True:
+        interpret = interpret_params()
+
+    group = num_heads // num_kv_heads
+    sublanes = SUBLANES * (4 // q.dtype.itemsize)  # 8 f32, 16 bf16
+    layout = ragged_tiles.tile_layout(
+        num_tokens, num_seqs, group, max_query_len, decode_rows=sublanes,
+        prefill_rows=PREFILL_ROWS, round_rows=lambda n: _round_up(n, sublanes))
+    num_chunks = min(batch_chunks, layout.num_tiles)
+    # extra tiles (to fill the last round of the chunks) are empty: make_tiles fills none
+    layout = dataclasses.replace(layout, num_tiles=_round_up(layout.num_tiles, num_chunks))
+    tiles = ragged_tiles.make_tiles(layout, seq_lens, query_start_loc, num_tokens)
+
+    padded_dim = _round_up(pool_dim, LANES)
+    if padded_dim != pool_dim:  # copies the pools
+        pad = ((0, 0), (0, 0), (0, 0), (0, padded_dim - pool_dim))
+        k_pool, v_pool = jnp.pad(k_pool, pad), jnp.pad(v_pool, pad)
+    q_tiles = ragged_tiles.gather_queries(q, tiles, layout, padded_dim)  # [N, K, R, Dp]
+    row_pos = jnp.broadcast_to(tiles.row_pos[:, :, None], (*tiles.row_pos.shape, LANES))
+    table_width = _round_up(block_tables.shape[1], pages_per_compute_block)
+    tables = jnp.pad(block_tables, ((0, 0), (0, table_width - block_tables.shape[1])))
+
+    call = _build_ragged_call(
+        scale=scale, num_chunks=num_chunks, tiles_per_chunk=layout.num_tiles // num_chunks,
+        num_kv_heads=num_kv_heads, rows=layout.rows, head_dim=padded_dim,
+        block_size=block_size, pool_dtype=k_pool.dtype, table_width=table_width,
+        pages_per_compute_block=pages_per_compute_block, interpret=interpret)
+    out = call(tiles.tile_seq, tiles.tile_kv_len, tables.reshape(-1), row_pos, q_tiles,
+               k_pool, v_pool)  # [N, K, R, Dp] f32
+    return ragged_tiles.scatter_outputs(out, tiles, layout, num_tokens, head_dim, q.dtype)
