@@ -73,36 +73,3 @@ def _check_pools_and_tables(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     if block_tables.dtype != jnp.int32 or seq_lens.dtype != jnp.int32:
         raise ValueError(
             f"block_tables/seq_lens dtypes {block_tables.dtype}/{seq_lens.dtype} must be int32")
-
-
-def check_ragged_inputs(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
-                        block_tables: jax.Array, seq_lens: jax.Array,
-                        query_start_loc: jax.Array) -> None:
-    """Raise ValueError naming the first bad argument of a ragged-attention call.
-
-    q: [T, num_heads, head_dim]; k_pool, v_pool: [num_kv_heads, num_blocks, block_size,
-    pool_head_dim >= head_dim] (a pool padded once at allocation: lanes past head_dim hold
-    zeros) in q's dtype; block_tables: [S, W], seq_lens: [S], query_start_loc: [S + 1], int32.
-    """
-    num_heads, head_dim = q.shape[1:]
-    num_kv_heads, _, _, pool_head_dim = k_pool.shape
-    num_seqs = block_tables.shape[0]
-    if k_pool.shape != v_pool.shape:
-        raise ValueError(f"k_pool {k_pool.shape} and v_pool {v_pool.shape} differ in shape")
-    if pool_head_dim < head_dim:
-        raise ValueError(f"q head_dim {head_dim} > pool head_dim {pool_head_dim}")
-    if q.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"q dtype {q.dtype} not supported (float32 or bfloat16)")
-    if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
-        raise ValueError(f"pool dtypes {k_pool.dtype}/{v_pool.dtype} must equal q's {q.dtype}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if block_tables.ndim != 2:
-        raise ValueError(f"block_tables shape {block_tables.shape} must be [S, W]")
-    if seq_lens.shape != (num_seqs,) or query_start_loc.shape != (num_seqs + 1,):
-        raise ValueError(f"seq_lens {seq_lens.shape} / query_start_loc {query_start_loc.shape}"
-                         f" must be ({num_seqs},) / ({num_seqs + 1},)")
-    for name, array in (("block_tables", block_tables), ("seq_lens", seq_lens),
-                        ("query_start_loc", query_start_loc)):
-        if array.dtype != jnp.int32:
-            raise ValueError(f"{name} dtype {array.dtype} must be int32")

@@ -214,7 +214,8 @@ def ragged_paged_attention_gpu(
     Returns:
       [T, num_heads, head_dim] in q's dtype; rows of padding tokens are zero.
     """
-    check_ragged_inputs(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc)
+    check_ragged_inputs(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc,
+                        max_query_len)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_blocks, block_size, pool_dim = k_pool.shape
     num_seqs, table_width = block_tables.shape

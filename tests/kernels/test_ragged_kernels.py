@@ -1,7 +1,7 @@
 """The ragged paged-attention kernels against a float64 NumPy oracle and the jnp reference.
 
-On CPU the TPU kernel runs under the TPU interpreter (simulated DMAs and semaphores, NaN in
-uninitialized VMEM, out-of-bounds reads raising). Every mixed batch holds decode tokens, a
+On CPU both kernels run in Pallas interpret mode, the TPU one under the TPU interpreter
+(simulated DMAs and semaphores, NaN in uninitialized VMEM, out-of-bounds reads raising). Every mixed batch holds decode tokens, a
 chunk that starts mid-block and ends on a block boundary, a one-token chunk that is a whole
 prompt, a long chunk over many blocks and several tiles, a whole prompt from position 0,
 padding sequences (length 0, no queries) between real ones and padding tokens at the end,
@@ -21,13 +21,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import paged_decode_gpu
 from pallas_kernels.paged_decode_tpu import MAX_UNROLLED_HEADS
+from pallas_kernels.ragged_paged_gpu import ragged_paged_attention_gpu
 from pallas_kernels.ragged_paged_tpu import ragged_paged_attention_tpu
 from pallas_kernels.reference import paged_attention_reference
 
-pytestmark = pytest.mark.kernels
+pytestmark = [
+    pytest.mark.kernels,
+    pytest.mark.filterwarnings(
+        f"ignore:{paged_decode_gpu.TRITON_DEPRECATION_MESSAGE}:DeprecationWarning"),
+]
 
 KERNELS = {
+    "gpu": functools.partial(ragged_paged_attention_gpu, interpret=True),
     "tpu": functools.partial(ragged_paged_attention_tpu, interpret=True),
 }
 TOLERANCE = {np.float32: 1e-5, jnp.bfloat16: 2e-2}  # times the largest |expected|
