@@ -104,7 +104,7 @@ def paged_attention(
     k_pool, v_pool = write_kv(*layer_kv, k, v, metadata.slot_mapping)
     if metadata.backend in _PALLAS_PLATFORM and metadata.max_query_len == 1:
         # A decode step (the runner puts sequence i's one token at row i) goes to the decode
-        # kernel: no tiling of queries, and 7-30% faster than the ragged kernel on an H200
+        # kernel: no tiling of queries, and 6-33% faster than the ragged kernel on an H200
         # (docs/bench/h200_kernels_run2.log).
         num_seqs = metadata.seq_lens.shape[0]
         q_pool = jnp.pad(q[:num_seqs], ((0, 0), (0, 0), (0, pool_dim - head_dim)))
