@@ -1,29 +1,38 @@
-"""Benchmark the paged decode kernels against contiguous-cache attention and JAX's own kernel.
+"""Check and time the Pallas attention kernels on a GPU or TPU, in one call.
 
-    python scripts/bench_kernels.py --quick --out bench_kernels.json   # ~3-5 min on one H200
-    python scripts/bench_kernels.py --out bench_kernels.json           # the full grid
+    python scripts/bench_kernels.py --quick --out bench_kernels.json   # ~5-7 min on one H200
+    python scripts/bench_kernels.py --quick --sections ragged,engine   # ~5 min (no decode grid)
+    python scripts/bench_kernels.py --quick --sweep                    # + the ragged kernel's knobs
     python scripts/bench_kernels.py --interpret                        # CPU smoke (interpret)
     python scripts/bench_kernels.py --kernel-arg num_warps=8 ...       # pass knobs to ours
 
-On the accelerator JAX finds (a CUDA GPU or a TPU; on CPU it exits unless --interpret), for
-every (batch, context, block size) of the grid, bf16, 32 query / 8 KV heads of 128 (Llama-3-8B's
-attention), every sequence at full length, it runs:
+On the accelerator JAX finds (a CUDA GPU or a TPU; on CPU it exits unless --interpret) it runs
+these sections (`--sections`, in order), bf16, 32 query / 8 KV heads of 128 (Llama-3-8B's
+attention) unless said:
 
-* paged:       our kernel (`paged_decode_attention_gpu` / `paged_decode_attention_tpu`);
-* contiguous:  dense decode attention in plain jnp/XLA over a contiguous [S, L, K, D] cache
-               holding the same K/V;
-* jax:         JAX's shipped paged attention kernel for the platform
-               (`jax.experimental.pallas.ops.gpu.paged_attention` / `...ops.tpu.paged_attention`,
-               which take the same [K, num_blocks, block_size, D] pool).
+* ragged: decode, prefill and mixed steps (RAGGED_SCENARIOS, incl. two at SmolLM2's heads)
+  through our ragged kernel (`ragged_paged_attention_gpu` / `_tpu`), against contiguous
+  attention in plain jnp/XLA over [S, L, K, D] caches holding the same K/V (queries padded to
+  the longest chunk), our decode kernel (decode steps), and JAX's shipped kernels: on GPU
+  `ops.gpu.paged_attention` (decode) and `ops.gpu.attention.mha` (fresh prompts, contiguous),
+  on TPU `ops.tpu.ragged_paged_attention` (every step). Then the in-place K/V write into a
+  donated 4 GiB pool against one pass over it.
+* engine: a random-weight model at SmolLM2-135M's shapes generating greedily with our
+  kernels and with the jnp path (bf16: tok/s), and in float32 at full matmul precision
+  against the dense reference backend (the tokens must agree).
+* decode: the decode kernel's grid of (batch, context, block size), every sequence at full
+  length, against contiguous attention and JAX's paged decode kernel
+  (`ops.gpu.paged_attention` / `ops.tpu.paged_attention`, the same [K, N, B, D] pool).
 
-Each method is first checked against `paged_attention_reference` (on the first sequences of the
-batch), then timed on the device: one jitted executable chains `iters x R` calls, each call's
-output being the next call's query (a true dependency, so XLA can neither hoist nor overlap
-calls), over R input sets (disjoint, randomly permuted blocks of one pool; R separate
-contiguous caches) rotating so that the sets together exceed the L2 cache where memory allows;
-`iters` is sized so one timed run lasts ~20-50 ms, and the median of several runs after a
-warm-up, divided by the calls in it, is reported. It prints a table of times and ratios
-(paged/contiguous, paged/jax) and writes every timing to --out as JSON.
+Each method is first checked against `paged_attention_reference`, then timed on the device:
+one jitted executable chains `iters x R` calls, each call's output being the next call's query
+(a true dependency, so XLA can neither hoist nor overlap calls), for the decode grid over R
+input sets (disjoint, randomly permuted blocks of one pool; R separate contiguous caches)
+rotating so that the sets together exceed the L2 cache where memory allows; `iters` is sized
+so one timed run lasts ~20-50 ms, and the median of several runs after a warm-up, divided by
+the calls in it, is reported. It prints tables of times, ratios, GB/s and TFLOP/s against the
+bytes and FLOPs that bound each step, and writes every timing to --out as JSON. `--budget-s`
+stops starting decode configs and sweep settings past a time, to fit a lease.
 """
 
 from __future__ import annotations
@@ -406,15 +415,44 @@ def ragged_methods(platform, interpret, kernel_args, seqs, block_size, only_ragg
         methods["decode_kernel"] = lambda q, data: decode(
             q, data["k_pool"], data["v_pool"], data["tables"], data["lengths"],
             interpret=interpret)
+    if platform == "tpu":  # JAX's ragged kernel serves every step, decode included
+        methods["jax"] = jax_tpu_ragged(interpret)
+    elif is_decode:
         jax_kernel, reason = load_jax_kernel(platform)
         if jax_kernel is None:
             unavailable["jax"] = reason
         else:
             pages = max(-(-(c + n) // block_size) for c, n in seqs)
             methods["jax"] = jax_decode(platform, jax_kernel, interpret, pages, block_size)
-    elif fresh_prefill and platform == "gpu" and not interpret:
+    elif fresh_prefill and not interpret:
         methods["jax"] = jax_flash_prefill(len(seqs), seqs[0][1])
     return methods, unavailable
+
+
+def jax_tpu_ragged(interpret):
+    """JAX's ragged paged attention for TPU (`ops.tpu.ragged_paged_attention`) on the same
+    K/V, interleaved into its [pages, page_size, 2 * K, D] layout before timing."""
+    from jax.experimental.pallas.ops.tpu import ragged_paged_attention as module
+
+    def run(q, data):
+        context = contextlib.nullcontext()
+        if interpret:
+            from jax.experimental.pallas import tpu as pltpu
+            context = pltpu.force_tpu_interpret_mode()
+        num_seqs = data["lengths"].shape[0]
+        with context:
+            return module.ragged_paged_attention(
+                q, data["kv_pages"], data["lengths"], data["tables"], data["query_start"],
+                jnp.array([num_seqs], jnp.int32), sm_scale=q.shape[-1] ** -0.5)
+    return run
+
+
+def interleave_kv(k_pool, v_pool):
+    """Our [K, N, B, D] K and V pools -> JAX's TPU layout [N, B, 2K, D], K heads even."""
+    num_kv_heads, num_blocks, block_size, head_dim = k_pool.shape
+    both = jnp.stack([k_pool, v_pool], axis=-2)  # [K, N, B, 2, D]
+    return both.transpose(1, 2, 0, 3, 4).reshape(num_blocks, block_size, 2 * num_kv_heads,
+                                                 head_dim)
 
 
 def jax_decode(platform, jax_kernel, interpret, pages, block_size):
@@ -455,6 +493,8 @@ def ragged_costs(seqs, heads, itemsize):
 def bench_ragged(platform, interpret, kernel_args, scenario, seqs, block_size, heads, seed,
                  target_s, repeats, only_ragged=False):
     data, q = make_ragged_data(jax.random.key(seed), seqs, block_size, heads)
+    if platform == "tpu":
+        data["kv_pages"] = interleave_kv(data["k_pool"], data["v_pool"])
     expected = np.asarray(paged_attention_reference(
         q, data["k_pool"], data["v_pool"], data["tables"], data["lengths"],
         data["query_start"], max_query_len=max(new for _, new in seqs)).astype(jnp.float32))
@@ -593,13 +633,14 @@ def random_model(seed, **shapes):
     shapes_tree = param_shapes(config)
     leaves, treedef = jax.tree.flatten(shapes_tree, is_leaf=lambda x: isinstance(x, tuple))
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    params = [0.05 * jax.random.normal(k, shape, jnp.bfloat16) for k, shape in zip(keys, leaves)]
+    params = [0.05 * jax.random.normal(k, shape, jnp.bfloat16)
+              for k, shape in zip(keys, leaves, strict=True)]
     return LlamaModel(config), jax.tree.unflatten(treedef, params)
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
     """Index of the first token where two generations differ (None if they agree)."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
 
 
 def bench_engine(backends, interpret, workload_name, seed, dtype):
@@ -651,7 +692,8 @@ def run_engine_section(platform, interpret, grid_name, seed, records):
             if "error" in result:
                 print(f"{backend:<12} error: {result['error']}")
                 continue
-            differ = [first_difference(a, b) for a, b in zip(result["tokens"], base or [])]
+            pairs = zip(result["tokens"], base, strict=True) if base else ()
+            differ = [first_difference(a, b) for a, b in pairs]
             differ = [d for d in differ if d is not None]
             result["first_differences"] = differ
             print(f"{backend:<12} {result['seconds']:7.2f} s  {result['generated_per_s']:9.0f} "

@@ -1,13 +1,14 @@
 """The ragged paged-attention kernels against a float64 NumPy oracle and the jnp reference.
 
 On CPU both kernels run in Pallas interpret mode, the TPU one under the TPU interpreter
-(simulated DMAs and semaphores, NaN in uninitialized VMEM, out-of-bounds reads raising). Every mixed batch holds decode tokens, a
-chunk that starts mid-block and ends on a block boundary, a one-token chunk that is a whole
-prompt, a long chunk over many blocks and several tiles, a whole prompt from position 0,
-padding sequences (length 0, no queries) between real ones and padding tokens at the end,
-over permuted block tables with NaN in every pool slot no sequence owns. The fast set covers
-every pair of (query heads per KV head, head dims, block size, dtype); the `slow` set is the
-full product. The lowering tests export the TPU kernel for TPU at production shapes.
+(simulated DMAs and semaphores, NaN in uninitialized VMEM, out-of-bounds reads raising).
+Every mixed batch holds decode tokens, a chunk that starts mid-block and ends on a block
+boundary, a one-token chunk that is a whole prompt, a long chunk over many blocks and
+several tiles, a whole prompt from position 0, padding sequences (length 0, no queries)
+between real ones and padding tokens at the end, over permuted block tables with NaN in
+every pool slot no sequence owns. The fast set covers every pair of (query heads per KV
+head, head dims, block size, dtype); the `slow` set is the full product. The lowering tests
+export the TPU kernel for TPU at production shapes.
 """
 
 from __future__ import annotations
