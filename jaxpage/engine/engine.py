@@ -11,6 +11,7 @@ interface) owns the device.
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import threading
 import time
@@ -314,25 +315,35 @@ class LLMEngine:
         hand out again), NaN refills (debug), swap-ins, copy-on-write copies, then the
         forward and the sampler. Work a failed step left undone runs first, in its own
         order, so every block is read before anything rewrites it and every host block is
-        written before it is read. On failure nothing the host recorded is lost: the undone
-        work is kept for the next step, and a lost pool is rebuilt."""
+        written before it is read. A swap-out's transfer to the host overlaps the forward
+        and lands after it (or before a swap-in of the same step). On failure nothing the
+        host recorded is lost: the undone work is kept for the next step, and a lost pool
+        is rebuilt."""
         released = self.allocator.take_released() if self.config.debug_nan_pool else []
         work = self._device_work_due
         work += [(name, args) for name, args in [
             ("swap_out", (scheduled.swap_out,)), ("fill_blocks", (released, float("nan"))),
             ("swap_in", (scheduled.swap_in,)), ("copy_blocks", (scheduled.block_copies,)),
         ] if args[0]]
+        started = []  # swap-outs dispatched and not yet landed in the host pool
         try:
-            while work:  # each item leaves the list once done
+            while work:  # each item leaves the list once done (a swap-out: once dispatched)
                 name, args = work[0]
                 getattr(self.runner, name)(*args)
-                work.pop(0)
+                item = work.pop(0)
+                if name == "swap_out":
+                    started.append(item)
+                elif name == "swap_in":
+                    started = []  # it landed every swap-out before reading the host pool
             compiles, start = self.runner.compiles, time.perf_counter()
             results = self.runner.execute(scheduled.seqs) if scheduled.seqs else []
         except Exception:
+            with contextlib.suppress(Exception):  # the step's own error is the one to raise
+                self._land_swaps(started)
             if self.runner.pool_lost():
                 self._rebuild_pool()
             raise
+        self._land_swaps(started)
         if self.swap_cost is not None:
             self.swap_cost.observe_copies(self.runner.swap_out_bytes_timed,
                                           self.runner.swap_out_seconds_timed)
@@ -341,6 +352,20 @@ class LLMEngine:
                 self.swap_cost.record_prefill(scheduled.num_batched_tokens,
                                               time.perf_counter() - start)
         return results
+
+    def _land_swaps(self, started: list) -> None:
+        """Land the swap-outs in flight in the host pool. Their gathers read the pool before
+        the forward, so what lands is right even after a failed step; if they cannot land,
+        their copies are lost (the forward may since have rewritten those blocks): the pool
+        is rebuilt as when it is lost, the requests they held recomputing, and the error
+        raised."""
+        try:
+            self.runner.finish_swaps()
+        except Exception:
+            self.runner.drop_swaps()
+            self._device_work_due[:0] = started
+            self._rebuild_pool()
+            raise
 
     def _rebuild_pool(self) -> None:
         """The device freed the donated pool mid-step: every K/V in it is gone. Start a new

@@ -181,8 +181,12 @@ class ModelRunner:
         self.compile_seconds = 0.0
         self.device_seconds = 0.0  # wall time inside jitted calls (dispatch to result)
         self.swap_out_blocks = self.swap_in_blocks = 0
-        # swap-outs that did not compile, timed whole (gather, transfer, host write): the
-        # copy bandwidth the "auto" preemption mode measures
+        # swap-outs started and not yet in the host pool: (host ids, gathered blocks on
+        # their way to the host, dispatch seconds or None when the gather compiled)
+        self._swaps_in_flight: list[tuple[list[int], jax.Array, float | None]] = []
+        # swap-outs that did not compile, timed as the step waited for them (dispatch, and
+        # the rest of the transfer and the host write after the forward): the copy
+        # bandwidth the "auto" preemption mode measures
         self.swap_out_bytes_timed = 0
         self.swap_out_seconds_timed = 0.0
 
@@ -223,8 +227,10 @@ class ModelRunner:
             self.kv_pool, ids, np.float32(value)))
 
     def swap_out(self, copies: list[tuple[int, int]]) -> None:
-        """Copy `(device block, host block)` pairs into the host pool: one jitted gather of
-        every block, one device->host transfer."""
+        """Start copying `(device block, host block)` pairs into the host pool: one jitted
+        gather of every block, dispatched before this step's forward (so it reads the
+        blocks before the forward may rewrite them), and one device->host transfer started
+        at once; the transfer overlaps the forward and lands in `finish_swaps`."""
         if not copies:
             return
         size = bucket_for(len(copies), self.swap_out_buckets)
@@ -232,19 +238,40 @@ class ModelRunner:
         device_ids[: len(copies)] = [device_id for device_id, _ in copies]
         key = ("swap_out", size)
         measured, start = key in self.compiled, time.perf_counter()
-        blocks = self._timed(key, lambda: jax.device_get(_GATHER_BLOCKS(self.kv_pool,
-                                                                        device_ids)))
-        self.host_kv[[host_id for _, host_id in copies]] = blocks[: len(copies)]
-        if measured:
-            self.swap_out_seconds_timed += time.perf_counter() - start
-            self.swap_out_bytes_timed += len(copies) * self.block_bytes
+        blocks = self._timed(key, lambda: _GATHER_BLOCKS(self.kv_pool, device_ids))
+        blocks.copy_to_host_async()
+        self._swaps_in_flight.append(([host_id for _, host_id in copies], blocks,
+                                      time.perf_counter() - start if measured else None))
         self.swap_out_blocks += len(copies)
+
+    def finish_swaps(self) -> None:
+        """Write the swap-outs in flight into the host pool (waiting for their transfers).
+        The time counted as the copy's is what the step spent on it: dispatch and the wait
+        here, not the part the transfer overlapped the forward."""
+        while self._swaps_in_flight:
+            host_ids, blocks, dispatch_seconds = self._swaps_in_flight[0]
+            start = time.perf_counter()
+            self.host_kv[host_ids] = np.asarray(blocks)[: len(host_ids)]
+            self._swaps_in_flight.pop(0)
+            if dispatch_seconds is not None:
+                self.swap_out_seconds_timed += dispatch_seconds + time.perf_counter() - start
+                self.swap_out_bytes_timed += len(host_ids) * self.block_bytes
+
+    def swaps_in_flight(self) -> list[int]:
+        """Host blocks whose swap-out was started and has not landed."""
+        return [host_id for host_ids, _, _ in self._swaps_in_flight for host_id in host_ids]
+
+    def drop_swaps(self) -> None:
+        """Forget the swap-outs in flight (after a failure; the engine redoes or drops them)."""
+        self._swaps_in_flight.clear()
 
     def swap_in(self, copies: list[tuple[int, int]]) -> None:
         """Copy `(host block, device block)` pairs into the KV pool: one host->device
-        transfer of every block, one jitted scatter into the donated pool."""
+        transfer of every block, one jitted scatter into the donated pool. Swap-outs in
+        flight land first (a block swapped out may be read back in the same step)."""
         if not copies:
             return
+        self.finish_swaps()
         size = bucket_for(len(copies), self.copy_buckets)
         host_ids = np.full(size, copies[0][0], np.int64)  # padding: any row, into block 0
         device_ids = np.zeros(size, np.int32)

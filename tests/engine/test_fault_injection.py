@@ -190,6 +190,15 @@ def transfer(name, lose_pool=False):
     return install
 
 
+def landing(engine):
+    """The first landing of swap-outs in flight fails (their transfer to the host broke
+    after the forward ran): their host copies are lost with the blocks the forward may have
+    rewritten, so the engine rebuilds as for a lost pool."""
+    runner = engine.runner
+    runner.finish_swaps = Once(runner.finish_swaps, lambda: bool(runner.swaps_in_flight()))
+    return runner.finish_swaps
+
+
 def detokenize(engine):  # appending p0's text fails: only p0 ends
     engine._detokenize = Once(engine._detokenize, lambda sample: sample.request_id == "p0")
     return engine._detokenize
@@ -245,6 +254,7 @@ SWAP_STAGES = {  # stage: (installer, step it is armed at)
     # requests holding them recompute; the rest of the host pool stays valid
     "swap_out_pool_lost": (transfer("swap_out", lose_pool=True), 0),
     "swap_in_pool_lost": (transfer("swap_in", lose_pool=True), 0),
+    "swap_out_landing": (landing, 0),
     "copy_on_write": (copy_on_write, 1),
     "runner": (runner_call, 6),
     "pool_lost": (pool_lost, 9),  # swapped-out requests keep their host copies

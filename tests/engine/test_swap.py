@@ -180,7 +180,8 @@ def bits(array) -> np.ndarray:
 
 def test_swaps_copy_blocks_bit_for_bit_and_share_them_once(path, reference):
     """Every swap-out copies exactly the device blocks its sequences held (read through
-    the runner's kv_pool before the copy), one host block per distinct device block, so
+    the runner's kv_pool when it starts; the copy lands after the step's forward, which
+    starts while it is in flight), one host block per distinct device block, so
     forks and beams share host blocks; every swap-in puts the host block back unchanged and
     restores the sharing of full blocks. Prefix caching is off: no other copies happen."""
     llm = LLM(path, **SMALL, **SWAP, preemption_mode="swap", enable_prefix_caching=False)
@@ -191,14 +192,25 @@ def test_swaps_copy_blocks_bit_for_bit_and_share_them_once(path, reference):
         return np.stack([np.stack([np.asarray(k[:, block_id]), np.asarray(v[:, block_id])])
                          for k, v in runner.kv_pool])
 
-    swap_out, swap_in = runner.swap_out, runner.swap_in
+    swap_out, swap_in, finish_swaps, execute = (runner.swap_out, runner.swap_in,
+                                                runner.finish_swaps, runner.execute)
+    landing = {}  # host block -> the device block's contents when its swap-out started
 
     def checked_swap_out(copies):
-        before = {host_id: device_block(device_id) for device_id, host_id in copies}
+        landing.update({host_id: device_block(device_id) for device_id, host_id in copies})
         swap_out(copies)
-        for host_id, block in before.items():
-            assert np.array_equal(bits(runner.host_kv[host_id]), bits(block)), host_id
         seen["out"].append(copies)
+
+    def checked_finish_swaps():  # the host copies land after the forward (or a swap-in)
+        finish_swaps()
+        for host_id, block in landing.items():
+            assert np.array_equal(bits(runner.host_kv[host_id]), bits(block)), host_id
+        landing.clear()
+
+    def traced_execute(seqs):  # the forward starts while the host copies are in flight
+        seen["forward_during_swap"] = seen.get("forward_during_swap", 0) + bool(
+            runner.swaps_in_flight())
+        return execute(seqs)
 
     def checked_swap_in(copies):
         swap_in(copies)
@@ -207,6 +219,7 @@ def test_swaps_copy_blocks_bit_for_bit_and_share_them_once(path, reference):
         seen["in"].append(copies)
 
     runner.swap_out, runner.swap_in = checked_swap_out, checked_swap_in
+    runner.finish_swaps, runner.execute = checked_finish_swaps, traced_execute
 
     def before_step(engine):
         running = {r.seq_id: (alloc.block_table(r.seq_id), r) for r in engine.scheduler.running}
@@ -238,6 +251,7 @@ def test_swaps_copy_blocks_bit_for_bit_and_share_them_once(path, reference):
 
     assert serve(llm, before_step, after_step) == reference
     assert seen["out"] and seen["in"] and seen["shared"] > 0
+    assert seen["forward_during_swap"] > 0 and not landing
     usage = alloc.usage()
     assert usage["host_used"] == usage["host_cached"] == usage["used"] == 0
 
