@@ -4,17 +4,19 @@ The batch is token-flat and ragged, as the engine packs a step (see `ragged_tile
 sequence brings any number of new queries (decode: one; a prefill chunk: many), which attend
 causally to everything cached before them and to the earlier queries of their own chunk.
 `ragged_tiles` cuts the queries into tiles of `rows = tokens x GQA group` rows; one program
-per (tile, KV head, KV split) multiplies its `[rows, D]` tile by `keys_per_block` keys at a
+per (tile, KV head, KV split) multiplies its `[rows, D]` tile by `KEYS_PER_BLOCK` keys at a
 time, gathered page by page through the sequence's block table where they lie in the pool,
-with an online softmax in registers, as the decode kernel (`paged_decode_gpu`) does for one
-query. A tile reads keys only up to its last query (the causal bound); within that, the
-mask `key_pos <= row_pos` is exact per row.
+with an online softmax in registers. A tile reads keys only up to its last query (the
+causal bound); within that, the mask `key_pos <= row_pos` is exact per row.
 
 Splits (flash-decoding) cut a tile's keys into equal shares in whole compute blocks, each
 program writing its running max, sum and unnormalized output, merged afterwards in jnp
-(`paged_decode_gpu._combine_splits`); they matter for long contexts with few tiles. A pure
-decode step (`max_query_len` 1) gets one-token tiles of >= 16 rows (`tl.dot`'s minimum);
-otherwise tiles of ~64 rows reuse every K/V page for many queries.
+(`combine_splits`, exact up to rounding); they matter for long contexts with few tiles. The
+split is over the keys a tile actually reads, not the table width, so short and long
+sequences in one batch both spread over all splits. A pure decode step (`max_query_len` 1)
+gets one-token tiles of >= 16 rows (`tl.dot`'s minimum); otherwise tiles of ~64 rows reuse
+every K/V page for many queries. The same kernel serves `paged_decode_gpu`, whose tiles are
+simply one per sequence.
 
 The oracle is `pallas_kernels.reference.paged_attention_reference` (same signature);
 tests/kernels/test_ragged_kernels.py holds the two, and a float64 NumPy oracle, to each other.
@@ -23,6 +25,7 @@ tests/kernels/test_ragged_kernels.py holds the two, and a float64 NumPy oracle, 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -31,30 +34,40 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import ragged_tiles
 from pallas_kernels.checks import check_ragged_inputs
-from pallas_kernels.paged_decode_gpu import (  # noqa: F401 (the deprecation filter is set there)
-    MIN_DOT_ROWS,
-    TARGET_PROGRAMS,
-    _combine_splits,
-    _next_power_of_2,
-)
 
+# JAX 0.11 deprecated the Pallas Triton backend. In the sources read for 0.11 the warning is
+# raised only when Triton is picked as the fallback backend (no compiler params); these
+# kernels always pass `pltriton.CompilerParams`, but filter that one message in case a
+# release warns on every Triton lowering. Nothing else is silenced.
+TRITON_DEPRECATION_MESSAGE = r"The Pallas Triton backend is deprecated"
+warnings.filterwarnings("ignore", message=TRITON_DEPRECATION_MESSAGE, category=DeprecationWarning)
+
+MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
 DECODE_ROWS = MIN_DOT_ROWS
 PREFILL_ROWS = 64  # beat 32 and 128 (8 warps) on the H200 sweep
 # Keys per inner step. On an H200 (docs/bench/h200_kernels_run2.log, --sweep) 128 keys beat
 # 64, 32 and 256 on prefill and mixed steps (64-row tiles, 4 warps, 2 stages) and were within
-# noise of 64 on decode.
+# noise of 64 on decode: a 128-key step is a 32 KiB bf16 K tile plus as much V at head_dim
+# 128, which two pipeline stages keep in flight in shared memory.
 KEYS_PER_BLOCK = 128
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 2
+# Enough programs for ~4 waves of an H200's 132 SMs; splits are only added while the grid
+# has fewer.
+TARGET_PROGRAMS = 4 * 132
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
 
 
 def pool_head_dim(head_dim: int) -> int:
     """The head dim a pool must have for this kernel to read it without a copy: Triton tiles
     are powers of 2 (>= 16)."""
-    return max(16, _next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
-def _ragged_kernel(
+def _attention_kernel(
     q_ref,  # [rows, D]: this tile's queries of one KV head's group
     k_ref,  # [num_blocks, block_size, D]: this KV head's K pool
     v_ref,  # [num_blocks, block_size, D]: this KV head's V pool
@@ -128,12 +141,14 @@ def _ragged_kernel(
     sum_ref[...] = row_sum
 
 
-def _build_call(*, scale, num_tiles, num_kv_heads, rows, head_dim, num_blocks, block_size,
-                table_width, num_splits, pages_per_compute_block, num_warps, num_stages,
-                interpret):
-    """The pallas_call over grid (tile, KV head, split)."""
+def build_call(*, scale, num_tiles, num_kv_heads, rows, head_dim, num_blocks, block_size,
+               table_width, num_splits, pages_per_compute_block, num_warps, num_stages,
+               interpret, name):
+    """The pallas_call over grid (tile, KV head, split): (q tiles [N, K, R, D], k_pool,
+    v_pool, tile tables [N, W], tile kv lengths [N], row positions [N, R]) -> (partial
+    outputs [N, K, splits, R, D], running maxes and sums [N, K, splits, R]), f32."""
     kernel = functools.partial(
-        _ragged_kernel, scale=scale, num_splits=num_splits,
+        _attention_kernel, scale=scale, num_splits=num_splits,
         pages_per_compute_block=pages_per_compute_block)
     split_shape = (num_tiles, num_kv_heads, num_splits, rows)
     return pl.pallas_call(
@@ -164,8 +179,40 @@ def _build_call(*, scale, num_tiles, num_kv_heads, rows, head_dim, num_blocks, b
         ],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="ragged_paged_attention_gpu",
+        name=name,
     )
+
+
+def combine_splits(partial_out, split_max, split_sum):
+    """Merge the splits' online-softmax states.
+
+    partial_out [N, K, splits, R, D], split_max and split_sum [N, K, splits, R] -> [N, K, R, D].
+    """
+    total_max = split_max.max(axis=2, keepdims=True)  # [N, K, 1, R]
+    total_max = jnp.where(jnp.isfinite(total_max), total_max, 0.0)  # all splits empty
+    weight = jnp.exp(split_max - total_max)  # [N, K, splits, R]; empty splits weigh 0
+    total_sum = (split_sum * weight).sum(axis=2)  # [N, K, R]
+    out = (partial_out * weight[..., None]).sum(axis=2)  # [N, K, R, D]
+    return out / jnp.where(total_sum > 0, total_sum, 1.0)[..., None]
+
+
+def compute_blocks(pages_per_compute_block, block_size, table_width) -> tuple[int, int]:
+    """(pages per compute block, compute blocks in the table width), checked."""
+    if pages_per_compute_block is None:
+        pages_per_compute_block = max(1, KEYS_PER_BLOCK // block_size)
+    if pages_per_compute_block < 1 or pages_per_compute_block & (pages_per_compute_block - 1):
+        raise ValueError(
+            f"pages_per_compute_block {pages_per_compute_block} must be a power of 2 >= 1")
+    if pages_per_compute_block * block_size < MIN_DOT_ROWS:
+        raise ValueError(f"pages_per_compute_block * block_size = "
+                         f"{pages_per_compute_block * block_size} must be >= {MIN_DOT_ROWS}")
+    return pages_per_compute_block, max(1, -(-table_width // pages_per_compute_block))
+
+
+def default_num_splits(num_tiles: int, num_kv_heads: int, max_compute_blocks: int) -> int:
+    """Splits per tile so that the grid has about `TARGET_PROGRAMS` programs."""
+    wanted = -(-TARGET_PROGRAMS // max(1, num_tiles * num_kv_heads))
+    return max(1, min(wanted, max_compute_blocks))
 
 
 @functools.partial(
@@ -230,19 +277,11 @@ def ragged_paged_attention_gpu(
     group = num_heads // num_kv_heads
     layout = ragged_tiles.tile_layout(
         num_tokens, num_seqs, group, max_query_len, decode_rows=DECODE_ROWS,
-        prefill_rows=query_rows, round_rows=_next_power_of_2)
-    if pages_per_compute_block is None:
-        pages_per_compute_block = max(1, KEYS_PER_BLOCK // block_size)
-    if pages_per_compute_block < 1 or pages_per_compute_block & (pages_per_compute_block - 1):
-        raise ValueError(
-            f"pages_per_compute_block {pages_per_compute_block} must be a power of 2 >= 1")
-    if pages_per_compute_block * block_size < MIN_DOT_ROWS:
-        raise ValueError(f"pages_per_compute_block * block_size = "
-                         f"{pages_per_compute_block * block_size} must be >= {MIN_DOT_ROWS}")
-    max_compute_blocks = max(1, -(-table_width // pages_per_compute_block))
+        prefill_rows=query_rows, round_rows=next_power_of_2)
+    pages_per_compute_block, max_compute_blocks = compute_blocks(
+        pages_per_compute_block, block_size, table_width)
     if num_splits is None:
-        wanted = -(-TARGET_PROGRAMS // (layout.num_tiles * num_kv_heads))
-        num_splits = max(1, min(wanted, max_compute_blocks))
+        num_splits = default_num_splits(layout.num_tiles, num_kv_heads, max_compute_blocks)
     if num_splits < 1:
         raise ValueError(f"num_splits {num_splits} must be >= 1")
 
@@ -253,13 +292,13 @@ def ragged_paged_attention_gpu(
     tile_tables = jnp.pad(block_tables, ((0, 0), (0, padded_width - table_width)))
     tile_tables = tile_tables[tiles.tile_seq]  # [N, W]
 
-    call = _build_call(
+    call = build_call(
         scale=scale, num_tiles=layout.num_tiles, num_kv_heads=num_kv_heads, rows=layout.rows,
         head_dim=padded_dim, num_blocks=num_blocks, block_size=block_size,
         table_width=padded_width, num_splits=num_splits,
         pages_per_compute_block=pages_per_compute_block, num_warps=num_warps,
-        num_stages=num_stages, interpret=interpret)
+        num_stages=num_stages, interpret=interpret, name="ragged_paged_attention_gpu")
     partial_out, split_max, split_sum = call(
         q_tiles, k_pool, v_pool, tile_tables, tiles.tile_kv_len, tiles.row_pos)
-    out = _combine_splits(partial_out, split_max, split_sum)  # [N, K, R, Dp]
+    out = combine_splits(partial_out, split_max, split_sum)  # [N, K, R, Dp]
     return ragged_tiles.scatter_outputs(out, tiles, layout, num_tokens, head_dim, q.dtype)

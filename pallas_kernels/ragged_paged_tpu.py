@@ -46,19 +46,15 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import ragged_tiles
 from pallas_kernels.checks import check_ragged_inputs
-from pallas_kernels.paged_decode_tpu import (
-    DEFAULT_BATCH_CHUNKS,
-    DEFAULT_TOKENS_PER_COMPUTE_BLOCK,
-    LANES,
-    MAX_UNROLLED_HEADS,
-    SUBLANES,
-    _round_up,
-    _rows,
-    _start_both,
-    _wait_both,
-    interpret_params,
-)
 
+LANES = 128  # TPU vector lane count: head_dim and the compute block are padded to it
+SUBLANES = 8  # f32 rows per vreg (bf16 packs 16): block sizes and query groups align to it
+MAX_UNROLLED_HEADS = 8  # KV heads past this loop instead of unrolling
+# One compute block is 128 tokens (one lane-width of scores): 8 pages of 16 tokens.
+DEFAULT_TOKENS_PER_COMPUTE_BLOCK = 128
+# Two chunks feed both TensorCores of a megacore chip; on one-core chips they run back to
+# back and cost one unhidden DMA.
+DEFAULT_BATCH_CHUNKS = 2
 # Query rows of a prefill tile: one pass of a 128-wide MXU.
 PREFILL_ROWS = 128
 
@@ -214,7 +210,67 @@ def _ragged_kernel(
         out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
 
 
-def _build_ragged_call(
+def _rows(pages):
+    """[P, B, D] pages -> [P * B, D] token rows, in the pages' dtype.
+
+    Merging pages into rows is free when B is a whole number of sublane tiles (8 rows of
+    f32, 16 of bf16); a bf16 block of 8 rows goes through f32, whose tiles are 8 rows.
+    """
+    num_pages, block_size, head_dim = pages.shape
+    if pages.dtype == jnp.float32 or block_size % (2 * SUBLANES) == 0:
+        return pages.reshape(num_pages * block_size, head_dim)
+    rows = pages.astype(jnp.float32).reshape(num_pages * block_size, head_dim)
+    return rows.astype(pages.dtype)
+
+
+def _start_both(k_copy, v_copy) -> None:
+    k_copy.start()
+    v_copy.start()
+
+
+def _wait_both(k_copy, v_copy) -> None:
+    k_copy.wait()
+    v_copy.wait()
+
+
+def interpret_params():
+    """The most faithful interpret mode this jax offers: the TPU interpreter (simulated
+    DMAs and semaphores, uninitialized memory filled with NaN) with out-of-bounds reads
+    raising where it can, else the generic interpreter."""
+    params_cls = getattr(pltpu, "InterpretParams", None)
+    if params_cls is None:
+        return True
+    fields = {f.name for f in dataclasses.fields(params_cls)}
+    kwargs = {}
+    if "out_of_bounds_reads" in fields:
+        kwargs["out_of_bounds_reads"] = "raise"
+    if "uninitialized_memory" in fields:
+        kwargs["uninitialized_memory"] = "nan"
+    return params_cls(**kwargs)
+
+
+def check_tiling(block_size: int, pages_per_compute_block: int | None,
+                 batch_chunks: int) -> int:
+    """The pages per compute block (default: 128 tokens' worth), after checking the
+    wrapper arguments that shape the kernel's tiles."""
+    if block_size % SUBLANES:
+        raise ValueError(f"block_size {block_size} must be a multiple of {SUBLANES}")
+    if pages_per_compute_block is None:
+        pages_per_compute_block = max(1, -(-DEFAULT_TOKENS_PER_COMPUTE_BLOCK // block_size))
+    if pages_per_compute_block < 1 or (pages_per_compute_block * block_size) % LANES:
+        raise ValueError(
+            f"pages_per_compute_block {pages_per_compute_block} * block_size {block_size}"
+            f" must be a positive multiple of {LANES}")
+    if batch_chunks < 1:
+        raise ValueError(f"batch_chunks {batch_chunks} must be >= 1")
+    return pages_per_compute_block
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def build_call(
     *,
     scale: float,
     num_chunks: int,
@@ -227,8 +283,14 @@ def _build_ragged_call(
     table_width: int,
     pages_per_compute_block: int,
     interpret,
+    name: str,
 ):
-    """The pallas_call over grid (chunk, tile within the chunk)."""
+    """The pallas_call over grid (chunk, tile within the chunk): (tile sequences [N], tile
+    key counts [N], flattened block tables [S * W] (scalar prefetch), row positions
+    [N, R, 128], q tiles [N, K, R, Dp], k_pool, v_pool) -> outputs [N, K, R, Dp] f32. Tile
+    t runs in chunk t % num_chunks; live tiles must precede empty ones for the cross-tile
+    prefetch to reach every live tile (an empty tile between live ones only costs the next
+    tile its prefetch)."""
     kernel = functools.partial(
         _ragged_kernel, scale=scale, num_chunks=num_chunks, tiles_per_chunk=tiles_per_chunk,
         table_width=table_width, pages_per_compute_block=pages_per_compute_block)
@@ -284,7 +346,7 @@ def _build_ragged_call(
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=vmem_limit),
         interpret=interpret,
-        name="ragged_paged_attention_tpu",
+        name=name,
     )
 
 
@@ -340,16 +402,7 @@ def ragged_paged_attention_tpu(
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, _, block_size, pool_dim = k_pool.shape
     num_seqs = block_tables.shape[0]
-    if block_size % SUBLANES:
-        raise ValueError(f"block_size {block_size} must be a multiple of {SUBLANES}")
-    if pages_per_compute_block is None:
-        pages_per_compute_block = max(1, -(-DEFAULT_TOKENS_PER_COMPUTE_BLOCK // block_size))
-    if pages_per_compute_block < 1 or (pages_per_compute_block * block_size) % LANES:
-        raise ValueError(
-            f"pages_per_compute_block {pages_per_compute_block} * block_size {block_size}"
-            f" must be a positive multiple of {LANES}")
-    if batch_chunks < 1:
-        raise ValueError(f"batch_chunks {batch_chunks} must be >= 1")
+    pages_per_compute_block = check_tiling(block_size, pages_per_compute_block, batch_chunks)
     scale = head_dim**-0.5 if scale is None else scale
     if interpret is True:
         interpret = interpret_params()
@@ -358,26 +411,27 @@ def ragged_paged_attention_tpu(
     sublanes = SUBLANES * (4 // q.dtype.itemsize)  # 8 f32, 16 bf16
     layout = ragged_tiles.tile_layout(
         num_tokens, num_seqs, group, max_query_len, decode_rows=sublanes,
-        prefill_rows=PREFILL_ROWS, round_rows=lambda n: _round_up(n, sublanes))
+        prefill_rows=PREFILL_ROWS, round_rows=lambda n: round_up(n, sublanes))
     num_chunks = min(batch_chunks, layout.num_tiles)
     # extra tiles (to fill the last round of the chunks) are empty: make_tiles fills none
-    layout = dataclasses.replace(layout, num_tiles=_round_up(layout.num_tiles, num_chunks))
+    layout = dataclasses.replace(layout, num_tiles=round_up(layout.num_tiles, num_chunks))
     tiles = ragged_tiles.make_tiles(layout, seq_lens, query_start_loc, num_tokens)
 
-    padded_dim = _round_up(pool_dim, LANES)
+    padded_dim = round_up(pool_dim, LANES)
     if padded_dim != pool_dim:  # copies the pools
         pad = ((0, 0), (0, 0), (0, 0), (0, padded_dim - pool_dim))
         k_pool, v_pool = jnp.pad(k_pool, pad), jnp.pad(v_pool, pad)
     q_tiles = ragged_tiles.gather_queries(q, tiles, layout, padded_dim)  # [N, K, R, Dp]
     row_pos = jnp.broadcast_to(tiles.row_pos[:, :, None], (*tiles.row_pos.shape, LANES))
-    table_width = _round_up(block_tables.shape[1], pages_per_compute_block)
+    table_width = round_up(block_tables.shape[1], pages_per_compute_block)
     tables = jnp.pad(block_tables, ((0, 0), (0, table_width - block_tables.shape[1])))
 
-    call = _build_ragged_call(
+    call = build_call(
         scale=scale, num_chunks=num_chunks, tiles_per_chunk=layout.num_tiles // num_chunks,
         num_kv_heads=num_kv_heads, rows=layout.rows, head_dim=padded_dim,
         block_size=block_size, pool_dtype=k_pool.dtype, table_width=table_width,
-        pages_per_compute_block=pages_per_compute_block, interpret=interpret)
+        pages_per_compute_block=pages_per_compute_block, interpret=interpret,
+        name="ragged_paged_attention_tpu")
     out = call(tiles.tile_seq, tiles.tile_kv_len, tables.reshape(-1), row_pos, q_tiles,
                k_pool, v_pool)  # [N, K, R, Dp] f32
     return ragged_tiles.scatter_outputs(out, tiles, layout, num_tokens, head_dim, q.dtype)

@@ -22,16 +22,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import paged_decode_gpu
-from pallas_kernels.paged_decode_tpu import MAX_UNROLLED_HEADS
+from pallas_kernels import ragged_paged_gpu
 from pallas_kernels.ragged_paged_gpu import ragged_paged_attention_gpu
-from pallas_kernels.ragged_paged_tpu import ragged_paged_attention_tpu
+from pallas_kernels.ragged_paged_tpu import MAX_UNROLLED_HEADS, ragged_paged_attention_tpu
 from pallas_kernels.reference import paged_attention_reference
 
 pytestmark = [
     pytest.mark.kernels,
     pytest.mark.filterwarnings(
-        f"ignore:{paged_decode_gpu.TRITON_DEPRECATION_MESSAGE}:DeprecationWarning"),
+        f"ignore:{ragged_paged_gpu.TRITON_DEPRECATION_MESSAGE}:DeprecationWarning"),
 ]
 
 KERNELS = {
