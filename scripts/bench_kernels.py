@@ -558,15 +558,23 @@ def bench_kv_write(interpret, block_size, heads, num_tokens, seed):
                 seconds=times)
 
 
-def print_ragged_row(record):
+def table_cells(record, ours: str, ratio_width: int):
+    """(us(name), ratio(name)) formatters for one record's row: microseconds per call of a
+    method, and `ours`' time over another method's."""
     times = record["seconds_per_call"]
 
     def us(name):
         return f"{times[name] * 1e6:10.1f}" if name in times else f"{'-':>10}"
 
     def ratio(name):
-        value = record.get(f"ragged_over_{name}")
-        return f"{value:7.2f}" if value is not None else f"{'-':>7}"
+        value = record.get(f"{ours}_over_{name}")
+        return f"{value:{ratio_width}.2f}" if value is not None else "-".rjust(ratio_width)
+
+    return us, ratio
+
+
+def print_ragged_row(record):
+    us, ratio = table_cells(record, "ragged", 7)
 
     def check(name):
         if name in record["errors"]:
@@ -708,14 +716,7 @@ def run_engine_section(platform, interpret, grid_name, seed, records):
 
 
 def print_row(record):
-    times = record["seconds_per_call"]
-
-    def us(name):
-        return f"{times[name] * 1e6:10.1f}" if name in times else f"{'-':>10}"
-
-    def ratio(name):
-        value = record.get(f"paged_over_{name}")
-        return f"{value:8.2f}" if value is not None else f"{'-':>8}"
+    us, ratio = table_cells(record, "paged", 8)
 
     checks = "".join(
         ("." if record["matches_reference"].get(n) else "X") if n not in record["errors"]
