@@ -461,8 +461,9 @@ SANITIZER_SCRIPT = (Path(__file__).resolve().parents[2] / "scripts"
 
 def test_kernel_is_clean_under_address_and_undefined_behaviour_sanitizers():
     """scripts/check_cpu_kernel_sanitizers.py: the kernel built with ASan and UBSan runs random
-    ragged batches (NaN/+inf/-inf in unowned slots) without a finding and matches float64, and
-    rejects malformed calls. About 15 s here, most of it the sanitized build."""
+    ragged batches (NaN/+inf/-inf in unowned slots; float32 pools, and bfloat16 pools on both
+    bfloat16 paths) without a finding and matches float64, and rejects malformed calls. About
+    60 s here (20 s the sanitized build, most of the rest the float64 oracle)."""
     result = subprocess.run([sys.executable, str(SANITIZER_SCRIPT)], capture_output=True,
                             text=True, timeout=850)
     if result.returncode == 2:
