@@ -16,8 +16,9 @@
 //   multiplied exactly, summed in float32). q and K enter as they are (the scale multiplies
 //   the float32 score); the probabilities P are rounded to bfloat16 (nearest even) before
 //   P.V, as flash attention does on accelerators; the softmax (max, exp, denominator,
-//   correction) and the accumulator stay float32. Only the compiled (head_dim, block_size)
-//   pairs take it; other sizes take the portable path.
+//   correction) and the accumulator stay float32. (vdpbf16ps also flushes subnormal inputs
+//   and results to zero: below 1.2e-38, nothing attention sees.) Only the compiled
+//   (head_dim, block_size) pairs take it; other sizes take the portable path.
 // - portable (bf16_dot = 0, or no AVX512-BF16): each K/V tile is widened to float32 (bf16 is
 //   the top half of a float32: a 16-bit shift, exact) and the float32 code runs on it, so
 //   nothing is rounded but the output.
@@ -91,7 +92,6 @@ inline bf16 narrow(float x) {
   return static_cast<bf16>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-// q, k, v and out point at float (float32 pools) or bf16 elements (bfloat16 pools).
 inline float to_float(float x) { return x; }
 inline float to_float(bf16 x) { return widen(x); }
 template <typename T>
@@ -99,6 +99,7 @@ inline T from_float(float x) {
   if constexpr (std::is_same_v<T, float>) return x; else return narrow(x);
 }
 
+// q, k, v and out point at float (float32 pools) or bf16 elements (bfloat16 pools).
 struct Problem {
   const void* q;         // [T, H, D]
   const void* k;         // [K, NB, B, D]
@@ -331,7 +332,9 @@ inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
 
 // Two bfloat16s in one 32-bit lane (a low, b high): the pair vdpbf16ps multiplies by the pair
 // in the same lane of its other operand, summing both products into the lane's float32.
-inline uint32_t pair(bf16 a, bf16 b) { return static_cast<uint32_t>(a) | static_cast<uint32_t>(b) << 16; }
+inline uint32_t pair(bf16 a, bf16 b) {
+  return static_cast<uint32_t>(a) | static_cast<uint32_t>(b) << 16;
+}
 
 // `attend` for bfloat16 pools on AVX512-BF16 (the compiled sizes: head_dim a multiple of 32,
 // block_size of 16). Scores: q (as given) . K on vdpbf16ps, times the scale in float32. The
@@ -468,7 +471,8 @@ bool attend_dot(const Problem& P, const Item& it, Scratch& s) {
       alignas(64) float sc[8][kB];
       const __m512 sv = _mm512_set1_ps(scale);
       for (int64_t i = 0; i < 8; ++i)
-        for (int64_t b = 0; b < BV; ++b) _mm512_store_ps(sc[i] + 16 * b, _mm512_mul_ps(acc_sc[i][b], sv));
+        for (int64_t b = 0; b < BV; ++b)
+          _mm512_store_ps(sc[i] + 16 * b, _mm512_mul_ps(acc_sc[i][b], sv));
       int64_t n_max = 0;
       float correction[8];
       for (int64_t i = 0; i < nr; ++i) {
@@ -499,7 +503,8 @@ bool attend_dot(const Problem& P, const Item& it, Scratch& s) {
           for (int64_t i = 0; i < kRows; ++i) {
             const uint32_t pp = i < ni ? p2[i0 + i][tp] : 0u;
             const __m512bh p = as_bh(_mm512_set1_epi32(static_cast<int32_t>(pp)));
-            for (int64_t v = 0; v < DV; ++v) out[i][v] = _mm512_dpbf16_ps(out[i][v], p, as_bh(vv[v]));
+            for (int64_t v = 0; v < DV; ++v)
+              out[i][v] = _mm512_dpbf16_ps(out[i][v], p, as_bh(vv[v]));
           }
         }
         for (int64_t i = 0; i < ni; ++i)
@@ -659,7 +664,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<kType> q,
     }
   }
 
-  std::memset(P.out, 0, sizeof(*out->typed_data()) * qd[0] * qd[1] * qd[2]);  // padding tokens stay 0
+  // padding tokens stay 0
+  std::memset(P.out, 0, sizeof(*out->typed_data()) * qd[0] * qd[1] * qd[2]);
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t len = static_cast<int64_t>(qsl[s + 1]) - qsl[s];
     // tiles [a, b) of at most query_tile tokens (no a + query_tile: query_tile may be huge)
