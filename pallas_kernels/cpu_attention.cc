@@ -336,12 +336,30 @@ inline uint32_t pair(bf16 a, bf16 b) {
   return static_cast<uint32_t>(a) | static_cast<uint32_t>(b) << 16;
 }
 
+// The sums of 16 vectors at once (a transposing tree: 15 adds instead of 16 reductions):
+// lane j of the result is the sum of v[(j % 4) * 4 + j / 4].
+inline __m512 sum16(const __m512* v) {
+  __m512 c[8], e[4], g[2];
+  for (int k = 0; k < 8; ++k)  // 256-bit halves: lanes 0-7 v[2k]'s partial sums, 8-15 v[2k+1]'s
+    c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+  for (int k = 0; k < 4; ++k)  // 128-bit quarters
+    e[k] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], 0xDD));
+  for (int k = 0; k < 2; ++k) {  // 64-bit pairs within each quarter
+    const __m512d lo = _mm512_castps_pd(e[2 * k]), hi = _mm512_castps_pd(e[2 * k + 1]);
+    g[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], 0x88), _mm512_shuffle_ps(g[0], g[1], 0xDD));
+}
+
 // `attend` for bfloat16 pools on AVX512-BF16 (the compiled sizes: head_dim a multiple of 32,
 // block_size of 16). Scores: q (as given) . K on vdpbf16ps, times the scale in float32. The
 // online softmax is `softmax_step`'s, in float32. P.V: the probabilities rounded to bfloat16
 // pairwise against V stored as pairs of consecutive key slots, on vdpbf16ps, into the float32
 // accumulator. Decode rows take dot products straight off the K tile (pairs along head_dim,
-// summed across the vector); prefill tiles transpose K once into pairs of dims per key slot
+// 16 key slots' sums at once); prefill tiles transpose K once into pairs of dims per key slot
 // and contract eight rows at a time, as the float32 code does.
 template <int kD, int kB>
 bool attend_dot(const Problem& P, const Item& it, Scratch& s) {
@@ -416,12 +434,17 @@ bool attend_dot(const Problem& P, const Item& it, Scratch& s) {
         __m512i qv[D / 32];
         for (int64_t c = 0; c < D / 32; ++c)
           qv[c] = _mm512_loadu_si512(s.q16.data() + r * D + 32 * c);
-        for (int64_t t = 0; t < B; ++t) {  // all B: slots t >= n are masked by softmax_step
-          __m512 dot = _mm512_setzero_ps();
-          for (int64_t c = 0; c < D / 32; ++c)
-            dot = _mm512_dpbf16_ps(dot, as_bh(qv[c]),
-                                   as_bh(_mm512_loadu_si512(kb + t * D + 32 * c)));
-          scores[t] = _mm512_reduce_add_ps(dot) * scale;
+        const __m512 sv = _mm512_set1_ps(scale);
+        for (int64_t t0 = 0; t0 < B; t0 += 16) {  // all B: slots t >= n are masked later
+          __m512 dots[16];
+          for (int64_t t = 0; t < 16; ++t) {
+            __m512 dot = _mm512_setzero_ps();
+            for (int64_t c = 0; c < D / 32; ++c)
+              dot = _mm512_dpbf16_ps(dot, as_bh(qv[c]),
+                                     as_bh(_mm512_loadu_si512(kb + (t0 + t) * D + 32 * c)));
+            dots[(t % 4) * 4 + t / 4] = dot;  // where sum16 puts slot t's sum in lane t
+          }
+          _mm512_storeu_ps(scores + t0, _mm512_mul_ps(sum16(dots), sv));
         }
         const float correction =
             softmax_step<kB>(scores, n, B, probs, &s.row_max[r], &s.denom[r]);
