@@ -19,8 +19,8 @@ from pallas_kernels import cpu_attention
 from pallas_kernels.blockwise import paged_attention_blockwise, write_kv
 from pallas_kernels.reference import paged_attention_reference
 
-# "cpp": the C++ kernel called through XLA FFI (the CPU path, float32 pools); "jnp": blockwise
-# online-softmax jnp (any platform and dtype); "reference": the dense jnp oracle;
+# "cpp": the C++ kernel called through XLA FFI (the CPU path, float32 or bfloat16 pools);
+# "jnp": blockwise online-softmax jnp (any platform and dtype); "reference": the dense jnp oracle;
 # "pallas_gpu" / "pallas_tpu": the ragged Pallas kernels (Triton / Mosaic).
 BACKENDS = ("cpp", "jnp", "reference", "pallas_gpu", "pallas_tpu")
 # Backends that cost each sequence only its own queries and keys (no padding to
@@ -139,7 +139,8 @@ def select_backend(requested: str, *, interpret: bool, head_dim: int, block_size
     """The backend that serves `requested` ("auto" or one of BACKENDS) on this platform.
 
     "auto" is the platform's Pallas kernels on TPU and GPU, and on CPU the C++ kernel
-    where it serves the pool (float32, built on this machine), else the blockwise jnp path.
+    where it serves the pool (float32 or bfloat16, built on this machine), else the blockwise
+    jnp path.
     A backend that cannot run here raises ValueError saying why; a Pallas kernel forced onto
     another platform needs `interpret`.
     """

@@ -8,7 +8,25 @@
 // contracts each [block_size, head_dim] tile of K and V in place, with an online softmax.
 // Work items are shared among XLA's intra-op threads.
 //
+// Pools are float32 or bfloat16 (the output is in q's dtype, which the wrapper makes the
+// pools'). bfloat16 tiles are read where they lie too, two ways, chosen per call by the
+// `bf16_dot` attribute:
+// - dot (bf16_dot = 1, built only where the compiler targets AVX512-BF16, i.e. -march=native
+//   on a CPU that has it: `__AVX512BF16__`): q.K and P.V on `vdpbf16ps` (bf16 pairs
+//   multiplied exactly, summed in float32). q and K enter as they are (the scale multiplies
+//   the float32 score); the probabilities P are rounded to bfloat16 (nearest even) before
+//   P.V, as flash attention does on accelerators; the softmax (max, exp, denominator,
+//   correction) and the accumulator stay float32. (vdpbf16ps also flushes subnormal inputs
+//   and results to zero: below 1.2e-38, nothing attention sees.) Only the compiled
+//   (head_dim, block_size) pairs take it; other sizes take the portable path.
+// - portable (bf16_dot = 0, or no AVX512-BF16): each K/V tile is widened to float32 (bf16 is
+//   the top half of a float32: a 16-bit shift, exact) and the float32 code runs on it, so
+//   nothing is rounded but the output.
+// Either way the output is rounded to bfloat16 (nearest even) once, at the end.
+//
 // Built on first use by pallas_kernels/cpu_attention.py (g++ -O3 -march=native).
+
+#include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
@@ -19,6 +37,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -62,14 +81,33 @@ inline float exp_nonpositive(float x) {
   return y * __builtin_bit_cast(float, bits);
 }
 
+using bf16 = uint16_t;  // a bfloat16's bits: the top half of a float32's
+
+inline float widen(bf16 x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
+
+// float32 -> bfloat16, rounding to nearest even; NaN stays a (quiet) NaN.
+inline bf16 narrow(float x) {
+  const uint32_t bits = __builtin_bit_cast(uint32_t, x);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16>((bits >> 16) | 0x40u);
+  return static_cast<bf16>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) { return widen(x); }
+template <typename T>
+inline T from_float(float x) {
+  if constexpr (std::is_same_v<T, float>) return x; else return narrow(x);
+}
+
+// q, k, v and out point at float (float32 pools) or bf16 elements (bfloat16 pools).
 struct Problem {
-  const float* q;        // [T, H, D]
-  const float* k;        // [K, NB, B, D]
-  const float* v;        // [K, NB, B, D]
+  const void* q;         // [T, H, D]
+  const void* k;         // [K, NB, B, D]
+  const void* v;         // [K, NB, B, D]
   const int32_t* tables; // [S, MB]
   const int32_t* lens;   // [S]
   const int32_t* qsl;    // [S + 1]
-  float* out;            // [T, H, D]
+  void* out;             // [T, H, D]
   int64_t num_heads, head_dim, num_kv_heads, num_blocks, block_size, max_blocks, group;
   float scale;
 };
@@ -84,6 +122,9 @@ struct Item {
 struct Scratch {
   std::vector<float> q, acc, row_max, denom, kt, scores, probs;
   std::vector<int32_t> pos;
+  std::vector<float> kf, vf;           // portable bf16 path: the K/V tile widened
+  std::vector<bf16> q16;               // dot path: the rows' queries
+  std::vector<uint32_t> kpairs, vpairs; // dot path: K and V tiles as bf16 pairs
 };
 
 // Tiles of the next blocks are prefetched into L2 (locality 1): the hardware prefetcher does
@@ -91,9 +132,10 @@ struct Scratch {
 // 60 -> 47 ms; into L1 no better than none; 4 or 8 blocks ahead no better than 2.
 constexpr int64_t kPrefetchBlocks = 2;
 
-inline void prefetch_tile(const float* tile, int64_t floats) {
+template <typename T>
+inline void prefetch_tile(const T* tile, int64_t elements) {
   const char* p = reinterpret_cast<const char*>(tile);
-  for (int64_t i = 0; i < floats * 4; i += 64) __builtin_prefetch(p + i, 0, 1);
+  for (int64_t i = 0; i < elements * int64_t{sizeof(T)}; i += 64) __builtin_prefetch(p + i, 0, 1);
 }
 
 // Fold row r's scores for one key tile (keys [0, n) visible) into its running max, denominator
@@ -124,8 +166,10 @@ inline float softmax_step(const float* scores, int64_t n, int64_t block_size, fl
 // to kMaxTile (read from the problem at run time). Few rows (a decode item: one token's GQA
 // group) take dot products straight off the K tile; many rows (a prefill tile) transpose the
 // K tile once and contract it eight rows at a time.
+// T is the pools' element type: float, or bf16 (the portable path: each K/V tile is widened to
+// float32 into scratch first, then contracted by the same code).
 // Returns false if the block table names a block outside the pool.
-template <int kD, int kB>
+template <int kD, int kB, typename T = float>
 bool attend(const Problem& P, const Item& it, Scratch& s) {
   constexpr int64_t kDMax = kD ? kD : kMaxTile, kBMax = kB ? kB : kMaxTile;
   const int64_t D = kD ? kD : P.head_dim, B = kB ? kB : P.block_size;
@@ -146,8 +190,8 @@ bool attend(const Problem& P, const Item& it, Scratch& s) {
   s.probs.resize(8 * B);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t tok = q_start + it.tok_begin + r / G;
-    const float* src = P.q + (tok * P.num_heads + it.head * G + r % G) * D;
-    for (int64_t d = 0; d < D; ++d) s.q[r * D + d] = src[d] * P.scale;
+    const T* src = static_cast<const T*>(P.q) + (tok * P.num_heads + it.head * G + r % G) * D;
+    for (int64_t d = 0; d < D; ++d) s.q[r * D + d] = to_float(src[d]) * P.scale;
     s.pos[r] = first_pos + it.tok_begin + static_cast<int32_t>(r / G);
   }
 
@@ -157,6 +201,12 @@ bool attend(const Problem& P, const Item& it, Scratch& s) {
   float* __restrict scores = s.scores.data();
   float* __restrict probs = s.probs.data();
   float* __restrict kt = s.kt.data();
+  const T* const k_pool = static_cast<const T*>(P.k);
+  const T* const v_pool = static_cast<const T*>(P.v);
+  if constexpr (!std::is_same_v<T, float>) {
+    s.kf.resize(B * D);
+    s.vf.resize(B * D);
+  }
   for (int64_t j = 0; j < num_key_blocks; ++j) {
     const int32_t block = table[j];
     if (block < 0 || block >= P.num_blocks) return false;
@@ -164,12 +214,27 @@ bool attend(const Problem& P, const Item& it, Scratch& s) {
       if (j + ahead >= num_key_blocks) break;
       const int32_t next = table[j + ahead];
       if (next >= 0 && next < P.num_blocks) {
-        prefetch_tile(P.k + (head_offset + next) * B * D, B * D);
-        prefetch_tile(P.v + (head_offset + next) * B * D, B * D);
+        prefetch_tile(k_pool + (head_offset + next) * B * D, B * D);
+        prefetch_tile(v_pool + (head_offset + next) * B * D, B * D);
       }
     }
-    const float* __restrict kb = P.k + (head_offset + block) * B * D;
-    const float* __restrict vb = P.v + (head_offset + block) * B * D;
+    const float* __restrict kb;
+    const float* __restrict vb;
+    if constexpr (std::is_same_v<T, float>) {
+      kb = k_pool + (head_offset + block) * B * D;
+      vb = v_pool + (head_offset + block) * B * D;
+    } else {  // widen the tile (all B slots: those past `valid` are masked as in float32)
+      const T* kr = k_pool + (head_offset + block) * B * D;
+      const T* vr = v_pool + (head_offset + block) * B * D;
+      float* __restrict kf = s.kf.data();
+      float* __restrict vf = s.vf.data();
+#pragma omp simd
+      for (int64_t i = 0; i < B * D; ++i) kf[i] = widen(kr[i]);
+#pragma omp simd
+      for (int64_t i = 0; i < B * D; ++i) vf[i] = widen(vr[i]);
+      kb = kf;
+      vb = vf;
+    }
     const int64_t key0 = j * B;
     const int64_t valid = std::min<int64_t>(B, reach - key0);
 
@@ -253,27 +318,274 @@ bool attend(const Problem& P, const Item& it, Scratch& s) {
 
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t tok = q_start + it.tok_begin + r / G;
-    float* dst = P.out + (tok * P.num_heads + it.head * G + r % G) * D;
+    T* dst = static_cast<T*>(P.out) + (tok * P.num_heads + it.head * G + r % G) * D;
     const float inv = s.denom[r] > 0.0f ? 1.0f / s.denom[r] : 0.0f;
-    for (int64_t d = 0; d < D; ++d) dst[d] = s.acc[r * D + d] * inv;
+    for (int64_t d = 0; d < D; ++d) dst[d] = from_float<T>(s.acc[r * D + d] * inv);
   }
   return true;
 }
 
+#ifdef __AVX512BF16__
+constexpr bool kHaveBf16Dot = true;
+
+inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
+
+// Two bfloat16s in one 32-bit lane (a low, b high): the pair vdpbf16ps multiplies by the pair
+// in the same lane of its other operand, summing both products into the lane's float32.
+inline uint32_t pair(bf16 a, bf16 b) {
+  return static_cast<uint32_t>(a) | static_cast<uint32_t>(b) << 16;
+}
+
+// The sums of 16 vectors at once (a transposing tree: 15 adds instead of 16 reductions):
+// lane j of the result is the sum of v[(j % 4) * 4 + j / 4].
+inline __m512 sum16(const __m512* v) {
+  __m512 c[8], e[4], g[2];
+  for (int k = 0; k < 8; ++k)  // 256-bit halves: lanes 0-7 v[2k]'s partial sums, 8-15 v[2k+1]'s
+    c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+  for (int k = 0; k < 4; ++k)  // 128-bit quarters
+    e[k] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], 0xDD));
+  for (int k = 0; k < 2; ++k) {  // 64-bit pairs within each quarter
+    const __m512d lo = _mm512_castps_pd(e[2 * k]), hi = _mm512_castps_pd(e[2 * k + 1]);
+    g[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], 0x88), _mm512_shuffle_ps(g[0], g[1], 0xDD));
+}
+
+// `attend` for bfloat16 pools on AVX512-BF16 (the compiled sizes: head_dim a multiple of 32,
+// block_size of 16). Scores: q (as given) . K on vdpbf16ps, times the scale in float32. The
+// online softmax is `softmax_step`'s, in float32. P.V: the probabilities rounded to bfloat16
+// pairwise against V stored as pairs of consecutive key slots, on vdpbf16ps, into the float32
+// accumulator. Decode rows take dot products straight off the K tile (pairs along head_dim,
+// 16 key slots' sums at once); prefill tiles transpose K once into pairs of dims per key slot
+// and contract eight rows at a time, as the float32 code does.
+template <int kD, int kB>
+bool attend_dot(const Problem& P, const Item& it, Scratch& s) {
+  static_assert(kD % 32 == 0 && kB % 16 == 0, "vdpbf16ps takes 32 bf16 / 16 float32 lanes");
+  constexpr int64_t D = kD, B = kB, DV = kD / 16, BV = kB / 16;
+  constexpr int64_t kRows = 256 / kD;  // P.V rows at a time: kRows * DV = 16 accumulators
+  const int64_t G = P.group;
+  const int32_t q_start = P.qsl[it.seq];
+  const int32_t q_len = P.qsl[it.seq + 1] - q_start;
+  const int32_t first_pos = P.lens[it.seq] - q_len;
+  const int64_t rows = static_cast<int64_t>(it.tok_end - it.tok_begin) * G;
+  const int64_t reach = first_pos + it.tok_end;
+  const float scale = P.scale;
+
+  s.q16.resize(rows * D);
+  s.acc.assign(rows * D, 0.0f);
+  s.row_max.assign(rows, kNegInf);
+  s.denom.assign(rows, 0.0f);
+  s.pos.resize(rows);
+  s.scores.resize(8 * B);
+  s.probs.resize(8 * B);
+  s.kpairs.resize(D / 2 * B);
+  s.vpairs.resize(B / 2 * D);
+  const bf16* const q_in = static_cast<const bf16*>(P.q);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t tok = q_start + it.tok_begin + r / G;
+    std::memcpy(s.q16.data() + r * D, q_in + (tok * P.num_heads + it.head * G + r % G) * D,
+                D * sizeof(bf16));
+    s.pos[r] = first_pos + it.tok_begin + static_cast<int32_t>(r / G);
+  }
+
+  const int32_t* table = P.tables + static_cast<int64_t>(it.seq) * P.max_blocks;
+  const int64_t num_key_blocks = (reach + B - 1) / B;
+  const int64_t head_offset = it.head * P.num_blocks;
+  const bf16* const k_pool = static_cast<const bf16*>(P.k);
+  const bf16* const v_pool = static_cast<const bf16*>(P.v);
+  float* __restrict scores = s.scores.data();
+  float* __restrict probs = s.probs.data();
+  uint32_t* __restrict kpairs = s.kpairs.data();
+  uint32_t* __restrict vpairs = s.vpairs.data();
+  for (int64_t j = 0; j < num_key_blocks; ++j) {
+    const int32_t block = table[j];
+    if (block < 0 || block >= P.num_blocks) return false;
+    for (int64_t ahead = j == 0 ? 1 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead) {
+      if (j + ahead >= num_key_blocks) break;
+      const int32_t next = table[j + ahead];
+      if (next >= 0 && next < P.num_blocks) {
+        prefetch_tile(k_pool + (head_offset + next) * B * D, B * D);
+        prefetch_tile(v_pool + (head_offset + next) * B * D, B * D);
+      }
+    }
+    const bf16* __restrict kb = k_pool + (head_offset + block) * B * D;
+    const bf16* __restrict vb = v_pool + (head_offset + block) * B * D;
+    const int64_t key0 = j * B;
+    const int64_t valid = std::min<int64_t>(B, reach - key0);
+
+    // V as pairs of consecutive key slots: vpairs[tp * D + d] = (v[2 tp][d], v[2 tp + 1][d]);
+    // slots past `valid` zeroed (they may hold NaN or inf, and 0 * NaN is NaN)
+    for (int64_t tp = 0; tp < (valid + 1) / 2; ++tp) {
+      const bf16 keep_a = 2 * tp < valid ? 0xffff : 0, keep_b = 2 * tp + 1 < valid ? 0xffff : 0;
+      const bf16* va = vb + 2 * tp * D;
+      const bf16* vb1 = keep_b ? va + D : va;  // never read past the tile
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d)
+        vpairs[tp * D + d] = pair(va[d] & keep_a, vb1[d] & keep_b);
+    }
+
+    if (rows < 8) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t n = std::min<int64_t>(valid, s.pos[r] + 1 - key0);  // keys row r sees
+        if (n <= 0) continue;
+        __m512i qv[D / 32];
+        for (int64_t c = 0; c < D / 32; ++c)
+          qv[c] = _mm512_loadu_si512(s.q16.data() + r * D + 32 * c);
+        const __m512 sv = _mm512_set1_ps(scale);
+        for (int64_t t0 = 0; t0 < B; t0 += 16) {  // all B: slots t >= n are masked later
+          __m512 dots[16];
+          for (int64_t t = 0; t < 16; ++t) {
+            __m512 dot = _mm512_setzero_ps();
+            for (int64_t c = 0; c < D / 32; ++c)
+              dot = _mm512_dpbf16_ps(dot, as_bh(qv[c]),
+                                     as_bh(_mm512_loadu_si512(kb + (t0 + t) * D + 32 * c)));
+            dots[(t % 4) * 4 + t / 4] = dot;  // where sum16 puts slot t's sum in lane t
+          }
+          _mm512_storeu_ps(scores + t0, _mm512_mul_ps(sum16(dots), sv));
+        }
+        const float correction =
+            softmax_step<kB>(scores, n, B, probs, &s.row_max[r], &s.denom[r]);
+        float* acc = s.acc.data() + r * D;
+        __m512 out[DV];
+        const __m512 c = _mm512_set1_ps(correction);
+        for (int64_t v = 0; v < DV; ++v) out[v] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * v), c);
+        for (int64_t tp = 0; tp < (n + 1) / 2; ++tp) {  // probs[n] is 0 when n is odd
+          const __m512bh p = as_bh(_mm512_set1_epi32(
+              static_cast<int32_t>(pair(narrow(probs[2 * tp]), narrow(probs[2 * tp + 1])))));
+          for (int64_t v = 0; v < DV; ++v)
+            out[v] = _mm512_dpbf16_ps(out[v], p,
+                                      as_bh(_mm512_loadu_si512(vpairs + tp * D + 16 * v)));
+        }
+        for (int64_t v = 0; v < DV; ++v) _mm512_storeu_ps(acc + 16 * v, out[v]);
+      }
+      continue;
+    }
+
+    // many rows: K as pairs of consecutive dims, transposed: kpairs[dp * B + t] =
+    // (k[t][2 dp], k[t][2 dp + 1]), slots past `valid` zeroed
+    for (int64_t t = 0; t < B; ++t) {
+      const bf16 keep = t < valid ? 0xffff : 0;
+      for (int64_t dp = 0; dp < D / 2; ++dp)
+        kpairs[dp * B + t] = pair(kb[t * D + 2 * dp] & keep, kb[t * D + 2 * dp + 1] & keep);
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+      const int64_t nr = std::min<int64_t>(8, rows - r0);
+      if (s.pos[r0 + nr - 1] + 1 - key0 <= 0) continue;  // rows are in position order
+      __m512 acc_sc[8][BV];
+      for (int64_t i = 0; i < 8; ++i)
+        for (int64_t b = 0; b < BV; ++b) acc_sc[i][b] = _mm512_setzero_ps();
+      const uint32_t* q32[8];
+      for (int64_t i = 0; i < 8; ++i)
+        q32[i] = reinterpret_cast<const uint32_t*>(s.q16.data() + (r0 + std::min(i, nr - 1)) * D);
+      for (int64_t dp = 0; dp < D / 2; ++dp) {
+        __m512i kv[BV];
+        for (int64_t b = 0; b < BV; ++b) kv[b] = _mm512_loadu_si512(kpairs + dp * B + 16 * b);
+        for (int64_t i = 0; i < 8; ++i) {
+          uint32_t qp;
+          std::memcpy(&qp, q32[i] + dp, sizeof qp);
+          const __m512bh qb = as_bh(_mm512_set1_epi32(static_cast<int32_t>(qp)));
+          for (int64_t b = 0; b < BV; ++b)
+            acc_sc[i][b] = _mm512_dpbf16_ps(acc_sc[i][b], qb, as_bh(kv[b]));
+        }
+      }
+      alignas(64) float sc[8][kB];
+      const __m512 sv = _mm512_set1_ps(scale);
+      for (int64_t i = 0; i < 8; ++i)
+        for (int64_t b = 0; b < BV; ++b)
+          _mm512_store_ps(sc[i] + 16 * b, _mm512_mul_ps(acc_sc[i][b], sv));
+      int64_t n_max = 0;
+      float correction[8];
+      for (int64_t i = 0; i < nr; ++i) {
+        const int64_t n = std::max<int64_t>(0, std::min<int64_t>(valid, s.pos[r0 + i] + 1 - key0));
+        n_max = std::max(n_max, n);
+        correction[i] = n > 0 ? softmax_step<kB>(sc[i], n, B, probs + i * B, &s.row_max[r0 + i],
+                                                &s.denom[r0 + i])
+                              : 1.0f;
+        if (n == 0)
+          for (int64_t t = 0; t < B; ++t) probs[i * B + t] = 0.0f;
+      }
+      alignas(64) uint32_t p2[8][kB / 2];  // the probabilities rounded to bf16, in pairs
+      for (int64_t i = 0; i < nr; ++i)
+        for (int64_t tp = 0; tp < B / 2; ++tp)
+          p2[i][tp] = pair(narrow(probs[i * B + 2 * tp]), narrow(probs[i * B + 2 * tp + 1]));
+      for (int64_t i0 = 0; i0 < nr; i0 += kRows) {
+        const int64_t ni = std::min<int64_t>(kRows, nr - i0);
+        __m512 out[kRows][DV];
+        for (int64_t i = 0; i < kRows; ++i) {
+          const int64_t row = r0 + i0 + std::min<int64_t>(i, ni - 1);
+          const __m512 c = _mm512_set1_ps(i < ni ? correction[i0 + i] : 0.0f);
+          for (int64_t v = 0; v < DV; ++v)
+            out[i][v] = _mm512_mul_ps(_mm512_loadu_ps(s.acc.data() + row * D + 16 * v), c);
+        }
+        for (int64_t tp = 0; tp < (n_max + 1) / 2; ++tp) {
+          __m512i vv[DV];
+          for (int64_t v = 0; v < DV; ++v) vv[v] = _mm512_loadu_si512(vpairs + tp * D + 16 * v);
+          for (int64_t i = 0; i < kRows; ++i) {
+            const uint32_t pp = i < ni ? p2[i0 + i][tp] : 0u;
+            const __m512bh p = as_bh(_mm512_set1_epi32(static_cast<int32_t>(pp)));
+            for (int64_t v = 0; v < DV; ++v)
+              out[i][v] = _mm512_dpbf16_ps(out[i][v], p, as_bh(vv[v]));
+          }
+        }
+        for (int64_t i = 0; i < ni; ++i)
+          for (int64_t v = 0; v < DV; ++v)
+            _mm512_storeu_ps(s.acc.data() + (r0 + i0 + i) * D + 16 * v, out[i][v]);
+      }
+    }
+  }
+
+  bf16* const out = static_cast<bf16*>(P.out);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t tok = q_start + it.tok_begin + r / G;
+    bf16* dst = out + (tok * P.num_heads + it.head * G + r % G) * D;
+    const float inv = s.denom[r] > 0.0f ? 1.0f / s.denom[r] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) dst[d] = narrow(s.acc[r * D + d] * inv);
+  }
+  return true;
+}
+#else
+constexpr bool kHaveBf16Dot = false;
+#endif
+
+// How a call's pools are read: float32, bfloat16 widened to float32, bfloat16 on vdpbf16ps.
+enum class Mode { kF32, kBf16Portable, kBf16Dot };
+
 using AttendFn = bool (*)(const Problem&, const Item&, Scratch&);
 
 // The (head_dim, block_size) pairs compiled for their sizes, else the run-time sized code.
-AttendFn pick(int64_t head_dim, int64_t block_size) {
+template <typename T>
+AttendFn pick_typed(int64_t head_dim, int64_t block_size) {
   if (block_size == 16) {
-    if (head_dim == 64) return attend<64, 16>;
-    if (head_dim == 128) return attend<128, 16>;
+    if (head_dim == 64) return attend<64, 16, T>;
+    if (head_dim == 128) return attend<128, 16, T>;
   }
   if (block_size == 32) {
-    if (head_dim == 64) return attend<64, 32>;
-    if (head_dim == 128) return attend<128, 32>;
+    if (head_dim == 64) return attend<64, 32, T>;
+    if (head_dim == 128) return attend<128, 32, T>;
   }
-  if (head_dim <= kMaxTile && block_size >= 1 && block_size <= kMaxTile) return attend<0, 0>;
+  if (head_dim <= kMaxTile && block_size >= 1 && block_size <= kMaxTile) return attend<0, 0, T>;
   return nullptr;
+}
+
+// The bf16 dot path serves the compiled pairs; any other size (or no AVX512-BF16) is portable.
+AttendFn pick(int64_t head_dim, int64_t block_size, Mode mode) {
+  if (mode == Mode::kF32) return pick_typed<float>(head_dim, block_size);
+#ifdef __AVX512BF16__
+  if (mode == Mode::kBf16Dot) {
+    if (block_size == 16) {
+      if (head_dim == 64) return attend_dot<64, 16>;
+      if (head_dim == 128) return attend_dot<128, 16>;
+    }
+    if (block_size == 32) {
+      if (head_dim == 64) return attend_dot<64, 32>;
+      if (head_dim == 128) return attend_dot<128, 32>;
+    }
+  }
+#endif
+  return pick_typed<bf16>(head_dim, block_size);
 }
 
 // Items shared by the caller and the helpers it schedules: each thread claims the next
@@ -311,11 +623,13 @@ std::string shape_string(ffi::Span<const int64_t> dims) {
 // query rows neither overlap nor leave the batch), each sequence's query count <= its seq_len
 // and, for sequences with queries, seq_len <= what its block table holds. Block ids are
 // checked by the items as they read them (only the blocks a sequence reaches are read).
-ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                          ffi::Buffer<ffi::F32> k_pool, ffi::Buffer<ffi::F32> v_pool,
+// kType: F32 (mode kF32) or BF16 (kBf16Portable or kBf16Dot) for q, the pools and out.
+template <ffi::DataType kType>
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<kType> q,
+                          ffi::Buffer<kType> k_pool, ffi::Buffer<kType> v_pool,
                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
                           ffi::Buffer<ffi::S32> query_start_loc, float scale,
-                          int64_t query_tile, ffi::ResultBuffer<ffi::F32> out) {
+                          int64_t query_tile, Mode mode, ffi::ResultBuffer<kType> out) {
   const auto qd = q.dimensions();
   const auto kd = k_pool.dimensions();
   const auto td = block_tables.dimensions();
@@ -336,7 +650,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
               block_tables.typed_data(), seq_lens.typed_data(), query_start_loc.typed_data(),
               out->typed_data(), qd[1], qd[2], kd[0], kd[1], kd[2], td[1], qd[1] / kd[0], scale};
 
-  work->attend_fn = pick(P.head_dim, P.block_size);
+  work->attend_fn = pick(P.head_dim, P.block_size, mode);
   if (work->attend_fn == nullptr) {
     return Invalid("head_dim " + std::to_string(P.head_dim) + " with block_size " +
                    std::to_string(P.block_size) +
@@ -373,7 +687,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     }
   }
 
-  std::memset(P.out, 0, sizeof(float) * qd[0] * qd[1] * qd[2]);  // padding tokens stay 0
+  // padding tokens stay 0
+  std::memset(P.out, 0, sizeof(*out->typed_data()) * qd[0] * qd[1] * qd[2]);
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t len = static_cast<int64_t>(qsl[s + 1]) - qsl[s];
     // tiles [a, b) of at most query_tile tokens (no a + query_tile: query_tile may be huge)
@@ -398,9 +713,31 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   return ffi::Error::Success();
 }
 
+ffi::Error PagedAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                             ffi::Buffer<ffi::F32> k_pool, ffi::Buffer<ffi::F32> v_pool,
+                             ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
+                             ffi::Buffer<ffi::S32> query_start_loc, float scale,
+                             int64_t query_tile, ffi::ResultBuffer<ffi::F32> out) {
+  return PagedAttention<ffi::F32>(pool, q, k_pool, v_pool, block_tables, seq_lens,
+                                  query_start_loc, scale, query_tile, Mode::kF32, out);
+}
+
+// bf16_dot: 1 takes vdpbf16ps where this build has it (see JaxpagePagedAttentionBf16Dot), 0
+// the portable path (widen to float32).
+ffi::Error PagedAttentionBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q,
+                              ffi::Buffer<ffi::BF16> k_pool, ffi::Buffer<ffi::BF16> v_pool,
+                              ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
+                              ffi::Buffer<ffi::S32> query_start_loc, float scale,
+                              int64_t query_tile, int64_t bf16_dot,
+                              ffi::ResultBuffer<ffi::BF16> out) {
+  const Mode mode = bf16_dot && kHaveBf16Dot ? Mode::kBf16Dot : Mode::kBf16Portable;
+  return PagedAttention<ffi::BF16>(pool, q, k_pool, v_pool, block_tables, seq_lens,
+                                   query_start_loc, scale, query_tile, mode, out);
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagePagedAttention, PagedAttention,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagePagedAttention, PagedAttentionF32,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -412,3 +749,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagePagedAttention, PagedAttention,
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("query_tile")
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagePagedAttentionBf16, PagedAttentionBf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("query_tile")
+                                  .Attr<int64_t>("bf16_dot")
+                                  .Ret<ffi::Buffer<ffi::BF16>>());
+
+// Whether this build has the bfloat16 dot path (compiled for a CPU with AVX512-BF16).
+extern "C" int JaxpagePagedAttentionBf16Dot() { return kHaveBf16Dot ? 1 : 0; }

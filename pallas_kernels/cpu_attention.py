@@ -6,7 +6,17 @@ before contracting it; this kernel reads each [block_size, head_dim] tile of K a
 it lies in the pool. The kernel is compiled on first use with the machine's C++ compiler
 (`g++ -O3 -march=native`, about 3 s) into a cache directory keyed by the source, the flags,
 the jaxlib version and the CPU; `available()` says whether that worked, and callers fall back to the
-jnp path when it did not (no compiler, another platform, float pools other than float32).
+jnp path when it did not (no compiler, another platform, pools neither float32 nor bfloat16).
+
+bfloat16 pools are read as they lie, in one of two ways (see cpu_attention.cc): "dot", on the
+AVX512-BF16 dot product `vdpbf16ps` (q.K and P.V; the probabilities P are rounded to bfloat16
+before P.V, everything else of the softmax is float32), compiled in where the build's
+`-march=native` targets a CPU with AVX512-BF16 (`bf16_dot_compiled()`); or "portable", each
+tile widened to float32 (exact) and run through the float32 code (only the output is rounded).
+The choice is made at build time (the compiler's `__AVX512BF16__`; the build is already keyed
+by the CPU, so that is this CPU's answer) and can be forced to "portable" per call
+(`bf16_dot=False`) or per process (`JAXPAGE_CPU_KERNEL_BF16=portable`), for tests of the
+fallback on machines that have the instruction.
 
 Environment: `JAXPAGE_NO_CPU_KERNEL` (any value) turns the kernel off; `JAXPAGE_CACHE_DIR`
 (or the older `JAXPAGE_CACHE`) moves the build cache; `JAXPAGE_CPU_KERNEL_LIB` names a
@@ -35,6 +45,7 @@ import numpy as np
 
 _SOURCE = Path(__file__).with_name("cpu_attention.cc")
 _TARGET = "jaxpage_paged_attention"
+_TARGET_BF16 = "jaxpage_paged_attention_bf16"
 # Query tokens per work item in prefill (x the GQA group = rows contracted against each
 # K/V tile while it is in cache). Decode items have one token.
 QUERY_TILE = 32
@@ -101,19 +112,41 @@ def _library() -> Path:
 
 
 @functools.cache
-def available() -> bool:
-    """Whether the kernel is built and registered with XLA (compiles it on first call)."""
+def _loaded() -> ctypes.CDLL | None:
+    """The kernel's library, built and registered with XLA (compiles it on first call), or
+    None where that failed."""
     if os.environ.get("JAXPAGE_NO_CPU_KERNEL"):
-        return False
+        return None
     try:
         library = ctypes.cdll.LoadLibrary(str(_library()))
         jax.ffi.register_ffi_target(
             _TARGET, jax.ffi.pycapsule(library.JaxpagePagedAttention), platform="cpu")
+        jax.ffi.register_ffi_target(
+            _TARGET_BF16, jax.ffi.pycapsule(library.JaxpagePagedAttentionBf16), platform="cpu")
     except Exception as e:  # noqa: BLE001 - any failure means: use the jnp path
         warnings.warn(f"jaxpage: CPU attention kernel unavailable, using the jnp path ({e})",
-                      stacklevel=2)
-        return False
-    return True
+                      stacklevel=3)
+        return None
+    return library
+
+
+def available() -> bool:
+    """Whether the kernel is built and registered with XLA (compiles it on first call)."""
+    return _loaded() is not None
+
+
+def bf16_dot_compiled() -> bool:
+    """Whether the kernel was built with the AVX512-BF16 path for bfloat16 pools (False when
+    the kernel is not available)."""
+    library = _loaded()
+    return library is not None and bool(library.JaxpagePagedAttentionBf16Dot())
+
+
+def _default_bf16_dot() -> bool:
+    value = os.environ.get("JAXPAGE_CPU_KERNEL_BF16", "dot")
+    if value not in ("dot", "portable"):
+        raise ValueError(f"JAXPAGE_CPU_KERNEL_BF16 must be 'dot' or 'portable', got {value!r}")
+    return value == "dot"
 
 
 MAX_TILE = 256  # largest head_dim and block_size the kernel serves (cpu_attention.cc)
@@ -121,8 +154,8 @@ MAX_TILE = 256  # largest head_dim and block_size the kernel serves (cpu_attenti
 
 def unsupported_reason(head_dim: int, block_size: int, dtype) -> str | None:
     """Why the kernel cannot serve this pool, or None if it can (building it if needed)."""
-    if jnp.dtype(dtype) != jnp.float32:
-        return f"the kernel reads float32 pools, not {jnp.dtype(dtype).name}"
+    if jnp.dtype(dtype) not in (jnp.float32, jnp.bfloat16):
+        return f"the kernel reads float32 or bfloat16 pools, not {jnp.dtype(dtype).name}"
     if head_dim > MAX_TILE or block_size > MAX_TILE:
         return f"head_dim {head_dim} and block_size {block_size} must be <= {MAX_TILE}"
     if not available():
@@ -141,14 +174,29 @@ def paged_attention_cpu(
     *,
     scale: float | None = None,
     query_tile: int = QUERY_TILE,
+    bf16_dot: bool | None = None,
 ) -> jax.Array:
     """`paged_attention_reference`'s contract (no `max_query_len` needed: the kernel walks
-    each sequence's queries), float32 pools; the kernel must be `available()`."""
+    each sequence's queries), float32 or bfloat16 pools (both the same dtype; q is cast to
+    it, the result back to q's dtype); the kernel must be `available()`.
+
+    `bf16_dot` (bfloat16 pools only): True takes the AVX512-BF16 path where the build has it,
+    False the portable one; None reads `JAXPAGE_CPU_KERNEL_BF16` ("dot", the default, or
+    "portable")."""
     if not available():
         raise RuntimeError("the CPU attention kernel is not available; use the jnp path")
+    pool_dtype = jnp.dtype(k_pool.dtype)
+    if jnp.dtype(v_pool.dtype) != pool_dtype or pool_dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"the kernel reads float32 or bfloat16 pools of one dtype, got K "
+                         f"{pool_dtype.name} and V {jnp.dtype(v_pool.dtype).name}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    out = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q.astype(jnp.float32), k_pool, v_pool, block_tables.astype(jnp.int32),
-        seq_lens.astype(jnp.int32), query_start_loc.astype(jnp.int32),
-        scale=np.float32(scale), query_tile=np.int64(query_tile))
+    attrs = dict(scale=np.float32(scale), query_tile=np.int64(query_tile))
+    if pool_dtype == jnp.bfloat16:
+        target = _TARGET_BF16
+        attrs["bf16_dot"] = np.int64(_default_bf16_dot() if bf16_dot is None else bf16_dot)
+    else:
+        target = _TARGET
+    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, pool_dtype))(
+        q.astype(pool_dtype), k_pool, v_pool, block_tables.astype(jnp.int32),
+        seq_lens.astype(jnp.int32), query_start_loc.astype(jnp.int32), **attrs)
     return out.astype(q.dtype)

@@ -10,8 +10,11 @@ temporary directory. A child Python then registers that library through
 `JAXPAGE_CPU_KERNEL_LIB`, with the sanitizer runtimes preloaded (`LD_PRELOAD` of libasan and
 libubsan, as `g++ -print-file-name` finds them), and runs the kernel on random ragged batches:
 decode and prefill, GQA and not, the compiled (head_dim, block_size) pairs and run-time sized
-ones, several query tiles, every pool slot no sequence owns holding NaN, +inf or -inf. Each
-result is compared with naive float64 NumPy attention. It also feeds the kernel inputs its
+ones, several query tiles, every pool slot no sequence owns holding NaN, +inf or -inf, with
+float32 pools and with bfloat16 pools on both bfloat16 paths (the AVX512-BF16 "dot" path where
+the build has it, and the "portable" one). Each result is compared with naive float64 NumPy
+attention (of the inputs rounded to bfloat16, for bfloat16 pools, within the bound the kernel's
+roundings allow: see `bf16_ratio`). It also feeds the kernel inputs its
 handler must reject (wrong output shape, overlapping or decreasing query ranges, too many
 queries for a sequence, block ids outside the pool) and checks each is an error.
 
@@ -132,6 +135,34 @@ def naive_error(out, args, keys, values, scale) -> float:
     return worst
 
 
+def bf16_ratio(out, args, keys, values, scale, dot) -> float:
+    """Largest |out - float64 attention| / the bound for bfloat16 pools (<= 1 is right):
+    eps (|expected| + [dot] sum_t w_t |v_t|) (1 + eps) + 2e-5, eps = 2^-8: the output is
+    rounded to bfloat16, and on the dot path each probability before P.V (see
+    tests/kernels/test_cpu_attention.py::assert_bf16_matches_naive). keys/values/q are the
+    bfloat16 values, upcast."""
+    import numpy as np
+
+    eps = 2.0**-8
+    q, qsl = args[0].astype(np.float64), args[5]
+    group = q.shape[1] // keys[0].shape[1] if keys else 1
+    worst = float(np.abs(out[qsl[-1]:]).max(initial=0.0)) / 2e-5
+    for s, (k, v) in enumerate(zip(keys, values, strict=True)):
+        k, v = k.astype(np.float64), v.astype(np.float64)
+        first = k.shape[0] - (qsl[s + 1] - qsl[s])
+        for i, tok in enumerate(range(qsl[s], qsl[s + 1])):
+            for h in range(q.shape[1]):
+                seen = slice(0, first + i + 1)
+                scores = k[seen, h // group] @ q[tok, h] * scale
+                w = np.exp(scores - scores.max())
+                w /= w.sum()
+                expected = w @ v[seen, h // group]
+                spread = w @ np.abs(v[seen, h // group]) if dot else 0.0
+                bound = eps * (np.abs(expected) + spread) * (1 + eps) + 2e-5
+                worst = max(worst, float((np.abs(out[tok, h] - expected) / bound).max()))
+    return worst
+
+
 def bad_inputs():
     """(name, call, message the error must contain) for inputs the handler must reject."""
     import jax
@@ -149,11 +180,19 @@ def bad_inputs():
         return lambda: paged_attention_cpu(np.ones((q_tokens, 2, 8), np.float32), k_pool,
                                            k_pool, table, seq_lens, np.array(qsl, np.int32))
 
-    def wrong_out(shape):
-        call = jax.ffi.ffi_call(cpu_attention._TARGET, jax.ShapeDtypeStruct(shape, jnp.float32))
-        return lambda: call(np.ones((4, 2, 8), np.float32), k_pool, k_pool, tables, lens,
-                            np.array([0, 2, 4], np.int32), scale=np.float32(1.0),
-                            query_tile=np.int64(32))
+    def wrong_out(shape, dtype=jnp.float32):
+        target = cpu_attention._TARGET if dtype == jnp.float32 else cpu_attention._TARGET_BF16
+        extra = {} if dtype == jnp.float32 else {"bf16_dot": np.int64(1)}
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(shape, dtype))
+        return lambda: call(jnp.ones((4, 2, 8), dtype), k_pool.astype(dtype),
+                            k_pool.astype(dtype), tables, lens, np.array([0, 2, 4], np.int32),
+                            scale=np.float32(1.0), query_tile=np.int64(32), **extra)
+
+    def attend_bf16(table, bf16_dot):
+        pool = jnp.zeros((1, 6, 4, 64), jnp.bfloat16)  # head_dim 64: the dot path's sizes
+        return lambda: paged_attention_cpu(jnp.ones((4, 2, 64), jnp.bfloat16), pool, pool, table,
+                                           lens, np.array([0, 2, 4], np.int32),
+                                           bf16_dot=bf16_dot)
 
     return [
         ("smaller output", wrong_out((1, 2, 8)), "output shape [1, 2, 8]"),
@@ -169,6 +208,10 @@ def bad_inputs():
         ("block outside the pool", attend(4, [0, 2, 4], table=np.array([[1, 6], [3, 4]],
                                                                       np.int32)),
          "block table entry outside the pool"),
+        ("bf16: smaller output", wrong_out((1, 2, 8), jnp.bfloat16), "output shape [1, 2, 8]"),
+        *((f"bf16 {mode}: block outside the pool",
+           attend_bf16(np.array([[1, 2], [3, 6]], np.int32), mode == "dot"),
+           "block table entry outside the pool") for mode in ("dot", "portable")),
     ]
 
 
@@ -187,9 +230,15 @@ def child(seeds: int) -> int:
         warnings.simplefilter("always")
         registered = cpu_attention.available()
     assert registered, f"the sanitized kernel did not register: {[str(w.message) for w in caught]}"
+    import jax.numpy as jnp
+
+    def to_bf16(x):
+        return np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+
     rng = np.random.default_rng(0)
     counts = {"decode": 0, "prefill": 0}
     worst = 0.0
+    worst_bf16 = {"dot": 0.0, "portable": 0.0}
     for seed in range(seeds):
         for shape_index, (num_heads, num_kv_heads, head_dim, block_size) in enumerate(SHAPES):
             for decode in (True, False):
@@ -206,6 +255,21 @@ def child(seeds: int) -> int:
                         f"query_tile={query_tile}: max |error| {error} vs float64")
                 worst = max(worst, error)
                 counts["decode" if decode else "prefill"] += 1
+                # the same batch with bfloat16 pools (NaN/inf survive the rounding)
+                args = (*(to_bf16(a) for a in args[:3]), *args[3:])
+                keys, values = [to_bf16(k) for k in keys], [to_bf16(v) for v in values]
+                bf16_args = (*(jnp.asarray(a, jnp.bfloat16) for a in args[:3]), *args[3:])
+                for mode in ("dot", "portable"):
+                    out = np.asarray(paged_attention_cpu(
+                        *bf16_args, query_tile=query_tile, bf16_dot=mode == "dot"
+                    ).astype(jnp.float32))
+                    ratio = bf16_ratio(out, args, keys, values, head_dim**-0.5, mode == "dot")
+                    if not ratio <= 1.0:
+                        raise AssertionError(
+                            f"bf16 {mode}: seed {seed} shape {SHAPES[shape_index]} "
+                            f"decode={decode} fill={fill} query_tile={query_tile}: error "
+                            f"{ratio:.2f} x the bound vs float64")
+                    worst_bf16[mode] = max(worst_bf16[mode], ratio)
     rejected = 0
     for name, call, message in bad_inputs():
         try:
@@ -216,7 +280,9 @@ def child(seeds: int) -> int:
             rejected += 1
         else:
             raise AssertionError(f"{name}: no error")
-    print(json.dumps({**counts, "rejected": rejected, "max_error": worst}), flush=True)
+    print(json.dumps({**counts, "rejected": rejected, "max_error": worst,
+                      "bf16_dot_compiled": cpu_attention.bf16_dot_compiled(),
+                      "bf16_worst_ratio": worst_bf16}), flush=True)
     return 0
 
 
@@ -290,7 +356,10 @@ def main() -> int:
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     print(f"cpu kernel sanitizers: clean under ASan+UBSan: {summary['decode']} decode and "
           f"{summary['prefill']} prefill batches over {len(SHAPES)} shapes (NaN/+inf/-inf in "
-          f"unowned slots) within {summary['max_error']:.1e} of float64, "
+          f"unowned slots) within {summary['max_error']:.1e} of float64, the same with "
+          f"bfloat16 pools on the dot path (compiled: {summary['bf16_dot_compiled']}; worst "
+          f"{summary['bf16_worst_ratio']['dot']:.2f} x its bound) and the portable one ("
+          f"{summary['bf16_worst_ratio']['portable']:.2f} x), "
           f"{summary['rejected']} bad inputs rejected; {timing}")
     return 0
 

@@ -7,6 +7,10 @@ rows per item (decode, dot products off the K tile) and many (prefill tiles, tra
 Every pool slot no sequence owns holds NaN (or +-inf, where that is what a test is about).
 Malformed calls (output shape, query ranges, lengths, block ids) must be errors. The last test
 runs scripts/check_cpu_kernel_sanitizers.py: the kernel built with ASan and UBSan.
+
+bfloat16 pools are tested on both of their paths, "dot" (AVX512-BF16, where this machine's build
+has it; else those tests skip) and "portable" (forced per call with `bf16_dot=False`), against
+float64 attention of the bfloat16 inputs upcast (dequantize, then the oracle).
 """
 
 from __future__ import annotations
@@ -276,8 +280,179 @@ def test_valid_tiny_batch_runs():
 
 def test_unsupported_pools_are_named():
     assert cpu_attention.unsupported_reason(64, 16, np.float32) is None
-    assert "bfloat16" in cpu_attention.unsupported_reason(64, 16, jax.numpy.bfloat16)
+    assert cpu_attention.unsupported_reason(64, 16, jnp.bfloat16) is None
+    assert "float16" in cpu_attention.unsupported_reason(64, 16, jnp.float16)
     assert "512" in cpu_attention.unsupported_reason(512, 16, np.float32)
+
+
+# ----------------------------------------------------------------------------- bfloat16 pools
+
+BF16_EPS = 2.0**-8  # bfloat16's unit roundoff: 8 significand bits, round to nearest even
+BF16_MODES = [pytest.param(True, id="dot"), pytest.param(False, id="portable")]
+
+
+def _skip_unless_mode_built(bf16_dot):
+    if bf16_dot and not cpu_attention.bf16_dot_compiled():
+        pytest.skip("this build has no AVX512-BF16 path (the CPU or compiler lacks it)")
+
+
+def to_bf16(x):
+    """x rounded to bfloat16 (nearest even), as a float32 array (NaN stays NaN)."""
+    return np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+
+
+def bf16_batch(rng, **shape):
+    """`random_batch` with q, K and V rounded to bfloat16 (NaN in every unowned pool slot): the
+    kernel's arguments as bfloat16 arrays, plus float32 copies of the same values for the
+    oracle."""
+    args, keys, values = random_batch(rng, **shape)
+    q, k_pool, v_pool = (to_bf16(a) for a in args[:3])
+    keys, values = [to_bf16(k) for k in keys], [to_bf16(v) for v in values]
+    bf16_args = (*(jnp.asarray(a, jnp.bfloat16) for a in (q, k_pool, v_pool)), *args[3:])
+    return bf16_args, (q, k_pool, v_pool, *args[3:]), keys, values
+
+
+def assert_bf16_matches_naive(out, args, keys, values, scale, bf16_dot):
+    """`out` (bfloat16) against float64 attention of the (already bfloat16) inputs.
+
+    What the kernel rounds, beyond its inputs: the output, to bfloat16 (|error| <= eps |out|);
+    on the dot path also each probability p_t before P.V (the denominator sums them unrounded),
+    which moves out[d] = sum_t p_t v_t[d] / sum_t p_t by at most eps sum_t w_t |v_t[d]| (w the
+    softmax weights). q.K is exact products summed in float32 on both paths, as in the float32
+    kernel, whose 2e-5 against float64 covers that. So per element:
+    |out - expected| <= eps (|expected| + [dot] sum_t w_t |v_t[d]|) (1 + eps) + 2e-5.
+    """
+    q, qsl = args[0], args[5]
+    out = np.asarray(jnp.asarray(out).astype(jnp.float32))
+    assert np.isfinite(out).all(), "an unowned (NaN) slot leaked into the output"
+    group = q.shape[1] // keys[0].shape[1]
+    for s, (k, v) in enumerate(zip(keys, values, strict=True)):
+        k, v = k.astype(np.float64), v.astype(np.float64)
+        first = k.shape[0] - (qsl[s + 1] - qsl[s])
+        for i, tok in enumerate(range(qsl[s], qsl[s + 1])):
+            for h in range(q.shape[1]):
+                seen = slice(0, first + i + 1)
+                scores = k[seen, h // group] @ q[tok, h].astype(np.float64) * scale
+                w = np.exp(scores - scores.max())
+                w /= w.sum()
+                expected = w @ v[seen, h // group]
+                spread = w @ np.abs(v[seen, h // group]) if bf16_dot else 0.0
+                bound = BF16_EPS * (np.abs(expected) + spread) * (1 + BF16_EPS) + 2e-5
+                error = np.abs(out[tok, h] - expected)
+                assert (error <= bound).all(), (
+                    f"seq {s} token {tok} head {h}: error {error.max()} > bound "
+                    f"{bound[np.argmax(error - bound)]}")
+    assert not out[qsl[-1]:].any(), "padding rows must be zero"
+
+
+@pytest.mark.parametrize("bf16_dot", BF16_MODES)
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16),   # SmolLM2's shape: compiled sizes (the dot path where built)
+    (8, 2, 128, 32),  # compiled sizes
+    (4, 4, 64, 32),   # compiled sizes, no GQA
+    (8, 1, 128, 16),  # compiled sizes, decode items of 8 rows (transposed K)
+    (4, 4, 8, 4),     # run-time sizes: portable on both settings
+    (8, 1, 32, 8),    # run-time sizes, decode items of 8 rows
+])
+def test_bf16_random_ragged_batches_match_naive(bf16_dot, seed, num_heads, num_kv_heads,
+                                                head_dim, block_size):
+    """Decode tokens and chunks starting mid-block, GQA groups, NaN in every unowned slot."""
+    _skip_unless_mode_built(bf16_dot)
+    rng = np.random.default_rng(seed)
+    bf16_args, args, keys, values = bf16_batch(
+        rng, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=block_size)
+    out = paged_attention_cpu(*bf16_args, bf16_dot=bf16_dot)
+    assert out.dtype == jnp.bfloat16
+    assert_bf16_matches_naive(out, args, keys, values, head_dim**-0.5, bf16_dot)
+
+
+@pytest.mark.parametrize("bf16_dot", BF16_MODES)
+@pytest.mark.parametrize("query_tile", [1, 3, 32])
+def test_bf16_long_chunks_match_naive(bf16_dot, query_tile):
+    """Chunks of up to 70 tokens over up to 80 cached ones, cut into items of 1, 3 (partial
+    8-row tiles) or 32 tokens; head_dim 64 by blocks of 16 and 128 by 32."""
+    _skip_unless_mode_built(bf16_dot)
+    rng = np.random.default_rng(11)
+    for num_heads, num_kv_heads, head_dim, block_size in [(9, 3, 64, 16), (4, 2, 128, 32)]:
+        bf16_args, args, keys, values = bf16_batch(
+            rng, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            block_size=block_size, max_cached=80, max_new=70, num_seqs=5)
+        out = paged_attention_cpu(*bf16_args, query_tile=query_tile, bf16_dot=bf16_dot)
+        assert_bf16_matches_naive(out, args, keys, values, head_dim**-0.5, bf16_dot)
+
+
+@pytest.mark.parametrize("bf16_dot", BF16_MODES)
+@pytest.mark.parametrize("fill", [np.inf, -np.inf])
+def test_bf16_infinite_unowned_slots_match_naive(bf16_dot, fill):
+    """Unowned slots holding +-inf (0 * inf is NaN: the dot path must zero the V pairs and K
+    slots past a tile's valid keys, not only weigh them 0)."""
+    _skip_unless_mode_built(bf16_dot)
+    rng = np.random.default_rng(5)
+    for num_heads, num_kv_heads, head_dim, block_size in [(9, 3, 64, 16), (8, 1, 128, 32)]:
+        bf16_args, args, keys, values = bf16_batch(
+            rng, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            block_size=block_size, num_seqs=4)
+        k_pool, v_pool = (jnp.where(jnp.isnan(pool), jnp.bfloat16(fill), pool)
+                          for pool in bf16_args[1:3])
+        assert bool(jnp.isinf(k_pool).any())
+        out = paged_attention_cpu(bf16_args[0], k_pool, v_pool, *bf16_args[3:],
+                                  bf16_dot=bf16_dot)
+        assert_bf16_matches_naive(out, args, keys, values, head_dim**-0.5, bf16_dot)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16), (8, 2, 128, 32), (4, 4, 8, 4)])
+def test_bf16_portable_path_is_the_float32_kernel_rounded(num_heads, num_kv_heads, head_dim,
+                                                          block_size):
+    """The portable path widens each tile exactly and runs the float32 code on it: bit for bit
+    the float32 kernel on the upcast inputs, rounded to bfloat16 once."""
+    rng = np.random.default_rng(1)
+    bf16_args, args, _, _ = bf16_batch(rng, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                       head_dim=head_dim, block_size=block_size, num_seqs=5)
+    portable = paged_attention_cpu(*bf16_args, bf16_dot=False)
+    float32 = paged_attention_cpu(*args).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(portable.astype(jnp.float32)),
+                                  np.asarray(float32.astype(jnp.float32)))
+
+
+def test_bf16_dot_path_is_taken_and_matches_the_dense_reference():
+    """Where the build has AVX512-BF16, bf16_dot=True takes another path than the portable one
+    (results differ in the last bits: P is rounded), both within bfloat16 rounding of the dense
+    reference run on the upcast inputs; the environment variable picks the default."""
+    rng = np.random.default_rng(7)
+    bf16_args, args, _, _ = bf16_batch(rng, num_heads=9, num_kv_heads=3, head_dim=64,
+                                       block_size=16, max_cached=60, max_new=40, num_seqs=5)
+    dense = np.asarray(paged_attention_reference(*args, max_query_len=int(np.diff(args[5]).max())))
+    outs = {dot: np.asarray(paged_attention_cpu(*bf16_args, bf16_dot=dot).astype(jnp.float32))
+            for dot in (True, False)}
+    for out in outs.values():
+        # output rounding (eps |out|) plus P's rounding (eps max|v| bounds sum_t w_t |v_t|)
+        np.testing.assert_array_less(
+            np.abs(out - dense), BF16_EPS * (np.abs(dense) + np.nanmax(np.abs(args[2]))) + 2e-5)
+    if cpu_attention.bf16_dot_compiled():
+        assert not np.array_equal(outs[True], outs[False]), "bf16_dot=True ran the portable path"
+    else:
+        np.testing.assert_array_equal(outs[True], outs[False])
+
+
+def test_bf16_mode_from_the_environment(monkeypatch):
+    monkeypatch.setenv("JAXPAGE_CPU_KERNEL_BF16", "portable")
+    assert cpu_attention._default_bf16_dot() is False
+    monkeypatch.setenv("JAXPAGE_CPU_KERNEL_BF16", "dot")
+    assert cpu_attention._default_bf16_dot() is True
+    monkeypatch.setenv("JAXPAGE_CPU_KERNEL_BF16", "avx")
+    with pytest.raises(ValueError, match="portable"):
+        cpu_attention._default_bf16_dot()
+
+
+def test_mixed_pool_dtypes_are_refused():
+    k_pool = np.zeros((1, 6, 4, 8), np.float32)
+    with pytest.raises(ValueError, match="one dtype"):
+        paged_attention_cpu(np.ones((1, 1, 8), np.float32), k_pool, k_pool.astype(jnp.bfloat16),
+                            np.array([[1]], np.int32), np.array([1], np.int32),
+                            np.array([0, 1], np.int32))
 
 
 SANITIZER_SCRIPT = (Path(__file__).resolve().parents[2] / "scripts"
@@ -286,8 +461,9 @@ SANITIZER_SCRIPT = (Path(__file__).resolve().parents[2] / "scripts"
 
 def test_kernel_is_clean_under_address_and_undefined_behaviour_sanitizers():
     """scripts/check_cpu_kernel_sanitizers.py: the kernel built with ASan and UBSan runs random
-    ragged batches (NaN/+inf/-inf in unowned slots) without a finding and matches float64, and
-    rejects malformed calls. About 15 s here, most of it the sanitized build."""
+    ragged batches (NaN/+inf/-inf in unowned slots; float32 pools, and bfloat16 pools on both
+    bfloat16 paths) without a finding and matches float64, and rejects malformed calls. About
+    60 s here (20 s the sanitized build, most of the rest the float64 oracle)."""
     result = subprocess.run([sys.executable, str(SANITIZER_SCRIPT)], capture_output=True,
                             text=True, timeout=850)
     if result.returncode == 2:

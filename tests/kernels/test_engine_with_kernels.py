@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import build_hf_model
 
 from jaxpage import LLM, SamplingParams
 from jaxpage.attention import RAGGED_BACKENDS, pool_head_dim
@@ -91,12 +92,69 @@ def test_kernel_backend_on_the_wrong_platform_is_refused(hf_model_dir):
 
 
 @needs_cpp
-def test_auto_backend_on_cpu_is_the_cpp_kernel_for_float32_only(hf_model_dir):
+def test_auto_backend_on_cpu_is_the_cpp_kernel_for_float32_and_bfloat16(hf_model_dir):
+    """Both engine dtypes; other pool dtypes are refused by cpu_attention.unsupported_reason
+    (tests/kernels/test_cpu_attention.py::test_unsupported_pools_are_named)."""
     path, _ = hf_model_dir("qwen3")
     assert LLM(path, num_blocks=8).engine.runner.backend == "cpp"
-    assert LLM(path, num_blocks=8, dtype="bfloat16").engine.runner.backend == "jnp"
-    with pytest.raises(ValueError, match="bfloat16"):
-        LLM(path, num_blocks=8, dtype="bfloat16", attention_backend="cpp")
+    assert LLM(path, num_blocks=8, dtype="bfloat16").engine.runner.backend == "cpp"
+
+
+@needs_cpp
+@pytest.mark.parametrize("bf16_mode", ["dot", "portable"])
+def test_bf16_engine_greedy_tokens_match_reference_backend(tmp_path, monkeypatch, bf16_mode):
+    """A bfloat16 engine on the C++ kernel (head_dim 64 by blocks of 16: the sizes the
+    AVX512-BF16 path serves; `portable` forces the fallback) generates the bfloat16 reference
+    backend's greedy tokens over chunked prompts, decode steps mixed with chunks and
+    prefix-cache hits. Where a token differs, it must be a near-tie of the reference's logits
+    (top-2 margin under bf16's resolution of the logits), not a wrong attention."""
+    if bf16_mode == "dot" and not cpu_attention.bf16_dot_compiled():
+        pytest.skip("this build has no AVX512-BF16 path")
+    monkeypatch.setenv("JAXPAGE_CPU_KERNEL_BF16", bf16_mode)
+    build_hf_model("qwen3", head_dim=64).save_pretrained(tmp_path, safe_serialization=True)
+    rng = np.random.default_rng(0)
+    shared = rng.integers(3, 97, size=24).tolist()
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = {"a": rng.integers(3, 97, size=5).tolist(), "b": shared + [5, 6, 7],
+               "c": rng.integers(3, 97, size=37).tolist(), "d": shared + [9] * 16,
+               "e": shared + [11], "f": rng.integers(3, 97, size=1).tolist()}
+
+    def workload():
+        return {0: [("a", prompts["a"], params), ("b", prompts["b"], params)],
+                3: [("c", prompts["c"], params), ("d", prompts["d"], params)],
+                8: [("e", prompts["e"], params), ("f", prompts["f"], params)]}
+
+    kwargs = dict(block_size=16, num_blocks=48, max_num_batched_tokens=16, max_num_seqs=4,
+                  enable_prefix_caching=True, dtype="bfloat16")
+    expected = mixed_workload(LLM(str(tmp_path), attention_backend="reference", **kwargs).engine,
+                              workload())
+    engine = LLM(str(tmp_path), attention_backend="cpp", **kwargs).engine
+    assert engine.runner.backend == "cpp"
+    assert engine.runner.kv_pool[0][0].dtype == np.dtype("bfloat16")
+    tokens = mixed_workload(engine, workload())
+    assert engine.stats()["prefix_cache_hits"] > 0 and engine.runner.mixed_steps > 0
+    assert tokens == expected, _first_divergence(str(tmp_path), kwargs, prompts, tokens,
+                                                 expected)
+
+
+def _first_divergence(path, kwargs, prompts, tokens, expected) -> str:
+    """Where the kernel's tokens first leave the reference's: the reference's top-2 logit
+    margin at that step (its logits for the prompt plus the tokens both agreed on)."""
+    lines = []
+    reference = LLM(path, attention_backend="reference", **kwargs)
+    for request_id, want in expected.items():
+        got = tokens[request_id]
+        step = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+        if step is None:
+            continue
+        prefix = prompts[request_id] + want[:step]
+        out = reference.generate([prefix], SamplingParams(max_tokens=1, temperature=0,
+                                                          logprobs=2, ignore_eos=True),
+                                 use_tqdm=False)[0]
+        top = sorted(out.outputs[0].logprobs[0].values())[-2:]  # logprob gaps = logit gaps
+        lines.append(f"{request_id}: step {step} kernel {got[step]} reference {want[step]}, "
+                     f"reference top-2 margin {top[1] - top[0]:.4f}")
+    return "; ".join(lines)
 
 
 @pytest.mark.parametrize("env", [{"CXX": "false"}, {"JAXPAGE_NO_CPU_KERNEL": "1"}])
@@ -109,7 +167,8 @@ def test_without_the_kernel_auto_falls_back_to_jnp(tmp_path, env, hf_model_dir):
             f"print(LLM({str(path)!r}, num_blocks=8).engine.runner.backend)\n")
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-        env={**os.environ, "JAXPAGE_CACHE": str(tmp_path), **env})
+        env={**os.environ, "JAXPAGE_CACHE": str(tmp_path), "JAXPAGE_CACHE_DIR": str(tmp_path),
+             **env})  # JAXPAGE_CACHE_DIR, when set, wins over JAXPAGE_CACHE
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "jnp"
     if "CXX" in env:
