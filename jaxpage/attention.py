@@ -184,12 +184,12 @@ def pool_head_dim(backend: str, head_dim: int) -> int:
     without a copy (TPU: whole 128-lane vregs; GPU Triton: a power of 2), padded once at
     allocation instead of on every call. The other backends read head_dim as is."""
     if backend == "pallas_tpu":
-        return -(-head_dim // 128) * 128
-    if backend == "pallas_gpu":
-        from pallas_kernels.ragged_paged_gpu import pool_head_dim as gpu_pool_head_dim
-
-        return gpu_pool_head_dim(head_dim)
-    return head_dim
+        from pallas_kernels.ragged_paged_tpu import pool_head_dim as kernel_pool_head_dim
+    elif backend == "pallas_gpu":
+        from pallas_kernels.ragged_paged_gpu import pool_head_dim as kernel_pool_head_dim
+    else:
+        return head_dim
+    return kernel_pool_head_dim(head_dim)
 
 
 def init_kv_pool(

@@ -28,11 +28,9 @@ from pallas_kernels.ragged_paged_gpu import (
     DEFAULT_NUM_WARPS,
     MIN_DOT_ROWS,
     TRITON_DEPRECATION_MESSAGE,  # noqa: F401 (re-exported for the tests' warning filters)
-    build_call,
-    combine_splits,
-    compute_blocks,
-    default_num_splits,
+    attend_tiles,
     next_power_of_2,
+    pool_head_dim,
 )
 
 
@@ -81,45 +79,24 @@ def paged_decode_attention_gpu(
     zero-padded here, which copies the pools.
     """
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads, num_blocks, block_size, _ = k_pool.shape
+    num_kv_heads = k_pool.shape[0]
     check_decode_inputs(q, k_pool, v_pool, block_tables, seq_lens)
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size {block_size} must be a power of 2")
-    table_width = block_tables.shape[1]
-    pages_per_compute_block, max_compute_blocks = compute_blocks(
-        pages_per_compute_block, block_size, table_width)
-    if num_splits is None:
-        num_splits = default_num_splits(num_seqs, num_kv_heads, max_compute_blocks)
-    if num_splits < 1:
-        raise ValueError(f"num_splits {num_splits} must be >= 1")
     scale = head_dim**-0.5 if scale is None else scale
-
     group = num_heads // num_kv_heads
     group_rows = max(MIN_DOT_ROWS, next_power_of_2(group))
-    padded_dim = max(16, next_power_of_2(head_dim))
+    padded_dim = pool_head_dim(head_dim)
     # [S, H, D] -> [S, K, G_pad, D_pad]; padded rows and lanes are zero
     q_grouped = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     q_grouped = jnp.pad(
         q_grouped, ((0, 0), (0, 0), (0, group_rows - group), (0, padded_dim - head_dim)))
-    if padded_dim != head_dim:  # copies the pools; pools sized to a power of 2 avoid it
-        pad = ((0, 0), (0, 0), (0, 0), (0, padded_dim - head_dim))
-        k_pool, v_pool = jnp.pad(k_pool, pad), jnp.pad(v_pool, pad)
-    # whole compute blocks, so the last step's slice of the table stays in bounds
-    padded_width = max_compute_blocks * pages_per_compute_block
-    tables = jnp.pad(block_tables, ((0, 0), (0, padded_width - table_width)))
     # every live row's query is its sequence's last token; padded rows (and sequences of
     # length 0) see no key
     row = jnp.arange(group_rows, dtype=jnp.int32)
     row_pos = jnp.where(row[None, :] < group, seq_lens[:, None] - 1, -1)  # [S, G_pad]
-
-    call = build_call(
-        scale=scale, num_tiles=num_seqs, num_kv_heads=num_kv_heads, rows=group_rows,
-        head_dim=padded_dim, num_blocks=num_blocks, block_size=block_size,
-        table_width=padded_width, num_splits=num_splits,
-        pages_per_compute_block=pages_per_compute_block, num_warps=num_warps,
-        num_stages=num_stages, interpret=interpret, name="paged_decode_attention_gpu")
-    partial_out, split_max, split_sum = call(q_grouped, k_pool, v_pool, tables, seq_lens,
-                                             row_pos)
-    out = combine_splits(partial_out, split_max, split_sum)  # [S, K, G_pad, D_pad]
+    out = attend_tiles(
+        q_grouped, k_pool, v_pool, block_tables, seq_lens, row_pos, scale=scale,
+        pages_per_compute_block=pages_per_compute_block, num_splits=num_splits,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+        name="paged_decode_attention_gpu")  # [S, K, G_pad, D_pad]
     out = out[:, :, :group, :head_dim].reshape(num_seqs, num_heads, head_dim)
     return out.astype(q.dtype)

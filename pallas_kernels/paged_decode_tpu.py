@@ -27,11 +27,10 @@ import jax.numpy as jnp
 from pallas_kernels.checks import check_decode_inputs
 from pallas_kernels.ragged_paged_tpu import (
     DEFAULT_BATCH_CHUNKS,
-    LANES,
     SUBLANES,
-    build_call,
+    attend_tiles,
     check_tiling,
-    interpret_params,
+    pool_head_dim,
     round_up,
 )
 
@@ -81,38 +80,25 @@ def paged_decode_attention_tpu(
     check_decode_inputs(q, k_pool, v_pool, block_tables, seq_lens)
     pages_per_compute_block = check_tiling(block_size, pages_per_compute_block, batch_chunks)
     scale = head_dim**-0.5 if scale is None else scale
-    if interpret is True:
-        interpret = interpret_params()
-
     group = num_heads // num_kv_heads
     group_rows = round_up(group, SUBLANES * (4 // q.dtype.itemsize))  # 8 f32, 16 bf16
-    padded_dim = round_up(head_dim, LANES)
+    padded_dim = pool_head_dim(head_dim)
     num_chunks = min(batch_chunks, max(1, num_seqs))
     padded_seqs = round_up(num_seqs, num_chunks)
-    table_width = round_up(block_tables.shape[1], pages_per_compute_block)
 
     # [S, H, D] -> [S_pad, K, G_pad, D_pad]; padded rows, lanes and sequences are zero
     q_grouped = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     q_grouped = jnp.pad(q_grouped, ((0, padded_seqs - num_seqs), (0, 0),
                                     (0, group_rows - group), (0, padded_dim - head_dim)))
-    if padded_dim != head_dim:  # copies the pools: pools allocated at 128 lanes avoid it
-        pad = ((0, 0), (0, 0), (0, 0), (0, padded_dim - head_dim))
-        k_pool, v_pool = jnp.pad(k_pool, pad), jnp.pad(v_pool, pad)
     lengths = jnp.pad(seq_lens, (0, padded_seqs - num_seqs))  # padding sequences: length 0
-    tables = jnp.pad(block_tables, ((0, padded_seqs - num_seqs),
-                                    (0, table_width - block_tables.shape[1]))).reshape(-1)
+    tables = jnp.pad(block_tables, ((0, padded_seqs - num_seqs), (0, 0)))
     # every live row's query is its sequence's last token; padded rows see no key
     row = jnp.arange(group_rows, dtype=jnp.int32)
     row_pos = jnp.where(row[None, :] < group, lengths[:, None] - 1, -1)  # [S_pad, G_pad]
-    row_pos = jnp.broadcast_to(row_pos[:, :, None], (padded_seqs, group_rows, LANES))
-
-    call = build_call(
-        scale=scale, num_chunks=num_chunks, tiles_per_chunk=padded_seqs // num_chunks,
-        num_kv_heads=num_kv_heads, rows=group_rows, head_dim=padded_dim,
-        block_size=block_size, pool_dtype=k_pool.dtype, table_width=table_width,
+    out = attend_tiles(
+        jnp.arange(padded_seqs, dtype=jnp.int32), lengths, tables, row_pos, q_grouped, k_pool,
+        v_pool, scale=scale, num_chunks=num_chunks,
         pages_per_compute_block=pages_per_compute_block, interpret=interpret,
-        name="paged_decode_attention_tpu")
-    out = call(jnp.arange(padded_seqs, dtype=jnp.int32), lengths, tables, row_pos, q_grouped,
-               k_pool, v_pool)  # [S_pad, K, G_pad, D_pad] f32
+        name="paged_decode_attention_tpu")  # [S_pad, K, G_pad, D_pad] f32
     out = out[:num_seqs, :, :group, :head_dim].reshape(num_seqs, num_heads, head_dim)
     return out.astype(q.dtype)

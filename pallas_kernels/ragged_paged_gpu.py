@@ -141,9 +141,9 @@ def _attention_kernel(
     sum_ref[...] = row_sum
 
 
-def build_call(*, scale, num_tiles, num_kv_heads, rows, head_dim, num_blocks, block_size,
-               table_width, num_splits, pages_per_compute_block, num_warps, num_stages,
-               interpret, name):
+def _build_call(*, scale, num_tiles, num_kv_heads, rows, head_dim, num_blocks, block_size,
+                table_width, num_splits, pages_per_compute_block, num_warps, num_stages,
+                interpret, name):
     """The pallas_call over grid (tile, KV head, split): (q tiles [N, K, R, D], k_pool,
     v_pool, tile tables [N, W], tile kv lengths [N], row positions [N, R]) -> (partial
     outputs [N, K, splits, R, D], running maxes and sums [N, K, splits, R]), f32."""
@@ -196,8 +196,20 @@ def combine_splits(partial_out, split_max, split_sum):
     return out / jnp.where(total_sum > 0, total_sum, 1.0)[..., None]
 
 
-def compute_blocks(pages_per_compute_block, block_size, table_width) -> tuple[int, int]:
-    """(pages per compute block, compute blocks in the table width), checked."""
+def attend_tiles(q_tiles, k_pool, v_pool, tables, kv_lens, row_pos, *, scale,
+                 pages_per_compute_block, num_splits, num_warps, num_stages, interpret,
+                 name):
+    """Run the kernel over prepared tiles and merge its splits.
+
+    q_tiles [N, K, R, Dp] (Dp = pool_head_dim of the pool's head dim, lanes past the
+    queries' zero), tables [N, W] the block table of each tile's sequence, kv_lens [N] the
+    keys each tile reads, row_pos [N, R] each row's query position (-1: none) ->
+    [N, K, R, Dp] f32 attention outputs. A pool whose head dim is not Dp is padded here
+    (a copy; pools allocated at pool_head_dim avoid it)."""
+    num_tiles, num_kv_heads, rows, head_dim = q_tiles.shape
+    _, num_blocks, block_size, pool_dim = k_pool.shape
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size {block_size} must be a power of 2")
     if pages_per_compute_block is None:
         pages_per_compute_block = max(1, KEYS_PER_BLOCK // block_size)
     if pages_per_compute_block < 1 or pages_per_compute_block & (pages_per_compute_block - 1):
@@ -206,13 +218,26 @@ def compute_blocks(pages_per_compute_block, block_size, table_width) -> tuple[in
     if pages_per_compute_block * block_size < MIN_DOT_ROWS:
         raise ValueError(f"pages_per_compute_block * block_size = "
                          f"{pages_per_compute_block * block_size} must be >= {MIN_DOT_ROWS}")
-    return pages_per_compute_block, max(1, -(-table_width // pages_per_compute_block))
-
-
-def default_num_splits(num_tiles: int, num_kv_heads: int, max_compute_blocks: int) -> int:
-    """Splits per tile so that the grid has about `TARGET_PROGRAMS` programs."""
-    wanted = -(-TARGET_PROGRAMS // max(1, num_tiles * num_kv_heads))
-    return max(1, min(wanted, max_compute_blocks))
+    table_width = tables.shape[1]
+    max_compute_blocks = max(1, -(-table_width // pages_per_compute_block))
+    if num_splits is None:  # about TARGET_PROGRAMS programs
+        wanted = -(-TARGET_PROGRAMS // max(1, num_tiles * num_kv_heads))
+        num_splits = max(1, min(wanted, max_compute_blocks))
+    if num_splits < 1:
+        raise ValueError(f"num_splits {num_splits} must be >= 1")
+    if pool_dim != head_dim:
+        pad = ((0, 0), (0, 0), (0, 0), (0, head_dim - pool_dim))
+        k_pool, v_pool = jnp.pad(k_pool, pad), jnp.pad(v_pool, pad)
+    # whole compute blocks, so the last step's slice of a table stays in bounds
+    padded_width = max_compute_blocks * pages_per_compute_block
+    tables = jnp.pad(tables, ((0, 0), (0, padded_width - table_width)))
+    call = _build_call(
+        scale=scale, num_tiles=num_tiles, num_kv_heads=num_kv_heads, rows=rows,
+        head_dim=head_dim, num_blocks=num_blocks, block_size=block_size,
+        table_width=padded_width, num_splits=num_splits,
+        pages_per_compute_block=pages_per_compute_block, num_warps=num_warps,
+        num_stages=num_stages, interpret=interpret, name=name)
+    return combine_splits(*call(q_tiles, k_pool, v_pool, tables, kv_lens, row_pos))
 
 
 @functools.partial(
@@ -264,41 +289,19 @@ def ragged_paged_attention_gpu(
     check_ragged_inputs(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc,
                         max_query_len)
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, num_blocks, block_size, pool_dim = k_pool.shape
-    num_seqs, table_width = block_tables.shape
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size {block_size} must be a power of 2")
+    num_kv_heads, _, _, pool_dim = k_pool.shape
+    num_seqs = block_tables.shape[0]
     scale = head_dim**-0.5 if scale is None else scale
     padded_dim = pool_head_dim(pool_dim)
-    if padded_dim != pool_dim:  # copies the pools; pools sized by pool_head_dim avoid it
-        pad = ((0, 0), (0, 0), (0, 0), (0, padded_dim - pool_dim))
-        k_pool, v_pool = jnp.pad(k_pool, pad), jnp.pad(v_pool, pad)
-
     group = num_heads // num_kv_heads
     layout = ragged_tiles.tile_layout(
         num_tokens, num_seqs, group, max_query_len, decode_rows=DECODE_ROWS,
         prefill_rows=query_rows, round_rows=next_power_of_2)
-    pages_per_compute_block, max_compute_blocks = compute_blocks(
-        pages_per_compute_block, block_size, table_width)
-    if num_splits is None:
-        num_splits = default_num_splits(layout.num_tiles, num_kv_heads, max_compute_blocks)
-    if num_splits < 1:
-        raise ValueError(f"num_splits {num_splits} must be >= 1")
-
     tiles = ragged_tiles.make_tiles(layout, seq_lens, query_start_loc, num_tokens)
     q_tiles = ragged_tiles.gather_queries(q, tiles, layout, padded_dim)  # [N, K, R, Dp]
-    # each tile's table row, whole compute blocks wide so the last step's slice is in bounds
-    padded_width = max_compute_blocks * pages_per_compute_block
-    tile_tables = jnp.pad(block_tables, ((0, 0), (0, padded_width - table_width)))
-    tile_tables = tile_tables[tiles.tile_seq]  # [N, W]
-
-    call = build_call(
-        scale=scale, num_tiles=layout.num_tiles, num_kv_heads=num_kv_heads, rows=layout.rows,
-        head_dim=padded_dim, num_blocks=num_blocks, block_size=block_size,
-        table_width=padded_width, num_splits=num_splits,
-        pages_per_compute_block=pages_per_compute_block, num_warps=num_warps,
-        num_stages=num_stages, interpret=interpret, name="ragged_paged_attention_gpu")
-    partial_out, split_max, split_sum = call(
-        q_tiles, k_pool, v_pool, tile_tables, tiles.tile_kv_len, tiles.row_pos)
-    out = combine_splits(partial_out, split_max, split_sum)  # [N, K, R, Dp]
+    out = attend_tiles(
+        q_tiles, k_pool, v_pool, block_tables[tiles.tile_seq], tiles.tile_kv_len,
+        tiles.row_pos, scale=scale, pages_per_compute_block=pages_per_compute_block,
+        num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+        interpret=interpret, name="ragged_paged_attention_gpu")  # [N, K, R, Dp]
     return ragged_tiles.scatter_outputs(out, tiles, layout, num_tokens, head_dim, q.dtype)

@@ -249,6 +249,31 @@ def interpret_params():
     return params_cls(**kwargs)
 
 
+def attend_tiles(tile_seq, tile_kv_len, block_tables, row_pos, q_tiles, k_pool, v_pool, *,
+                 scale, num_chunks, pages_per_compute_block, interpret, name):
+    """Run the kernel over prepared tiles: tile_seq [N] each tile's sequence (a row of
+    block_tables [S, W]), tile_kv_len [N] the keys each tile reads, row_pos [N, R] each
+    row's query position (-1: none), q_tiles [N, K, R, Dp] (Dp the pool's head dim rounded
+    up to 128 lanes, lanes past the queries' zero), N a multiple of num_chunks ->
+    [N, K, R, Dp] f32 attention outputs. A pool whose head dim is not Dp is padded here
+    (a copy; pools allocated at 128 lanes avoid it)."""
+    num_tiles, num_kv_heads, rows, head_dim = q_tiles.shape
+    block_size, pool_dim = k_pool.shape[2:]
+    if pool_dim != head_dim:
+        pad = ((0, 0), (0, 0), (0, 0), (0, head_dim - pool_dim))
+        k_pool, v_pool = jnp.pad(k_pool, pad), jnp.pad(v_pool, pad)
+    table_width = round_up(block_tables.shape[1], pages_per_compute_block)
+    tables = jnp.pad(block_tables, ((0, 0), (0, table_width - block_tables.shape[1])))
+    row_pos = jnp.broadcast_to(row_pos[:, :, None], (num_tiles, rows, LANES))
+    call = _build_call(
+        scale=scale, num_chunks=num_chunks, tiles_per_chunk=num_tiles // num_chunks,
+        num_kv_heads=num_kv_heads, rows=rows, head_dim=head_dim, block_size=block_size,
+        pool_dtype=k_pool.dtype, table_width=table_width,
+        pages_per_compute_block=pages_per_compute_block,
+        interpret=interpret_params() if interpret is True else interpret, name=name)
+    return call(tile_seq, tile_kv_len, tables.reshape(-1), row_pos, q_tiles, k_pool, v_pool)
+
+
 def check_tiling(block_size: int, pages_per_compute_block: int | None,
                  batch_chunks: int) -> int:
     """The pages per compute block (default: 128 tokens' worth), after checking the
@@ -266,11 +291,17 @@ def check_tiling(block_size: int, pages_per_compute_block: int | None,
     return pages_per_compute_block
 
 
+def pool_head_dim(head_dim: int) -> int:
+    """The head dim a pool must have for these kernels to read it without a copy: whole
+    128-lane vregs."""
+    return round_up(head_dim, LANES)
+
+
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def build_call(
+def _build_call(
     *,
     scale: float,
     num_chunks: int,
@@ -404,9 +435,6 @@ def ragged_paged_attention_tpu(
     num_seqs = block_tables.shape[0]
     pages_per_compute_block = check_tiling(block_size, pages_per_compute_block, batch_chunks)
     scale = head_dim**-0.5 if scale is None else scale
-    if interpret is True:
-        interpret = interpret_params()
-
     group = num_heads // num_kv_heads
     sublanes = SUBLANES * (4 // q.dtype.itemsize)  # 8 f32, 16 bf16
     layout = ragged_tiles.tile_layout(
@@ -417,21 +445,10 @@ def ragged_paged_attention_tpu(
     layout = dataclasses.replace(layout, num_tiles=round_up(layout.num_tiles, num_chunks))
     tiles = ragged_tiles.make_tiles(layout, seq_lens, query_start_loc, num_tokens)
 
-    padded_dim = round_up(pool_dim, LANES)
-    if padded_dim != pool_dim:  # copies the pools
-        pad = ((0, 0), (0, 0), (0, 0), (0, padded_dim - pool_dim))
-        k_pool, v_pool = jnp.pad(k_pool, pad), jnp.pad(v_pool, pad)
-    q_tiles = ragged_tiles.gather_queries(q, tiles, layout, padded_dim)  # [N, K, R, Dp]
-    row_pos = jnp.broadcast_to(tiles.row_pos[:, :, None], (*tiles.row_pos.shape, LANES))
-    table_width = round_up(block_tables.shape[1], pages_per_compute_block)
-    tables = jnp.pad(block_tables, ((0, 0), (0, table_width - block_tables.shape[1])))
-
-    call = build_call(
-        scale=scale, num_chunks=num_chunks, tiles_per_chunk=layout.num_tiles // num_chunks,
-        num_kv_heads=num_kv_heads, rows=layout.rows, head_dim=padded_dim,
-        block_size=block_size, pool_dtype=k_pool.dtype, table_width=table_width,
+    q_tiles = ragged_tiles.gather_queries(q, tiles, layout, pool_head_dim(pool_dim))
+    out = attend_tiles(
+        tiles.tile_seq, tiles.tile_kv_len, block_tables, tiles.row_pos, q_tiles, k_pool,
+        v_pool, scale=scale, num_chunks=num_chunks,
         pages_per_compute_block=pages_per_compute_block, interpret=interpret,
-        name="ragged_paged_attention_tpu")
-    out = call(tiles.tile_seq, tiles.tile_kv_len, tables.reshape(-1), row_pos, q_tiles,
-               k_pool, v_pool)  # [N, K, R, Dp] f32
+        name="ragged_paged_attention_tpu")  # [N, K, R, Dp] f32
     return ragged_tiles.scatter_outputs(out, tiles, layout, num_tokens, head_dim, q.dtype)
