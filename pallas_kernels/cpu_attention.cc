@@ -138,6 +138,35 @@ inline void prefetch_tile(const T* tile, int64_t elements) {
   for (int64_t i = 0; i < elements * int64_t{sizeof(T)}; i += 64) __builtin_prefetch(p + i, 0, 1);
 }
 
+// Prefetch the tiles of the next blocks of a sequence's table (after block j of n), where
+// k_head and v_head are the pools of the item's KV head and a tile holds `tile` elements.
+template <typename T>
+inline void prefetch_blocks(const Problem& P, const int32_t* table, int64_t j, int64_t n,
+                            const T* k_head, const T* v_head, int64_t tile) {
+  for (int64_t ahead = j == 0 ? 1 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead) {
+    if (j + ahead >= n) break;
+    const int32_t next = table[j + ahead];
+    if (next >= 0 && next < P.num_blocks) {
+      prefetch_tile(k_head + next * tile, tile);
+      prefetch_tile(v_head + next * tile, tile);
+    }
+  }
+}
+
+// Write an item's rows (accumulator over denominator; rows that saw no key are 0) to their
+// tokens' places in the output, rounded to T.
+template <typename T>
+inline void store_rows(const Problem& P, const Item& it, const Scratch& s, int64_t rows,
+                       int32_t q_start, int64_t D) {
+  const int64_t G = P.group;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t tok = q_start + it.tok_begin + r / G;
+    T* dst = static_cast<T*>(P.out) + (tok * P.num_heads + it.head * G + r % G) * D;
+    const float inv = s.denom[r] > 0.0f ? 1.0f / s.denom[r] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) dst[d] = from_float<T>(s.acc[r * D + d] * inv);
+  }
+}
+
 // Fold row r's scores for one key tile (keys [0, n) visible) into its running max, denominator
 // and accumulator (the online softmax), leaving the probabilities in `probs`.
 template <int kB>
@@ -210,14 +239,8 @@ bool attend(const Problem& P, const Item& it, Scratch& s) {
   for (int64_t j = 0; j < num_key_blocks; ++j) {
     const int32_t block = table[j];
     if (block < 0 || block >= P.num_blocks) return false;
-    for (int64_t ahead = j == 0 ? 1 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead) {
-      if (j + ahead >= num_key_blocks) break;
-      const int32_t next = table[j + ahead];
-      if (next >= 0 && next < P.num_blocks) {
-        prefetch_tile(k_pool + (head_offset + next) * B * D, B * D);
-        prefetch_tile(v_pool + (head_offset + next) * B * D, B * D);
-      }
-    }
+    prefetch_blocks(P, table, j, num_key_blocks, k_pool + head_offset * B * D,
+                    v_pool + head_offset * B * D, B * D);
     const float* __restrict kb;
     const float* __restrict vb;
     if constexpr (std::is_same_v<T, float>) {
@@ -316,12 +339,7 @@ bool attend(const Problem& P, const Item& it, Scratch& s) {
     }
   }
 
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t tok = q_start + it.tok_begin + r / G;
-    T* dst = static_cast<T*>(P.out) + (tok * P.num_heads + it.head * G + r % G) * D;
-    const float inv = s.denom[r] > 0.0f ? 1.0f / s.denom[r] : 0.0f;
-    for (int64_t d = 0; d < D; ++d) dst[d] = from_float<T>(s.acc[r * D + d] * inv);
-  }
+  store_rows<T>(P, it, s, rows, q_start, D);
   return true;
 }
 
@@ -403,14 +421,8 @@ bool attend_dot(const Problem& P, const Item& it, Scratch& s) {
   for (int64_t j = 0; j < num_key_blocks; ++j) {
     const int32_t block = table[j];
     if (block < 0 || block >= P.num_blocks) return false;
-    for (int64_t ahead = j == 0 ? 1 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead) {
-      if (j + ahead >= num_key_blocks) break;
-      const int32_t next = table[j + ahead];
-      if (next >= 0 && next < P.num_blocks) {
-        prefetch_tile(k_pool + (head_offset + next) * B * D, B * D);
-        prefetch_tile(v_pool + (head_offset + next) * B * D, B * D);
-      }
-    }
+    prefetch_blocks(P, table, j, num_key_blocks, k_pool + head_offset * B * D,
+                    v_pool + head_offset * B * D, B * D);
     const bf16* __restrict kb = k_pool + (head_offset + block) * B * D;
     const bf16* __restrict vb = v_pool + (head_offset + block) * B * D;
     const int64_t key0 = j * B;
@@ -537,13 +549,7 @@ bool attend_dot(const Problem& P, const Item& it, Scratch& s) {
     }
   }
 
-  bf16* const out = static_cast<bf16*>(P.out);
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t tok = q_start + it.tok_begin + r / G;
-    bf16* dst = out + (tok * P.num_heads + it.head * G + r % G) * D;
-    const float inv = s.denom[r] > 0.0f ? 1.0f / s.denom[r] : 0.0f;
-    for (int64_t d = 0; d < D; ++d) dst[d] = narrow(s.acc[r * D + d] * inv);
-  }
+  store_rows<bf16>(P, it, s, rows, q_start, D);
   return true;
 }
 #else
