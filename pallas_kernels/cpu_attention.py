@@ -150,11 +150,12 @@ def _default_bf16_dot() -> bool:
 
 
 MAX_TILE = 256  # largest head_dim and block_size the kernel serves (cpu_attention.cc)
+POOL_DTYPES = (jnp.float32, jnp.bfloat16)  # the pools it reads (q and the output alike)
 
 
 def unsupported_reason(head_dim: int, block_size: int, dtype) -> str | None:
     """Why the kernel cannot serve this pool, or None if it can (building it if needed)."""
-    if jnp.dtype(dtype) not in (jnp.float32, jnp.bfloat16):
+    if jnp.dtype(dtype) not in POOL_DTYPES:
         return f"the kernel reads float32 or bfloat16 pools, not {jnp.dtype(dtype).name}"
     if head_dim > MAX_TILE or block_size > MAX_TILE:
         return f"head_dim {head_dim} and block_size {block_size} must be <= {MAX_TILE}"
@@ -186,7 +187,7 @@ def paged_attention_cpu(
     if not available():
         raise RuntimeError("the CPU attention kernel is not available; use the jnp path")
     pool_dtype = jnp.dtype(k_pool.dtype)
-    if jnp.dtype(v_pool.dtype) != pool_dtype or pool_dtype not in (jnp.float32, jnp.bfloat16):
+    if jnp.dtype(v_pool.dtype) != pool_dtype or pool_dtype not in POOL_DTYPES:
         raise ValueError(f"the kernel reads float32 or bfloat16 pools of one dtype, got K "
                          f"{pool_dtype.name} and V {jnp.dtype(v_pool.dtype).name}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale

@@ -417,13 +417,14 @@ def ragged_methods(platform, interpret, kernel_args, seqs, block_size, only_ragg
             interpret=interpret)
     if platform == "tpu":  # JAX's ragged kernel serves every step, decode included
         methods["jax"] = jax_tpu_ragged(interpret)
-    elif is_decode:
-        jax_kernel, reason = load_jax_kernel(platform)
-        if jax_kernel is None:
-            unavailable["jax"] = reason
-        else:
-            pages = max(-(-(c + n) // block_size) for c, n in seqs)
-            methods["jax"] = jax_decode(platform, jax_kernel, interpret, pages, block_size)
+    elif is_decode:  # JAX's paged decode kernel as the decode grid runs it, on one set
+        pages = max(-(-(c + n) // block_size) for c, n in seqs)
+        decode_methods, missing = make_methods(platform, interpret, {}, block_size, pages)
+        unavailable.update(missing)
+        if "jax" in decode_methods:
+            jax_one_set = decode_methods["jax"]
+            methods["jax"] = lambda q, data: jax_one_set(q, dict(data, tables=[data["tables"]]),
+                                                         0)
     elif fresh_prefill and not interpret:
         methods["jax"] = jax_flash_prefill(len(seqs), seqs[0][1])
     return methods, unavailable
@@ -455,13 +456,6 @@ def interleave_kv(k_pool, v_pool):
                                                  head_dim)
 
 
-def jax_decode(platform, jax_kernel, interpret, pages, block_size):
-    """JAX's own paged decode kernel on the ragged data (pre-scaled queries)."""
-    methods, _ = make_methods(platform, interpret, {}, block_size, pages)
-    one_set = methods["jax"]
-    return lambda q, data: one_set(q, dict(data, tables=[data["tables"]]), 0)
-
-
 def jax_flash_prefill(num_seqs, chunk):
     """JAX's Pallas flash attention (ops.gpu.attention.mha, causal) over the contiguous
     prompts, K/V heads repeated to the query heads outside the timed call's math."""
@@ -482,8 +476,7 @@ def jax_flash_prefill(num_seqs, chunk):
 
 def ragged_costs(seqs, heads, itemsize):
     """(bytes of K/V a step must read at least once, FLOPs of its causal products)."""
-    _, num_kv_heads, head_dim = heads
-    num_heads = heads[0]
+    num_heads, num_kv_heads, head_dim = heads
     kv_bytes = sum(c + n for c, n in seqs) * 2 * num_kv_heads * head_dim * itemsize
     # query i of a chunk sees cached + i + 1 keys; two products of 2 * D FLOPs per (q, key, head)
     pairs = sum(n * c + n * (n + 1) // 2 for c, n in seqs)

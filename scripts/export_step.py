@@ -60,8 +60,6 @@ class StepExport:
     model: str
     platform: str
     step: str
-    text: str
-    pool_bytes: int  # one layer's K pool
     num_pool_args: int
     aliased_pool_args: int
     kernel_calls: int  # calls handing the pool to the function that holds the kernel
@@ -161,8 +159,7 @@ def export_step(model: str, platform: str, step: str) -> StepExport:
     kernel = "tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton"
     ops = pool_ops(text, pool_shape)
     return StepExport(
-        model=model, platform=platform, step=step, text=text,
-        pool_bytes=math.prod(pool_shape) * 2, num_pool_args=len(pool_args),
+        model=model, platform=platform, step=step, num_pool_args=len(pool_args),
         aliased_pool_args=sum("tf.aliasing_output" in arg or "jax.buffer_donor" in arg
                               for arg in pool_args),
         kernel_calls=sum(name == "func.call" for name, _ in ops), has_kernel=kernel in text,
