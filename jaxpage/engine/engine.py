@@ -325,25 +325,20 @@ class LLMEngine:
             ("swap_out", (scheduled.swap_out,)), ("fill_blocks", (released, float("nan"))),
             ("swap_in", (scheduled.swap_in,)), ("copy_blocks", (scheduled.block_copies,)),
         ] if args[0]]
-        started = []  # swap-outs dispatched and not yet landed in the host pool
         try:
             while work:  # each item leaves the list once done (a swap-out: once dispatched)
                 name, args = work[0]
                 getattr(self.runner, name)(*args)
-                item = work.pop(0)
-                if name == "swap_out":
-                    started.append(item)
-                elif name == "swap_in":
-                    started = []  # it landed every swap-out before reading the host pool
+                work.pop(0)
             compiles, start = self.runner.compiles, time.perf_counter()
             results = self.runner.execute(scheduled.seqs) if scheduled.seqs else []
         except Exception:
             with contextlib.suppress(Exception):  # the step's own error is the one to raise
-                self._land_swaps(started)
+                self._land_swaps()
             if self.runner.pool_lost():
                 self._rebuild_pool()
             raise
-        self._land_swaps(started)
+        self._land_swaps()
         if self.swap_cost is not None:
             self.swap_cost.observe_copies(self.runner.swap_out_bytes_timed,
                                           self.runner.swap_out_seconds_timed)
@@ -353,7 +348,7 @@ class LLMEngine:
                                               time.perf_counter() - start)
         return results
 
-    def _land_swaps(self, started: list) -> None:
+    def _land_swaps(self) -> None:
         """Land the swap-outs in flight in the host pool. Their gathers read the pool before
         the forward, so what lands is right even after a failed step; if they cannot land,
         their copies are lost (the forward may since have rewritten those blocks): the pool
@@ -362,8 +357,8 @@ class LLMEngine:
         try:
             self.runner.finish_swaps()
         except Exception:
-            self.runner.drop_swaps()
-            self._device_work_due[:0] = started
+            self._device_work_due[:0] = [("swap_out", (copies,))
+                                         for copies in self.runner.drop_swaps()]
             self._rebuild_pool()
             raise
 

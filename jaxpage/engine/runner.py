@@ -181,9 +181,9 @@ class ModelRunner:
         self.compile_seconds = 0.0
         self.device_seconds = 0.0  # wall time inside jitted calls (dispatch to result)
         self.swap_out_blocks = self.swap_in_blocks = 0
-        # swap-outs started and not yet in the host pool: (host ids, gathered blocks on
-        # their way to the host, dispatch seconds or None when the gather compiled)
-        self._swaps_in_flight: list[tuple[list[int], jax.Array, float | None]] = []
+        # swap-outs started and not yet in the host pool: ((device, host) block pairs, the
+        # gathered blocks on their way to the host, dispatch seconds or None if it compiled)
+        self._swaps_in_flight: list[tuple[list, jax.Array, float | None]] = []
         # swap-outs that did not compile, timed as the step waited for them (dispatch, and
         # the rest of the transfer and the host write after the forward): the copy
         # bandwidth the "auto" preemption mode measures
@@ -240,7 +240,7 @@ class ModelRunner:
         measured, start = key in self.compiled, time.perf_counter()
         blocks = self._timed(key, lambda: _GATHER_BLOCKS(self.kv_pool, device_ids))
         blocks.copy_to_host_async()
-        self._swaps_in_flight.append(([host_id for _, host_id in copies], blocks,
+        self._swaps_in_flight.append((copies, blocks,
                                       time.perf_counter() - start if measured else None))
         self.swap_out_blocks += len(copies)
 
@@ -249,21 +249,23 @@ class ModelRunner:
         The time counted as the copy's is what the step spent on it: dispatch and the wait
         here, not the part the transfer overlapped the forward."""
         while self._swaps_in_flight:
-            host_ids, blocks, dispatch_seconds = self._swaps_in_flight[0]
+            copies, blocks, dispatch_seconds = self._swaps_in_flight[0]
             start = time.perf_counter()
-            self.host_kv[host_ids] = np.asarray(blocks)[: len(host_ids)]
+            self.host_kv[[host_id for _, host_id in copies]] = np.asarray(blocks)[: len(copies)]
             self._swaps_in_flight.pop(0)
             if dispatch_seconds is not None:
                 self.swap_out_seconds_timed += dispatch_seconds + time.perf_counter() - start
-                self.swap_out_bytes_timed += len(host_ids) * self.block_bytes
+                self.swap_out_bytes_timed += len(copies) * self.block_bytes
 
     def swaps_in_flight(self) -> list[int]:
         """Host blocks whose swap-out was started and has not landed."""
-        return [host_id for host_ids, _, _ in self._swaps_in_flight for host_id in host_ids]
+        return [host_id for copies, _, _ in self._swaps_in_flight for _, host_id in copies]
 
-    def drop_swaps(self) -> None:
-        """Forget the swap-outs in flight (after a failure; the engine redoes or drops them)."""
+    def drop_swaps(self) -> list[list[tuple[int, int]]]:
+        """Forget the swap-outs in flight (after a failure); returns their copies."""
+        dropped = [copies for copies, _, _ in self._swaps_in_flight]
         self._swaps_in_flight.clear()
+        return dropped
 
     def swap_in(self, copies: list[tuple[int, int]]) -> None:
         """Copy `(host block, device block)` pairs into the KV pool: one host->device
