@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import build_hf_model
+from conftest import add_due, build_hf_model
 
 from jaxpage import LLM, SamplingParams
 from jaxpage.attention import RAGGED_BACKENDS, pool_head_dim
@@ -22,10 +22,25 @@ needs_cpp = pytest.mark.skipif(not cpu_attention.available(),
                                reason="the C++ kernel could not be built here")
 
 
-def mixed_workload(engine, add_at: dict[int, list]) -> dict[str, list[int]]:
-    """Run `add_at` (step -> [(request_id, prompt, params)]) through `engine` to the end;
-    returns each request's tokens. The engine's runner is spied on (the real `execute` still
-    runs) so the test can see that steps mixing decode tokens and prompt chunks happened."""
+def mixed_requests(params, chunked_len: int) -> list[tuple]:
+    """The mixed workload as `(request_id, prompt, params, step to add it at)` items (for
+    conftest.add_due): chunked prompts (`chunked_len` tokens and a shared 24-token prefix +
+    16 under a 16-token budget), prompts arriving while others decode (steps 3 and 8:
+    decode tokens and chunks in one step) and prompts sharing the prefix with earlier ones
+    (prefix-cache hits, so chunks start mid-sequence and mid-block)."""
+    rng = np.random.default_rng(0)
+    shared = rng.integers(3, 97, size=24).tolist()
+    prompts = {"a": rng.integers(3, 97, size=5).tolist(), "b": shared + [5, 6, 7],
+               "c": rng.integers(3, 97, size=chunked_len).tolist(), "d": shared + [9] * 16,
+               "e": shared + [11], "f": rng.integers(3, 97, size=1).tolist()}
+    steps = {"a": 0, "b": 0, "c": 3, "d": 3, "e": 8, "f": 8}
+    return [(rid, prompt, params, steps[rid]) for rid, prompt in prompts.items()]
+
+
+def mixed_workload(engine, requests: list[tuple]) -> dict[str, list[int]]:
+    """Run `requests` (as mixed_requests gives them) through `engine` to the end; returns
+    each request's tokens. The engine's runner is spied on (the real `execute` still runs)
+    so the test can see that steps mixing decode tokens and prompt chunks happened."""
     runner = engine.runner
     real_execute = runner.execute
     runner.mixed_steps = 0
@@ -36,14 +51,14 @@ def mixed_workload(engine, add_at: dict[int, list]) -> dict[str, list[int]]:
         return real_execute(seqs)
 
     runner.execute = execute
+    pending = list(requests)
     tokens: dict[str, list[int]] = {}
     for step in range(200):
-        for request_id, prompt, params in add_at.pop(step, []):
-            engine.add_request(request_id, prompt, params)
+        add_due(engine, pending, step)
         for out in engine.step():
             if out.finished:
                 tokens[out.request_id] = out.outputs[0].token_ids
-        if not add_at and not engine.has_unfinished_requests():
+        if not pending and not engine.has_unfinished_requests():
             return tokens
     raise AssertionError("the workload did not finish in 200 steps")
 
@@ -56,28 +71,15 @@ def test_engine_greedy_tokens_match_reference_backend(hf_model_dir, backend):
     prompts sharing a 24-token prefix with earlier ones (prefix-cache hits, so chunks start
     mid-sequence and mid-block)."""
     path, _ = hf_model_dir("qwen3")  # 6 query heads on 2 KV heads, head_dim 16
-    rng = np.random.default_rng(0)
-    shared = rng.integers(3, 97, size=24).tolist()
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-
-    def workload():
-        prompts = {"a": rng.integers(3, 97, size=5).tolist(), "b": shared + [5, 6, 7],
-                   "c": rng.integers(3, 97, size=23).tolist(), "d": shared + [9] * 16,
-                   "e": shared + [11], "f": rng.integers(3, 97, size=1).tolist()}
-        return {0: [("a", prompts["a"], params), ("b", prompts["b"], params)],
-                3: [("c", prompts["c"], params), ("d", prompts["d"], params)],
-                8: [("e", prompts["e"], params), ("f", prompts["f"], params)]}
-
+    requests = mixed_requests(SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), 23)
     kwargs = dict(block_size=8, num_blocks=48, max_num_batched_tokens=16, max_num_seqs=4,
                   enable_prefix_caching=True)
-    state = rng.bit_generator.state
-    reference = LLM(path, attention_backend="reference", **kwargs).engine
-    expected = mixed_workload(reference, workload())
-    rng.bit_generator.state = state  # the same prompts again
+    expected = mixed_workload(LLM(path, attention_backend="reference", **kwargs).engine,
+                              requests)
     interpret = backend.startswith("pallas")
     engine = LLM(path, attention_backend=backend, kernel_interpret=interpret, **kwargs).engine
     assert engine.runner.backend == backend
-    assert mixed_workload(engine, workload()) == expected
+    assert mixed_workload(engine, requests) == expected
     assert engine.stats()["prefix_cache_hits"] > 0
     if backend in RAGGED_BACKENDS:
         assert engine.runner.mixed_steps > 0
@@ -112,26 +114,16 @@ def test_bf16_engine_greedy_tokens_match_reference_backend(tmp_path, monkeypatch
         pytest.skip("this build has no AVX512-BF16 path")
     monkeypatch.setenv("JAXPAGE_CPU_KERNEL_BF16", bf16_mode)
     build_hf_model("qwen3", head_dim=64).save_pretrained(tmp_path, safe_serialization=True)
-    rng = np.random.default_rng(0)
-    shared = rng.integers(3, 97, size=24).tolist()
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    prompts = {"a": rng.integers(3, 97, size=5).tolist(), "b": shared + [5, 6, 7],
-               "c": rng.integers(3, 97, size=37).tolist(), "d": shared + [9] * 16,
-               "e": shared + [11], "f": rng.integers(3, 97, size=1).tolist()}
-
-    def workload():
-        return {0: [("a", prompts["a"], params), ("b", prompts["b"], params)],
-                3: [("c", prompts["c"], params), ("d", prompts["d"], params)],
-                8: [("e", prompts["e"], params), ("f", prompts["f"], params)]}
-
+    requests = mixed_requests(SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), 37)
+    prompts = {rid: prompt for rid, prompt, _, _ in requests}
     kwargs = dict(block_size=16, num_blocks=48, max_num_batched_tokens=16, max_num_seqs=4,
                   enable_prefix_caching=True, dtype="bfloat16")
     expected = mixed_workload(LLM(str(tmp_path), attention_backend="reference", **kwargs).engine,
-                              workload())
+                              requests)
     engine = LLM(str(tmp_path), attention_backend="cpp", **kwargs).engine
     assert engine.runner.backend == "cpp"
     assert engine.runner.kv_pool[0][0].dtype == np.dtype("bfloat16")
-    tokens = mixed_workload(engine, workload())
+    tokens = mixed_workload(engine, requests)
     assert engine.stats()["prefix_cache_hits"] > 0 and engine.runner.mixed_steps > 0
     assert tokens == expected, _first_divergence(str(tmp_path), kwargs, prompts, tokens,
                                                  expected)

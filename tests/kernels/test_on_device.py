@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from test_engine_with_kernels import mixed_workload
+from test_engine_with_kernels import mixed_requests, mixed_workload
 from test_ragged_kernels import (
     COVERING_SET,
     DTYPES,
@@ -71,13 +71,10 @@ def test_decode_kernel_on_device(platform):
 def test_engine_on_device_matches_reference_tokens(platform, hf_model_dir):
     path, _ = hf_model_dir("qwen3")
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    rng = np.random.default_rng(0)
-    shared = rng.integers(3, 97, size=24).tolist()
-    workload = {0: [("a", shared + [5], params), ("b", rng.integers(3, 97, 23).tolist(), params)],
-                3: [("c", shared + [9] * 16, params)]}
+    requests = mixed_requests(params, 23)
     kwargs = dict(block_size=16, num_blocks=48, max_num_batched_tokens=16, max_num_seqs=4)
     with jax.default_matmul_precision("highest"):
         expected = mixed_workload(LLM(path, attention_backend="reference", **kwargs).engine,
-                                  {k: list(v) for k, v in workload.items()})
+                                  requests)
         engine = LLM(path, attention_backend=PLATFORMS[platform][2], **kwargs).engine
-        assert mixed_workload(engine, workload) == expected
+        assert mixed_workload(engine, requests) == expected
