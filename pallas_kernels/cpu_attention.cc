@@ -743,30 +743,27 @@ ffi::Error PagedAttentionBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q,
 
 }  // namespace
 
+// The arguments and attributes both handlers take, for pools (q, out) of element type kType.
+template <ffi::DataType kType>
+auto bind_attention() {
+  // `.template`: after the first kType argument the binding's type depends on kType
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .template Arg<ffi::Buffer<kType>>()      // q
+      .template Arg<ffi::Buffer<kType>>()      // k_pool
+      .template Arg<ffi::Buffer<kType>>()      // v_pool
+      .template Arg<ffi::Buffer<ffi::S32>>()   // block_tables
+      .template Arg<ffi::Buffer<ffi::S32>>()   // seq_lens
+      .template Arg<ffi::Buffer<ffi::S32>>()   // query_start_loc
+      .template Attr<float>("scale")
+      .template Attr<int64_t>("query_tile");
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagePagedAttention, PagedAttentionF32,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("query_tile")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              bind_attention<ffi::F32>().Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagePagedAttentionBf16, PagedAttentionBf16,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("query_tile")
+                              bind_attention<ffi::BF16>()
                                   .Attr<int64_t>("bf16_dot")
                                   .Ret<ffi::Buffer<ffi::BF16>>());
 
