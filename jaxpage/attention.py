@@ -47,6 +47,10 @@ class AttentionMetadata:
       query_start_loc: [S + 1] int32 offsets of each sequence's tokens in the flat batch.
       logits_indices: [R] int32 rows of the flat batch whose logits are wanted, or None
         for all T rows.
+      window_slot_mapping, window_block_tables: the same for the layers with a sliding
+        window when their KV lives in a pool of its own (the engine's window group, which
+        frees the blocks that left the window: `jaxpage.engine.kv_groups`), else None and
+        every layer uses slot_mapping / block_tables.
     Static fields (part of the compiled shape):
       max_query_len: most tokens any sequence has in this step. 1 marks a pure decode
         step, whose sequence i has its one token at row i (as build_metadata lays it out).
@@ -61,6 +65,8 @@ class AttentionMetadata:
     seq_lens: jax.Array
     query_start_loc: jax.Array
     logits_indices: jax.Array | None = None
+    window_slot_mapping: jax.Array | None = None
+    window_block_tables: jax.Array | None = None
     max_query_len: int = 1
     backend: str = "jnp"
     interpret: bool = False  # run Pallas kernels in interpret mode (CPU testing)
@@ -68,7 +74,8 @@ class AttentionMetadata:
 
 jax.tree_util.register_dataclass(
     AttentionMetadata,
-    data_fields=["slot_mapping", "block_tables", "seq_lens", "query_start_loc", "logits_indices"],
+    data_fields=["slot_mapping", "block_tables", "seq_lens", "query_start_loc", "logits_indices",
+                 "window_slot_mapping", "window_block_tables"],
     meta_fields=["max_query_len", "backend", "interpret"],
 )
 
@@ -81,6 +88,8 @@ def paged_attention(
     metadata: AttentionMetadata,
     *,
     scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> tuple[jax.Array, LayerKV]:
     """Write this step's K/V into the layer's pool and attend over the cached sequences.
 
@@ -90,6 +99,10 @@ def paged_attention(
       layer_kv: (k_pool, v_pool), each [num_kv_heads, num_blocks, block_size, head_dim].
       metadata: the step's AttentionMetadata.
       scale: softmax scale, default head_dim ** -0.5.
+      sliding_window: this layer attends only to the last `sliding_window` positions (the
+        query's own included, HF's convention). With the metadata's window tables set, the
+        layer's pool is the window group's and is addressed through them.
+      soft_cap: attention-logit soft-capping (Gemma 2): scores -> cap * tanh(scores / cap).
 
     Returns:
       ([T, num_heads, head_dim] attention output in q's dtype, updated layer_kv).
@@ -98,10 +111,16 @@ def paged_attention(
         raise ValueError(f"unknown attention backend {metadata.backend!r}; choose from {BACKENDS}")
     head_dim, pool_dim = q.shape[-1], layer_kv[0].shape[-1]
     scale = head_dim**-0.5 if scale is None else scale
+    slot_mapping, block_tables = metadata.slot_mapping, metadata.block_tables
+    if sliding_window is not None and metadata.window_block_tables is not None:
+        slot_mapping, block_tables = metadata.window_slot_mapping, metadata.window_block_tables
+    # the kernels' options, passed only when set (a kernel without them is then never asked)
+    options = {k: v for k, v in (("sliding_window", sliding_window), ("soft_cap", soft_cap))
+               if v is not None}
     if pool_dim > head_dim:  # a pool padded at allocation (pool_head_dim): zeros past head_dim
         pad = ((0, 0), (0, 0), (0, pool_dim - head_dim))
         k, v = jnp.pad(k, pad), jnp.pad(v, pad)
-    k_pool, v_pool = write_kv(*layer_kv, k, v, metadata.slot_mapping)
+    k_pool, v_pool = write_kv(*layer_kv, k, v, slot_mapping)
     if metadata.backend in _PALLAS_PLATFORM and metadata.max_query_len == 1:
         # A decode step (the runner puts sequence i's one token at row i) goes to the decode
         # kernel: no tiling of queries, and 6-33% faster than the ragged kernel on an H200
@@ -109,28 +128,28 @@ def paged_attention(
         num_seqs = metadata.seq_lens.shape[0]
         q_pool = jnp.pad(q[:num_seqs], ((0, 0), (0, 0), (0, pool_dim - head_dim)))
         out = _pallas_kernel(metadata.backend, decode=True)(
-            q_pool, k_pool, v_pool, metadata.block_tables, metadata.seq_lens, scale=scale,
-            interpret=metadata.interpret)
+            q_pool, k_pool, v_pool, block_tables, metadata.seq_lens, scale=scale,
+            interpret=metadata.interpret, **options)
         out = jnp.zeros_like(q).at[:num_seqs].set(out[..., :head_dim].astype(q.dtype))
         return out, (k_pool, v_pool)
     if metadata.backend in _PALLAS_PLATFORM:  # ragged: decode tokens and chunks in one call
         out = _pallas_kernel(metadata.backend)(
-            q, k_pool, v_pool, metadata.block_tables, metadata.seq_lens,
+            q, k_pool, v_pool, block_tables, metadata.seq_lens,
             metadata.query_start_loc, max_query_len=metadata.max_query_len, scale=scale,
-            interpret=metadata.interpret)
+            interpret=metadata.interpret, **options)
         return out, (k_pool, v_pool)
     if pool_dim > head_dim:  # zero lanes of q meet zero lanes of K: the scores are unchanged
         q = jnp.pad(q, ((0, 0), (0, 0), (0, pool_dim - head_dim)))
     if metadata.backend == "cpp":
-        out = cpu_attention.paged_attention_cpu(q, k_pool, v_pool, metadata.block_tables,
+        out = cpu_attention.paged_attention_cpu(q, k_pool, v_pool, block_tables,
                                                 metadata.seq_lens, metadata.query_start_loc,
-                                                scale=scale)
+                                                scale=scale, **options)
     else:
         attend = paged_attention_reference if metadata.backend == "reference" else (
             paged_attention_blockwise)
-        out = attend(q, k_pool, v_pool, metadata.block_tables, metadata.seq_lens,
+        out = attend(q, k_pool, v_pool, block_tables, metadata.seq_lens,
                      metadata.query_start_loc, max_query_len=metadata.max_query_len,
-                     scale=scale)
+                     scale=scale, **options)
     return out[..., :head_dim], (k_pool, v_pool)
 
 

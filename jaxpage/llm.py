@@ -29,13 +29,13 @@ class LLM:
                  config: EngineConfig | None = None, **engine_kwargs: Any) -> None:
         if isinstance(model, str) or model is None:
             from jaxpage.loading import DEFAULT_MODEL, load_model
-            from jaxpage.models.llama import LlamaModel
+            from jaxpage.models import build_model
 
             if config is None:
                 config = EngineConfig(model=model or DEFAULT_MODEL, **engine_kwargs)
             model_config, params, loaded_tokenizer = load_model(config.model, config.dtype,
                                                                 config.cache_gguf)
-            model = LlamaModel(model_config)
+            model = build_model(model_config)
             tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
         else:
             from jaxpage.model_protocol import validate_model

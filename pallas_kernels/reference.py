@@ -20,7 +20,8 @@ import jax.numpy as jnp
 _NEG_INF = float("-inf")
 
 
-@functools.partial(jax.jit, static_argnames=("max_query_len", "scale"))
+@functools.partial(jax.jit, static_argnames=("max_query_len", "scale", "sliding_window",
+                                             "soft_cap"))
 def paged_attention_reference(
     q: jax.Array,
     k_pool: jax.Array,
@@ -31,6 +32,8 @@ def paged_attention_reference(
     *,
     max_query_len: int,
     scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """Attention of a ragged batch of queries over paged K/V.
 
@@ -46,6 +49,12 @@ def paged_attention_reference(
         (non-decreasing; `query_start_loc[S] <= T`, tokens past it are padding).
       max_query_len: static upper bound on queries per sequence (1 for pure decode).
       scale: softmax scale, default head_dim ** -0.5.
+      sliding_window: a query at position p sees only the keys at positions
+        (p - sliding_window, p] (HF's convention: `sliding_window` keys, itself included).
+        Block-table entries of blocks wholly before every query's window may hold anything
+        (a sliding layer's pool frees them) and are never read into the output.
+      soft_cap: Gemma 2's attention-logit soft-capping, scores -> cap * tanh(scores / cap),
+        applied to the scaled scores before masking.
 
     Returns:
       [T, num_heads, head_dim] in q's dtype; rows of padding tokens are zero.
@@ -74,15 +83,22 @@ def paged_attention_reference(
     v = v_pool[:, block_tables].reshape(num_kv_heads, num_seqs, max_len, head_dim)  # [K, S, L, D]
     key_pos = jnp.arange(max_len, dtype=jnp.int32)  # [L]
     key_valid = key_pos[None, :] < seq_lens[:, None]  # [S, L]
+    if sliding_window is not None:  # keys before the first query's window may be anything
+        first_query = seq_lens - query_lens  # [S]
+        key_valid &= key_pos[None, :] > (first_query - sliding_window)[:, None]
     # Slots past a sequence's length may hold anything (even NaN): zero them so that
     # 0 * garbage never reaches the output.
     v = jnp.where(key_valid[None, :, :, None], v, 0)
     mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & key_valid[:, None, :]  # [S, Qm, L]
+    if sliding_window is not None:
+        mask &= key_pos[None, None, :] > query_pos[:, :, None] - sliding_window
 
     # [S, Qm, K, G, D] x [K, S, L, D] -> [S, K, G, Qm, L]
     scores = jnp.einsum(
         "sqkgd,ksld->skgql", q_dense, k, preferred_element_type=jnp.float32
     ) * scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
     scores = jnp.where(mask[:, None, None], scores, _NEG_INF)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # rows with no keys: padding

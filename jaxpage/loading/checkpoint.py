@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxpage.loading.hf import WeightsError
 from jaxpage.models.config import ModelConfig, RopeConfig
-from jaxpage.models.llama import param_shapes
+from jaxpage.models import param_shapes
 
 FORMAT = "jaxpage-checkpoint"
 FORMAT_VERSION = 1
@@ -57,8 +57,13 @@ def config_from_dict(fields: dict[str, Any]) -> ModelConfig:
     rope = fields.pop("rope", {})
     _check_fields(RopeConfig, rope, "config.rope")
     _check_fields(ModelConfig, {**fields, "rope": None}, "config")
-    if "eos_token_ids" in fields:
-        fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
+    for name in ("eos_token_ids", "layer_types", "mlp_only_layers"):  # JSON lists -> tuples
+        if fields.get(name) is not None:
+            fields[name] = tuple(fields[name])
+    rope_local = fields.pop("rope_local", None)
+    if rope_local is not None:
+        _check_fields(RopeConfig, rope_local, "config.rope_local")
+        fields["rope_local"] = RopeConfig(**rope_local)
     return ModelConfig(rope=RopeConfig(**rope), **fields)
 
 

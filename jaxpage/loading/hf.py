@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpage.models.config import ModelConfig
-from jaxpage.models.llama import param_shapes
+from jaxpage.models import FAMILIES, family_module, param_shapes
 
 # Returns the HF-layout tensor (nn.Linear weights are [out, in]) or None when absent.
 TensorGetter = Callable[[str], "np.ndarray | None"]
@@ -77,14 +77,10 @@ def open_safetensors(files: list[str]) -> TensorGetter:
     return get
 
 
-def params_from_hf_tensors(config: ModelConfig, get: TensorGetter, dtype) -> dict[str, Any]:
-    """Convert HF-named tensors to the jaxpage params layout (numpy arrays of `dtype`).
-
-    Checks every tensor against the config and names the first one that is missing or has
-    the wrong shape.
-    """
-    dtype = jnp.dtype(dtype)
-    shapes = param_shapes(config)
+def hf_fetchers(config: ModelConfig, get: TensorGetter):
+    """(fetch(name, shape), linear(name, in_dim, out_dim)): HF tensors checked against the
+    shape the config expects (naming the first one missing or of the wrong shape); `linear`
+    also transposes nn.Linear's [out, in] to jaxpage's [in, out]."""
 
     def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray:
         tensor = get(name)
@@ -100,6 +96,21 @@ def params_from_hf_tensors(config: ModelConfig, get: TensorGetter, dtype) -> dic
     def linear(name: str, in_dim: int, out_dim: int) -> np.ndarray:
         return fetch(name, (out_dim, in_dim)).T  # nn.Linear [out, in] -> [in, out]
 
+    return fetch, linear
+
+
+def params_from_hf_tensors(config: ModelConfig, get: TensorGetter, dtype) -> dict[str, Any]:
+    """Convert HF-named tensors to the jaxpage params layout (numpy arrays of `dtype`) of
+    the config's model family.
+
+    Checks every tensor against the config and names the first one that is missing or has
+    the wrong shape.
+    """
+    dtype = jnp.dtype(dtype)
+    if FAMILIES[config.architecture] != "llama":
+        return cast_params(family_module(config).params_from_hf_tensors(config, get), dtype)
+    shapes = param_shapes(config)
+    fetch, linear = hf_fetchers(config, get)
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
     q, kv = config.q_size, config.kv_size
     layers = []

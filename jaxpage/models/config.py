@@ -15,9 +15,25 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "MistralForCausalLM": {},
     "Qwen2ForCausalLM": {"qkv_bias": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
+    "Gemma2ForCausalLM": {},
+    "Gemma3ForCausalLM": {"qk_norm": True},
+    "MixtralForCausalLM": {},
+    "Qwen3MoeForCausalLM": {"qk_norm": True},
 }
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def layer_windows(config) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention) for any served model's config:
+    `sliding_window` applies to the layers `layer_types` marks "sliding_attention", or to
+    every layer when the config has no `layer_types` (Mistral)."""
+    window = getattr(config, "sliding_window", None) or None
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return (window,) * config.num_layers
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +71,23 @@ class ModelConfig:
     o_bias: bool = False  # Llama with attention_bias
     mlp_bias: bool = False  # Llama with mlp_bias
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rope
-    # Sliding-window attention is not implemented; the engine caps max_model_len at the
-    # window so it never binds (attention over <= window tokens is plain causal attention).
+    # Sliding-window attention: the layers `layer_types` marks "sliding_attention" (every
+    # layer when layer_types is None) see only the last `sliding_window` positions.
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None  # per layer "full_attention" | "sliding_attention"
+    # Gemma 2 / 3
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    query_pre_attn_scalar: float | None = None  # softmax scale = this ** -0.5 (else head_dim)
+    rope_local: RopeConfig | None = None  # the sliding layers' rotary embedding (Gemma 3)
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_pytorch_tanh"
+    # mixture of experts (Mixtral, Qwen3-MoE); num_experts 0 = a dense MLP in every layer
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1  # every this-th layer is MoE (Qwen3-MoE)
+    mlp_only_layers: tuple[int, ...] = ()  # layers with a dense MLP instead (Qwen3-MoE)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -76,11 +106,24 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads})"
             )
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(
+                    LAYER_TYPES):
+                raise ValueError(f"ModelConfig.layer_types must be {self.num_layers} of "
+                                 f"{LAYER_TYPES}, got {self.layer_types!r}")
+            if "sliding_attention" in self.layer_types and not self.sliding_window:
+                raise ValueError("ModelConfig.layer_types has sliding layers but "
+                                 "sliding_window is not set")
         if self.rope.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"unsupported rope type {self.rope.rope_type!r}; supported: "
                 f"{', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window, None for a full-attention layer."""
+        return layer_windows(self)
 
     @property
     def q_size(self) -> int:
@@ -123,9 +166,10 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
         window = cfg.get("sliding_window")
-        if not (architecture == "MistralForCausalLM" or cfg.get("use_sliding_window")):
+        if not (architecture in _WINDOWED_ARCHITECTURES or cfg.get("use_sliding_window")):
             window = None
-        return cls(
+        extra = _FAMILY_FIELDS.get(architecture, lambda cfg: {})(cfg)
+        fields = dict(
             architecture=architecture,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -146,6 +190,33 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+        fields.update(extra)
+        return cls(**fields)
+
+
+# Architectures whose HF config's `sliding_window` always applies (others need
+# `use_sliding_window`, as Qwen2's does).
+_WINDOWED_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM", "Gemma2ForCausalLM",
+                           "Gemma3ForCausalLM")
+
+
+def _gemma_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Gemma 2 / 3 fields of an HF config (layer_types, soft-caps, scalars, local rope)."""
+    return {}
+
+
+def _moe_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Mixtral / Qwen3-MoE fields of an HF config (experts, routing)."""
+    return {}
+
+
+# architecture -> the ModelConfig fields its HF config adds to the common ones
+_FAMILY_FIELDS = {
+    "Gemma2ForCausalLM": _gemma_fields,
+    "Gemma3ForCausalLM": _gemma_fields,
+    "MixtralForCausalLM": _moe_fields,
+    "Qwen3MoeForCausalLM": _moe_fields,
+}
 
 
 def _rope_from_hf(cfg: Mapping[str, Any]) -> RopeConfig:

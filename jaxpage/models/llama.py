@@ -196,3 +196,4 @@ def param_shapes(config: ModelConfig) -> dict[str, Any]:
     if not config.tie_word_embeddings:
         shapes["lm_head"] = (h, config.vocab_size)
     return shapes
+MODEL_CLASS = LlamaModel
