@@ -253,6 +253,7 @@ def build_metadata(
     num_logits: int | None = None,
     backend: str = "jnp",
     interpret: bool = False,
+    window_block_tables: list[list[int]] | None = None,
 ) -> tuple[np.ndarray, AttentionMetadata]:
     """Host-side packing of one step: `(positions [T], metadata)` as numpy int32 arrays.
 
@@ -260,6 +261,8 @@ def build_metadata(
     tokens in this step, laid out one sequence after another. The optional sizes pad the
     arrays to a fixed shape bucket: padding tokens write into block 0 and padding sequences
     have length 0. `logits_indices` defaults to the last new token of every sequence.
+    `window_block_tables` are the window group's tables (entries before a sequence's window
+    may be the null block), packed the same way into the window fields.
     """
     total_new = sum(num_new)
     num_tokens = total_new if num_tokens is None else num_tokens
@@ -268,8 +271,6 @@ def build_metadata(
     if num_tokens < total_new or num_seqs < len(block_tables):
         raise ValueError(f"bucket ({num_tokens} tokens, {num_seqs} seqs) smaller than the batch")
     positions = np.zeros(num_tokens, np.int32)
-    slot_mapping = np.zeros(num_tokens, np.int32)  # padding -> slots of block 0
-    tables = np.zeros((num_seqs, width), np.int32)
     seq_lens = np.zeros(num_seqs, np.int32)
     query_start_loc = np.full(num_seqs + 1, total_new, np.int32)
     start = 0
@@ -278,15 +279,26 @@ def build_metadata(
         if computed + new > len(table) * block_size:
             raise ValueError(f"sequence {s}: {computed + new} tokens exceed its "
                              f"{len(table)} blocks of {block_size}")
-        tables[s, : len(table)] = table
-        pos = np.arange(computed, computed + new, dtype=np.int32)
-        positions[start : start + new] = pos
-        slot_mapping[start : start + new] = np.asarray(table, np.int32)[pos // block_size] * (
-            block_size
-        ) + pos % block_size
+        positions[start : start + new] = np.arange(computed, computed + new, dtype=np.int32)
         seq_lens[s] = computed + new
         query_start_loc[s] = start
         start += new
+
+    def pack(group_tables: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(slot mapping [T], tables [S, width]) of one group's block tables."""
+        slot_mapping = np.zeros(num_tokens, np.int32)  # padding -> slots of block 0
+        tables = np.zeros((num_seqs, width), np.int32)
+        for s, table in enumerate(group_tables):
+            tables[s, : len(table)] = table
+            lo, hi = query_start_loc[s], query_start_loc[s] + num_new[s]
+            pos = positions[lo:hi]
+            slot_mapping[lo:hi] = tables[s, pos // block_size] * block_size + pos % block_size
+        return slot_mapping, tables
+
+    slot_mapping, tables = pack(block_tables)
+    window_slots = window_tables = None
+    if window_block_tables is not None:
+        window_slots, window_tables = pack(window_block_tables)
     if logits_indices is None:
         logits_indices = [int(query_start_loc[s + 1]) - 1 for s in range(len(block_tables))]
     indices = np.zeros(num_logits or len(logits_indices), np.int32)
@@ -297,6 +309,8 @@ def build_metadata(
         seq_lens=seq_lens,
         query_start_loc=query_start_loc,
         logits_indices=indices,
+        window_slot_mapping=window_slots,
+        window_block_tables=window_tables,
         max_query_len=max_query_len or max(num_new, default=1),
         backend=backend,
         interpret=interpret,

@@ -31,6 +31,9 @@ class EngineConfig:
     num_blocks: KV pool size in blocks (block 0 is reserved); if None, sized from
       kv_cache_memory (bytes), else from a default budget (1 GiB on CPU; on an accelerator
       gpu_memory_utilization of the memory left after the weights).
+    num_window_blocks: for a model with sliding-window layers, the blocks of their own pool
+      (the window group, jaxpage.engine.kv_groups); if None, what max_num_seqs sequences'
+      windows hold at most, within those layers' share of the budget.
     max_model_len: longest sequence (prompt + output); default the model's limit.
     reservation_policy: "paged" (blocks on demand). "max" and "oracle" reserve blocks for
       max_model_len or prompt + max_tokens at admission: pre-paging baselines for benchmarks.
@@ -49,6 +52,7 @@ class EngineConfig:
     dtype: str = "float32"
     block_size: int = 16
     num_blocks: int | None = None
+    num_window_blocks: int | None = None
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None
@@ -82,6 +86,10 @@ class EngineConfig:
         check(self.num_blocks is None
               or (is_positive_int(self.num_blocks) and self.num_blocks >= 2),
               "num_blocks", self.num_blocks, "None or an integer >= 2 (block 0 is reserved)")
+        check(self.num_window_blocks is None
+              or (is_positive_int(self.num_window_blocks) and self.num_window_blocks >= 2),
+              "num_window_blocks", self.num_window_blocks,
+              "None or an integer >= 2 (block 0 is reserved)")
         check(self.kv_cache_memory is None or is_positive_int(self.kv_cache_memory),
               "kv_cache_memory", self.kv_cache_memory, "None or a positive number of bytes")
         check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",

@@ -70,16 +70,18 @@ def build_hf_model(name: str, seed: int = 0, **overrides):
 
 @pytest.fixture(scope="session")
 def hf_model_dir(tmp_path_factory):
-    """Factory: save a tiny HF model to a temp dir once per (name, seed); returns (dir, model)."""
+    """Factory: save a tiny HF model to a temp dir once per (name, seed, config overrides);
+    returns (dir, model)."""
     cache = {}
 
-    def make(name: str, seed: int = 0):
-        if (name, seed) not in cache:
-            model = build_hf_model(name, seed)
+    def make(name: str, seed: int = 0, **overrides):
+        key = (name, seed, tuple(sorted(overrides.items())))
+        if key not in cache:
+            model = build_hf_model(name, seed, **overrides)
             path = tmp_path_factory.mktemp(f"hf_{name}_{seed}")
             model.save_pretrained(path, safe_serialization=True)
-            cache[name, seed] = (str(path), model)
-        return cache[name, seed]
+            cache[key] = (str(path), model)
+        return cache[key]
 
     return make
 

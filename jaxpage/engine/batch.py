@@ -22,6 +22,8 @@ class SeqInput:
     # one row per token to draw: none for a non-final prompt chunk, n when the prompt's
     # n samples fork at the end of its prefill
     sampling: list[SamplingRow]
+    # the window group's table (sliding-window layers' pool), for models with such layers
+    window_block_table: list[int] | None = None
 
 
 @dataclasses.dataclass(slots=True)

@@ -76,6 +76,9 @@ class PrefixHit:
     cache_salt: str | None = None
     adapter_id: str | int | None = None
     host_block_ids: tuple[int, ...] = ()
+    # the window group's blocks of the hit's last levels, those its next queries read
+    # (``WindowedAllocator`` only; jaxpage.engine.kv_groups)
+    window_block_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.block_ids) + len(self.host_block_ids) != len(self.block_hashes):

@@ -23,6 +23,7 @@ import numpy as np
 from jaxpage.engine.beam_search import BeamGroup
 from jaxpage.engine.block_hashing import encode_extra_keys
 from jaxpage.engine.detokenizer import IncrementalDetokenizer
+from jaxpage.engine.kv_groups import window_blocks_per_seq
 from jaxpage.engine.output_builder import beam_output, sample_deltas
 from jaxpage.engine.request import Request, RequestGroup
 from jaxpage.engine.scheduler import Scheduler, SchedulerOutput
@@ -53,9 +54,6 @@ class LLMEngine:
         self.tokenizer = tokenizer
         model_config = model.config
         limit = model_config.max_position_embeddings
-        window = getattr(model_config, "sliding_window", None)
-        if window:
-            limit = min(limit, window)  # the window never binds below its own length
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len must be <= the model's limit {limit}, "
                              f"got {config.max_model_len}")
@@ -83,6 +81,7 @@ class LLMEngine:
             track_released=config.debug_nan_pool, num_host_blocks=runner.num_host_blocks,
             enable_host_prefix_cache=config.enable_host_prefix_cache,
             preemption_mode=config.preemption_mode, swap_cost=self.swap_cost,
+            window=runner.window, num_window_blocks=runner.num_window_blocks,
         )
         self.requests: dict[str, RequestGroup] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -215,6 +214,14 @@ class LLMEngine:
                 f"under reservation_policy {self.config.reservation_policy!r} but the pool has "
                 f"only {self.allocator.num_blocks - 1}; raise num_blocks or lower max_tokens"
             )
+        if self.scheduler.windowed:  # each sample holds at most its window's blocks
+            group = self.allocator.window_group
+            need = params.n * min(-(-total // bs), window_blocks_per_seq(
+                group.window, bs, self.config.max_num_batched_tokens, self.max_model_len))
+            if need > group.num_blocks - 1:
+                raise ValueError(
+                    f"n={params.n} samples need up to {need} blocks of the sliding-window "
+                    f"layers' pool, which has {group.num_blocks - 1}; raise num_window_blocks")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n must be <= max_num_seqs ({self.config.max_num_seqs}), "
                              f"got {params.n}")
@@ -319,11 +326,18 @@ class LLMEngine:
         and lands after it (or before a swap-in of the same step). On failure nothing the
         host recorded is lost: the undone work is kept for the next step, and a lost pool
         is rebuilt."""
-        released = self.allocator.take_released() if self.config.debug_nan_pool else []
+        released = window_released = []
+        if self.config.debug_nan_pool:
+            released = self.allocator.take_released()
+            if self.scheduler.windowed:
+                window_released = self.allocator.take_window_released()
+        nan = float("nan")
         work = self._device_work_due
         work += [(name, args) for name, args in [
-            ("swap_out", (scheduled.swap_out,)), ("fill_blocks", (released, float("nan"))),
+            ("swap_out", (scheduled.swap_out,)), ("fill_blocks", (released, nan)),
+            ("fill_blocks", (window_released, nan, True)),
             ("swap_in", (scheduled.swap_in,)), ("copy_blocks", (scheduled.block_copies,)),
+            ("copy_blocks", (scheduled.window_copies, True)),
         ] if args[0]]
         try:
             while work:  # each item leaves the list once done (a swap-out: once dispatched)
@@ -439,6 +453,11 @@ class LLMEngine:
             "kv_blocks_used": usage["used"],
             "kv_usage": usage["usage"],
             "kv_peak_usage": self.peak_kv_usage,
+            # per kind of layer; sliding layers hold a token only while it is in the window
+            "kv_bytes_per_token": dict(self.runner.kv_bytes_per_token),
+            "sliding_window": self.runner.window,
+            "kv_window_blocks_total": usage.get("window_num_blocks", 0),
+            "kv_window_blocks_used": usage.get("window_used", 0),
             "prefix_cache_queries": usage["prefix_cache_queries"],
             "prefix_cache_hits": usage["prefix_cache_hits"],
             "num_preemptions": self.scheduler.num_preemptions,

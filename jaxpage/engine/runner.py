@@ -32,6 +32,8 @@ from jaxpage.attention import (
 )
 from jaxpage.buckets import bucket_for, power_of_two_buckets
 from jaxpage.engine.batch import SeqInput, SeqResult
+from jaxpage.engine.kv_groups import window_blocks_per_seq
+from jaxpage.models.config import layer_windows
 from jaxpage.parallel import TensorParallel, TensorParallelModel
 from jaxpage.sampling import SamplingMetadata, sample
 from jaxpage.sampling_params import SamplingParams, SamplingRow
@@ -144,16 +146,41 @@ class ModelRunner:
         self.devices = devices
         # the pool's head dim is what the kernel reads in place (padded once, here)
         pool_dim = pool_head_dim(self.backend, model_config.head_dim)
-        # one block over all layers: on each device (its KV heads), and in all (a swap)
-        per_device = kv_bytes_per_block(model_config.num_layers, block_size,
-                                        pool_kv_heads // tp, pool_dim, dtype)
+        # KV groups (jaxpage.engine.kv_groups): sliding-window layers keep their K/V in a
+        # window group's pool of its own, whose blocks leave a sequence with its window
+        # (a window as long as the longest sequence never binds: no window group then)
+        windows = [w if w and w < max_model_len else None for w in layer_windows(model_config)]
+        if len({w for w in windows if w}) > 1:
+            raise ValueError(f"layers with different sliding windows {sorted(set(windows) - {None})} "
+                             "are not supported (one window group)")
+        self.window = next((w for w in windows if w), None)
+        self.window_layers = [i for i, w in enumerate(windows) if w]
+        self.full_layers = [i for i, w in enumerate(windows) if not w]
+
+        def block_bytes(num_layers: int) -> int:  # one block of num_layers on one device
+            return kv_bytes_per_block(num_layers, block_size, pool_kv_heads // tp, pool_dim,
+                                      dtype)
+
+        # one block over the full group's layers: on each device (its KV heads), and in all
+        # (a swap)
+        per_device = block_bytes(len(self.full_layers))
         self.block_bytes = per_device * tp
-        self.num_blocks = num_blocks = _num_blocks(config, per_device, devices[0])
-        self._pool_shape = (model_config.num_layers, num_blocks, block_size, pool_kv_heads,
-                            pool_dim, dtype)
+        self.num_blocks, self.num_window_blocks = _pool_blocks(
+            config, block_bytes(len(self.full_layers)), block_bytes(len(self.window_layers)),
+            self.window, max_model_len, devices[0])
+        # K/V bytes a token costs in each kind of layer (a sliding layer's only while the
+        # token is in the window), over all devices
+        self.kv_bytes_per_token = {
+            kind: block_bytes(len(layers)) * tp // block_size
+            for kind, layers in (("full_attention", self.full_layers),
+                                 ("sliding_attention", self.window_layers)) if layers}
+        self._pool_dims = (block_size, pool_kv_heads, pool_dim, dtype)
         self._pool_fill = float("nan") if config.debug_nan_pool else 0.0
         self.kv_pool = self._new_pool()
         self.max_model_len = max_model_len
+        if config.swap_space and self.window is not None:
+            raise ValueError("swap_space > 0 (a host pool) is not supported for models with "
+                             "sliding-window layers; use swap_space=0")
         self.num_host_blocks = num_host_blocks = _num_host_blocks(config, self.block_bytes)
         self.host_kv = np.zeros((num_host_blocks, model_config.num_layers, 2, pool_kv_heads,
                                  block_size, pool_dim), dtype)
@@ -173,7 +200,8 @@ class ModelRunner:
             min(max(1, 64 // block_size), max_blocks), max_blocks)
         self.len_buckets = power_of_two_buckets(min(128, max_model_len), max_model_len)
         self.ban_buckets = power_of_two_buckets(8, max(8, model_config.vocab_size))
-        self.copy_buckets = power_of_two_buckets(min(8, num_blocks), max(1, num_blocks))
+        most_blocks = max(self.num_blocks, self.num_window_blocks)
+        self.copy_buckets = power_of_two_buckets(min(8, most_blocks), most_blocks)
         # a step's swap-outs write distinct host blocks; its swap-ins distinct device blocks
         self.swap_out_buckets = power_of_two_buckets(min(8, max(1, num_host_blocks)),
                                                      max(1, num_host_blocks))
@@ -207,24 +235,39 @@ class ModelRunner:
         swaps = len(self.swap_out_buckets) + len(self.copy_buckets) if self.num_host_blocks else 0
         return forward + sampling + 2 * len(self.copy_buckets) + swaps  # copies, NaN fills
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+    def copy_blocks(self, copies: list[tuple[int, int]], window: bool = False) -> None:
+        """Copy `(src, dst)` blocks in every layer of the full group, or of the window
+        group."""
         if not copies:
             return
         size = bucket_for(len(copies), self.copy_buckets)
         src = np.zeros(size, np.int32)
         dst = np.zeros(size, np.int32)
         src[: len(copies)], dst[: len(copies)] = zip(*copies, strict=True)
-        self.kv_pool = self._timed(("copy", size), lambda: _COPY_BLOCKS(self.kv_pool, src, dst))
+        self._update_group(window, ("copy", size, window),
+                           lambda pool: _COPY_BLOCKS(pool, src, dst))
 
-    def fill_blocks(self, block_ids: list[int], value: float) -> None:
-        """Set every slot of `block_ids` (in every layer, K and V) to `value`."""
+    def fill_blocks(self, block_ids: list[int], value: float, window: bool = False) -> None:
+        """Set every slot of `block_ids` (in every layer of the full group, or of the window
+        group, K and V) to `value`."""
         if not block_ids:
             return
         size = bucket_for(len(block_ids), self.copy_buckets)
         ids = np.full(size, block_ids[0], np.int32)
         ids[: len(block_ids)] = block_ids
-        self.kv_pool = self._timed(("fill", size), lambda: _FILL_BLOCKS(
-            self.kv_pool, ids, np.float32(value)))
+        self._update_group(window, ("fill", size, window),
+                           lambda pool: _FILL_BLOCKS(pool, ids, np.float32(value)))
+
+    def _update_group(self, window: bool, key: tuple, fn) -> None:
+        """Replace one group's layers of the pool by `fn` of them (a donating jitted call)."""
+        layers = self.window_layers if window else self.full_layers
+        if not layers:
+            return
+        pool = self._timed(key, lambda: fn([self.kv_pool[i] for i in layers]))
+        kv_pool = list(self.kv_pool)
+        for i, layer_kv in zip(layers, pool, strict=True):
+            kv_pool[i] = layer_kv
+        self.kv_pool = kv_pool
 
     def swap_out(self, copies: list[tuple[int, int]]) -> None:
         """Start copying `(device block, host block)` pairs into the host pool: one jitted
@@ -292,8 +335,17 @@ class ModelRunner:
         self.kv_pool = self._new_pool()
 
     def _new_pool(self):
-        return init_kv_pool(*self._pool_shape, fill_value=self._pool_fill,
-                            sharding=self._pool_sharding)
+        """Each layer's (k, v) pool: the full group's layers with num_blocks blocks, the
+        window group's with num_window_blocks."""
+        pool = [None] * (len(self.full_layers) + len(self.window_layers))
+        for layers, num_blocks in ((self.full_layers, self.num_blocks),
+                                   (self.window_layers, self.num_window_blocks)):
+            if layers:
+                group = init_kv_pool(len(layers), num_blocks, *self._pool_dims,
+                                     fill_value=self._pool_fill, sharding=self._pool_sharding)
+                for i, layer_kv in zip(layers, group, strict=True):
+                    pool[i] = layer_kv
+        return pool
 
     def execute(self, seqs: list[SeqInput]) -> list[list[SeqResult]]:
         """Run one step over `seqs`; returns per sequence one drawn token per sampling row
@@ -325,14 +377,15 @@ class ModelRunner:
             for num_seqs in self.decode_buckets:
                 for width in self.width_buckets:
                     context = min(width * bs, self.max_model_len)
-                    self.execute([SeqInput([0] * width, context - 1, [0], [row])] * num_seqs)
+                    self.execute([SeqInput([0] * width, context - 1, [0], [row],
+                                           [0] * width)] * num_seqs)
             for num_tokens in self.token_buckets:  # a chunk after cached (or earlier) blocks
                 tokens = min(num_tokens, self.max_model_len)
                 for width in self.width_buckets:
                     context = min(width * bs, self.max_model_len)
                     if context >= tokens:
                         self.execute([SeqInput([0] * width, context - tokens, [0] * tokens,
-                                               [row])])
+                                               [row], [0] * width)])
         return self.compiles - before, time.perf_counter() - start
 
     def _run(self, seqs: list[SeqInput], is_decode: bool) -> list[list[SeqResult]]:
@@ -364,6 +417,8 @@ class ModelRunner:
             num_logits=num_rows,
             backend=self.backend,
             interpret=self.interpret,
+            window_block_tables=None if self.window is None else [
+                s.window_block_table[:width] for s in seqs],
         )
         token_ids = np.zeros(num_tokens, np.int32)
         token_ids[:total] = [t for s in seqs for t in s.token_ids]
@@ -411,13 +466,18 @@ class ModelRunner:
 
 
 
-def _num_blocks(config: EngineConfig, per_block: int, device: Any) -> int:
-    """KV pool blocks: `num_blocks` as given, else a byte budget per device
+def _pool_blocks(config: EngineConfig, full_block: int, window_block: int, window: int | None,
+                 max_model_len: int, device: Any) -> tuple[int, int]:
+    """(blocks of the full group, blocks of the window group: 0 without sliding layers).
+
+    `num_blocks` / `num_window_blocks` as given, else from a byte budget per device
     (`kv_cache_memory`, or `gpu_memory_utilization` of the accelerator memory left after the
-    params, or 1 GiB on CPU) divided by what one block costs a device over all layers
-    (`per_block` bytes)."""
-    if config.num_blocks is not None:
-        return config.num_blocks
+    params, or 1 GiB on CPU) over what one block of a group costs a device over its layers
+    (`full_block`, `window_block` bytes). The window group takes what `max_num_seqs`
+    sequences' windows hold at most (`window_blocks_per_seq`), but no more than its layers'
+    share of the budget (what it would hold without paging windows); the full group the
+    rest. A model with no full-attention layer still numbers full-group blocks (the prefix
+    cache's bookkeeping, no memory): enough for `max_num_seqs` whole sequences."""
     budget = config.kv_cache_memory
     if budget is None:
         budget = _CPU_KV_BUDGET
@@ -425,15 +485,31 @@ def _num_blocks(config: EngineConfig, per_block: int, device: Any) -> int:
         if stats and "bytes_limit" in stats:
             free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
             budget = int(free * config.gpu_memory_utilization)
-    num_blocks = budget // per_block
+    num_window = 0
+    if window is not None:
+        bs = config.block_size
+        per_seq = window_blocks_per_seq(window, bs, config.max_num_batched_tokens,
+                                        max_model_len)
+        num_window = config.num_window_blocks
+        if num_window is None:
+            share = budget * window_block // (window_block + full_block) // window_block
+            num_window = max(min(config.max_num_seqs * per_seq + 1, share), per_seq + 1)
+        if not full_block:
+            return config.max_num_seqs * -(-max_model_len // bs) + 1, num_window
+        budget -= num_window * window_block
+    if config.num_blocks is not None:
+        return config.num_blocks, num_window
+    num_blocks = budget // full_block
     if num_blocks < 2:
         raise ValueError(f"kv_cache_memory {budget} bytes holds {num_blocks} blocks of "
-                         f"{per_block} bytes; need at least 2")
-    return int(num_blocks)
+                         f"{full_block} bytes; need at least 2")
+    return int(num_blocks), num_window
 
 
 def _num_host_blocks(config: EngineConfig, per_block: int) -> int:
     """Host pool blocks: `swap_space` bytes over one block's bytes (0: no host pool)."""
+    if not config.swap_space:
+        return 0
     if config.swap_space and config.swap_space < per_block:
         raise ValueError(f"swap_space {config.swap_space} bytes is smaller than one KV block "
                          f"({per_block} bytes); use 0 (no host pool) or at least one block")

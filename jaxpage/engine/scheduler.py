@@ -28,6 +28,7 @@ from collections.abc import Iterable
 
 from jaxpage.engine.batch import SeqInput, SeqResult
 from jaxpage.engine.beam_search import BeamGroup, BeamPlan, NextBeam
+from jaxpage.engine.kv_groups import WindowedAllocator
 from jaxpage.engine.request import Request, RequestGroup, RequestStatus
 from jaxpage.engine.swap_cost import SwapCostModel
 from jaxpage.engine.tiered_allocator import TieredAllocator
@@ -48,6 +49,7 @@ class ScheduledChunk:
     block_table: list[int]
     sample: bool
     block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    window_block_table: list[int] | None = None  # the window group's (sliding layers)
 
 
 @dataclasses.dataclass(slots=True)
@@ -62,6 +64,8 @@ class SchedulerOutput:
     num_batched_tokens: int
     swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (device, host)
     swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (host, device)
+    # the window group's copy-on-write copies (sliding layers' pool), with block_copies
+    window_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(slots=True)
@@ -75,7 +79,9 @@ class StepUpdate:
 
 class Scheduler:
     """Waiting and running queues over the TieredAllocator it owns. A `preemption_mode`
-    other than "recompute" needs `num_host_blocks`; "auto" decides with `swap_cost`."""
+    other than "recompute" needs `num_host_blocks`; "auto" decides with `swap_cost`. With a
+    `window` (a model with sliding-window layers) the allocator is a WindowedAllocator whose
+    window group has `num_window_blocks` blocks."""
 
     def __init__(
         self,
@@ -93,13 +99,17 @@ class Scheduler:
         enable_host_prefix_cache: bool = True,
         preemption_mode: str = "recompute",
         swap_cost: SwapCostModel | None = None,
+        window: int | None = None,
+        num_window_blocks: int = 0,
     ) -> None:
-        self.allocator = TieredAllocator(
-            num_blocks, block_size, num_host_blocks=num_host_blocks,
-            enable_host_prefix_cache=enable_host_prefix_cache,
-            enable_prefix_caching=enable_prefix_caching, policy=reservation_policy,
-            max_model_len=max_model_len, track_released=track_released,
-        )
+        kwargs = dict(num_host_blocks=num_host_blocks,
+                      enable_host_prefix_cache=enable_host_prefix_cache,
+                      enable_prefix_caching=enable_prefix_caching, policy=reservation_policy,
+                      max_model_len=max_model_len, track_released=track_released)
+        self.windowed = window is not None
+        self.allocator = WindowedAllocator(
+            num_blocks, block_size, window=window, num_window_blocks=num_window_blocks,
+            **kwargs) if self.windowed else TieredAllocator(num_blocks, block_size, **kwargs)
         self.preemption_mode = preemption_mode
         self.swap_cost = swap_cost
         self.max_model_len = max_model_len
@@ -212,8 +222,11 @@ class Scheduler:
         chunks = list(scheduled.values())
         copies = [copy for chunk in chunks for copy in chunk.block_copies]
         swap_out, swap_in = self.allocator.take_swaps()
+        # a preempted chunk's window copies go too: they only write blocks it freed
+        window_copies = self.allocator.take_window_copies() if self.windowed else []
         return SchedulerOutput(chunks, [self._seq_input(chunk) for chunk in chunks], copies,
-                               self.max_num_batched_tokens - budget, swap_out, swap_in)
+                               self.max_num_batched_tokens - budget, swap_out, swap_in,
+                               window_copies)
 
     def pool_lost(self, unwritten_host_blocks: list[int]) -> None:
         """The device lost the KV pool: every running request goes back to recompute, and so
@@ -303,6 +316,8 @@ class Scheduler:
             block_table=self.allocator.block_table(request.seq_id),
             sample=start + num_new == request.num_tokens,
             block_copies=copies,
+            window_block_table=(self.allocator.window_table(request.seq_id)
+                                if self.windowed else None),
         )
 
     def _seq_input(self, chunk: ScheduledChunk) -> SeqInput:
@@ -325,7 +340,8 @@ class Scheduler:
                                 banned_token_ids=banned)
                     for i in range(request.num_draws)]
         return SeqInput(chunk.block_table, start,
-                        request.token_ids[start : start + chunk.num_new_tokens], rows)
+                        request.token_ids[start : start + chunk.num_new_tokens], rows,
+                        chunk.window_block_table)
 
     def update(self, output: SchedulerOutput, results: list[list[SeqResult]]) -> StepUpdate:
         """Apply an executed step: record its K/V as written (hashing newly full blocks for

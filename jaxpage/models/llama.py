@@ -112,9 +112,11 @@ class LlamaModel:
         x = self.embed(params, token_ids)  # [T, H]
         cos, sin = rope_cos_sin(cfg, positions, x.dtype)
         new_pool = []
-        for layer, layer_kv in zip(params["layers"], kv_pool, strict=True):
+        for layer, layer_kv, window in zip(params["layers"], kv_pool, cfg.layer_windows,
+                                           strict=True):
             attn_out, layer_kv = self._attention(layer, rms_norm(x, layer["attn_norm"],
-                                                 cfg.rms_norm_eps), cos, sin, layer_kv, metadata)
+                                                 cfg.rms_norm_eps), cos, sin, layer_kv, metadata,
+                                                 window)
             x = x + attn_out
             x = x + self._mlp(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
             new_pool.append(layer_kv)
@@ -137,7 +139,7 @@ class LlamaModel:
         logits = jax.lax.all_gather(logits, self.tp_axis, axis=1, tiled=True)
         return logits[:, : self.config.vocab_size]
 
-    def _attention(self, layer, h, cos, sin, layer_kv, metadata):
+    def _attention(self, layer, h, cos, sin, layer_kv, metadata, window=None):
         cfg = self.config
         num_tokens = h.shape[0]
         qkv = h @ layer["qkv"]  # [T, H] x [H, Q + 2K] -> [T, Q + 2K]
@@ -151,7 +153,8 @@ class LlamaModel:
             q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
             k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        out, layer_kv = paged_attention(q, k, v, layer_kv, metadata)  # [T, heads, D]
+        out, layer_kv = paged_attention(q, k, v, layer_kv, metadata,  # [T, heads, D]
+                                        sliding_window=window)
         out = out.reshape(num_tokens, cfg.q_size) @ layer["o"]  # [T, Q] x [Q, H] -> [T, H]
         out = self._all_reduce(out)
         if "o_bias" in layer:
