@@ -3,11 +3,15 @@
 Any model object the engine serves (`LLM(model=obj, params=...)`) exposes:
 
 * `config`, with the fields in `REQUIRED_CONFIG_FIELDS` (positive ints) and optionally
-  `sliding_window` (None or a positive int), `eos_token_ids` (ints in [0, vocab_size)) and
-  `num_heads` (a multiple of `num_kv_heads`);
+  `sliding_window` (None or a positive int) with `layer_types` (per layer
+  "full_attention" or "sliding_attention"; every layer is sliding when it is absent),
+  `eos_token_ids` (ints in [0, vocab_size)) and `num_heads` (a multiple of `num_kv_heads`);
 * `forward(params, token_ids, positions, kv_pool, metadata) -> (logits, kv_pool)`: a pure
   function of its arguments whose attention layers call
-  `jaxpage.attention.paged_attention(q, k, v, kv_pool[layer], metadata)`.
+  `jaxpage.attention.paged_attention(q, k, v, kv_pool[layer], metadata)`, the sliding layers
+  with `sliding_window=config.sliding_window`: the engine keeps their K/V in a pool of its
+  own that holds only each sequence's window (`jaxpage.engine.kv_groups`), so a sliding
+  layer that attended further back would read blocks already handed to other sequences.
 
 The engine passes the model object to `jax.jit` as a static argument, so it must be hashable
 and compare by value (a frozen dataclass); `params` is a traced pytree of arrays. The KV pool
@@ -28,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpage.attention import AttentionMetadata, LayerKV, build_metadata
+from jaxpage.models.config import LAYER_TYPES
 from jaxpage.validation import is_positive_int
 
 # Config fields the engine reads; each must be an int >= 1.
@@ -143,6 +148,15 @@ def _check_config(config: Any, name: str) -> None:
     if window is not None and not is_positive_int(window):
         raise ValueError(f"model {name}.config.sliding_window must be None or an integer >= 1, "
                          f"got {window!r}")
+    types = getattr(config, "layer_types", None)
+    if types is not None and (isinstance(types, str) or not hasattr(types, "__len__")
+                              or len(types) != config.num_layers
+                              or not set(types) <= set(LAYER_TYPES)):
+        raise ValueError(f"model {name}.config.layer_types must be None or num_layers="
+                         f"{config.num_layers} of {LAYER_TYPES}, got {types!r}")
+    if types is not None and "sliding_attention" in types and window is None:
+        raise ValueError(f"model {name}.config.layer_types has sliding layers but "
+                         "sliding_window is None")
     num_heads = getattr(config, "num_heads", None)
     if num_heads is not None and (not is_positive_int(num_heads)
                                   or num_heads % config.num_kv_heads):

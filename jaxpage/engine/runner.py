@@ -233,7 +233,8 @@ class ModelRunner:
         # greedy x filters x logprobs x (no penalties + widths) x (no bans + widths)
         sampling = rows * 2 * 2 * 2 * (1 + len(self.len_buckets)) * (1 + len(self.ban_buckets))
         swaps = len(self.swap_out_buckets) + len(self.copy_buckets) if self.num_host_blocks else 0
-        return forward + sampling + 2 * len(self.copy_buckets) + swaps  # copies, NaN fills
+        groups = sum(1 for layers in (self.full_layers, self.window_layers) if layers)
+        return forward + sampling + 2 * len(self.copy_buckets) * groups + swaps  # copies, fills
 
     def copy_blocks(self, copies: list[tuple[int, int]], window: bool = False) -> None:
         """Copy `(src, dst)` blocks in every layer of the full group, or of the window
