@@ -156,6 +156,21 @@ def test_window_and_soft_caps_bind(name, gemma_dir):
         assert np.abs(logits - expected).max() > 100 * ATOL, what
 
 
+def test_bfloat16_close_to_float32(gemma_dir):
+    """bfloat16 params and pool run the same forward (no float32 leaking into the pool)."""
+    path, _ = gemma_dir("gemma3")
+    model, params32 = load(path)
+    _, params16 = load_hf_dir(path, "bfloat16")
+    tokens = prompt(40)
+    pool32 = make_pool(model.config, 4, 16)
+    pool16 = [(k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)) for k, v in pool32]
+    l32, _ = step(model, params32, pool32, [([1, 2, 3], 0, tokens)], 16)
+    l16, pool16 = step(model, params16, pool16, [([1, 2, 3], 0, tokens)], 16)
+    assert l16.dtype == np.float32 and pool16[0][0].dtype == jnp.bfloat16
+    assert np.abs(l16 - l32).max() < 0.05 * np.abs(l32).max()
+    assert (l16.argmax(-1) == l32.argmax(-1)).mean() > 0.9
+
+
 def test_config_from_hub_style_config_json(gemma_dir):
     """Hub config.json files predate transformers 5: no layer_types, and Gemma 3's ropes
     as rope_theta / rope_scaling / rope_local_base_freq. Both forms give one config."""
