@@ -278,20 +278,15 @@ def hf_config_from_gguf(reader) -> dict[str, Any]:
 def gemma_config_from_gguf(arch: str, meta, config: dict[str, Any]) -> dict[str, Any]:
     """The Gemma keys of an HF config from a gemma2 / gemma3 file's metadata (`meta(key,
     default)` reads "<arch>.<key>"), given the common ones in `config`."""
-    num_layers = config["num_hidden_layers"]
-    pattern = meta("attention.sliding_window_pattern", GEMMA_SLIDING_PERIOD[arch])
-    if isinstance(pattern, list):  # per layer: True where it slides
-        sliding = [bool(p) for p in pattern]
-    else:
-        sliding = [bool((n + 1) % pattern) for n in range(num_layers)]
-    window = meta("attention.sliding_window")
+    num_layers, period = config["num_hidden_layers"], GEMMA_SLIDING_PERIOD[arch]
+    window = meta("attention.sliding_window")  # none (or 0): every layer is global
     scalar = config["head_dim"]
     if num_layers == GEMMA_27B_LAYERS[arch]:
         scalar = config["hidden_size"] // config["num_attention_heads"]
     gemma = {
         "sliding_window": window,
-        "layer_types": ["sliding_attention" if s and window else "full_attention"
-                        for s in sliding],
+        "layer_types": ["sliding_attention" if window and (n + 1) % period else
+                        "full_attention" for n in range(num_layers)],
         "query_pre_attn_scalar": scalar,
         "hidden_activation": "gelu_pytorch_tanh",
         "attn_logit_softcapping": meta("attn_logit_softcapping"),
@@ -300,10 +295,9 @@ def gemma_config_from_gguf(arch: str, meta, config: dict[str, Any]) -> dict[str,
     if arch == "gemma3":
         full = {"rope_type": "default", "rope_theta": config["rope_theta"],
                 **(config["rope_scaling"] or {})}
-        local_theta = float(meta("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_THETA))
         gemma["rope_parameters"] = {
             "full_attention": full,
-            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}
+            "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_THETA}}
     return gemma
 
 
