@@ -14,7 +14,7 @@ from gemma_models import TINY_GEMMA_CONFIGS, WINDOW, build_gemma, write_gemma_gg
 
 from jaxpage.attention import build_metadata, init_kv_pool
 from jaxpage.loading.checkpoint import load_checkpoint, save_checkpoint
-from jaxpage.loading.gguf import load_gguf
+from jaxpage.loading.gguf import gemma_config_from_gguf, load_gguf
 from jaxpage.loading.hf import load_hf_dir
 from jaxpage.models import build_model
 from jaxpage.models.config import ModelConfig
@@ -228,6 +228,24 @@ def test_gguf_matches_hf(name, tmp_path):
     pool = make_pool(config, 4, 16)
     logits, _ = step(build_model(config), params, pool, [([3, 1, 2], 0, tokens)], 16)
     np.testing.assert_allclose(logits, hf_logits(hf_model, tokens), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch, layers_27b", [("gemma2", 46), ("gemma3", 62)])
+def test_gguf_gemma_scalar_and_pattern_are_llama_cpps(arch, layers_27b):
+    """What a Gemma GGUF leaves out is what llama.cpp hard-codes: query_pre_attn_scalar is
+    head_dim, but hidden / heads at 27B (Gemma 2 27B: 4608 / 32 = 144, not head_dim 128);
+    every 2nd (Gemma 2) or 6th (Gemma 3) layer is global."""
+    meta = {"attention.sliding_window": 4096}.get
+    common = dict(hidden_size=4608, num_attention_heads=32, head_dim=128, rope_theta=1e6,
+                  rope_scaling=None)
+    big = gemma_config_from_gguf(arch, meta, {**common, "num_hidden_layers": layers_27b})
+    small = gemma_config_from_gguf(arch, meta, {**common, "num_hidden_layers": 12})
+    assert (big["query_pre_attn_scalar"], small["query_pre_attn_scalar"]) == (144, 128)
+    period = {"gemma2": 2, "gemma3": 6}[arch]
+    assert [t == "full_attention" for t in small["layer_types"]] == [
+        (n + 1) % period == 0 for n in range(12)]
+    windowless = gemma_config_from_gguf(arch, {}.get, {**common, "num_hidden_layers": 12})
+    assert set(windowless["layer_types"]) == {"full_attention"}
 
 
 def test_gguf_of_an_unsupported_gemma_names_the_architectures(tmp_path):
