@@ -213,7 +213,7 @@ def _gemma_fields(cfg: Mapping[str, Any], gemma3: bool) -> dict[str, Any]:
         raise ValueError("bidirectional Gemma attention (EmbeddingGemma) is not supported")
     num_layers = cfg["num_hidden_layers"]
     # every `pattern`-th layer is global, the others slide (Gemma 2: 2, Gemma 3: 6)
-    pattern = cfg.get("sliding_window_pattern", 6) if gemma3 else 2
+    pattern = (cfg.get("sliding_window_pattern") or 6) if gemma3 else 2
     layer_types = cfg.get("layer_types") or [
         "sliding_attention" if (n + 1) % pattern else "full_attention" for n in range(num_layers)]
     fields: dict[str, Any] = dict(
