@@ -12,6 +12,13 @@ jaxpage layout. Two llama.cpp conventions are undone on the way:
 * Llama 3.1-style rope scaling is not in the metadata but baked into a `rope_freqs.weight`
   tensor of per-frequency divisors; `llama3_rope_from_factors` recovers the HF
   `rope_scaling` dict from it and checks it reproduces every factor.
+* Gemma's RMSNorms scale by 1 + weight; convert_hf_to_gguf stores every `*norm.weight`
+  of gemma2 / gemma3 with the 1 added, which is subtracted again here.
+
+Gemma files leave out what llama.cpp hard-codes, and `gemma_config_from_gguf` fills it in
+the way llama.cpp does: the sliding-window pattern (every 2nd / 6th layer global), Gemma
+3's local rope base (10000) and the attention scale (query_pre_attn_scalar: head_dim,
+except hidden_size / num_heads for the 27B models, told apart by their layer count).
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # Architectures whose q/k rows convert_hf_to_gguf permutes for interleaved rope.
 ROPE_PERMUTED_ARCHITECTURES = ("llama",)
@@ -54,23 +63,40 @@ LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma blocks have four norms: attn_norm, post_attention_norm, ffn_norm (before the
+# MLP) and post_ffw_norm.
+GEMMA_LAYER_NAMES = {
+    **LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+ARCH_LAYER_NAMES = {"gemma2": GEMMA_LAYER_NAMES, "gemma3": GEMMA_LAYER_NAMES}
+# Architectures whose norm weights convert_hf_to_gguf stores with 1 added.
+NORM_SHIFTED_ARCHITECTURES = ("gemma2", "gemma3")
+# llama.cpp's Gemma constants: every `period`-th layer is global; the layer count of
+# the 27B model, whose attention scale is (hidden_size / num_heads) ** -0.5.
+GEMMA_SLIDING_PERIOD = {"gemma2": 2, "gemma3": 6}
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
 ROPE_FREQS = "rope_freqs.weight"
 # Bump when load_gguf or gguf_tokenizer changes what it makes of a file: conversions cached
 # by an older version (jaxpage.loading.gguf_cache) are then made again.
 CONVERSION_VERSION = 1
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The HF name of a GGUF tensor ("blk.3.attn_q.weight" -> "model.layers.3.self_attn.
-    q_proj.weight"), or None for names that have none."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The HF name of a GGUF tensor of architecture `arch` ("blk.3.attn_q.weight" ->
+    "model.layers.3.self_attn.q_proj.weight"), or None for names that have none."""
     stem, _, suffix = gguf_name.rpartition(".")
     if suffix not in ("weight", "bias"):
         return None
     if stem in TOP_LEVEL_NAMES:
         return f"{TOP_LEVEL_NAMES[stem]}.{suffix}"
+    layer_names = ARCH_LAYER_NAMES.get(arch, LAYER_NAMES)
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{suffix}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{suffix}"
     return None
 
 
@@ -222,7 +248,7 @@ def hf_config_from_gguf(reader) -> dict[str, Any]:
 
     eos = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     eos = list(dict.fromkeys(int(e) for e in eos if e is not None))
-    return {
+    config = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "model_type": arch,
         "vocab_size": vocab_size,
@@ -237,12 +263,42 @@ def hf_config_from_gguf(reader) -> dict[str, Any]:
         "rope_theta": theta,
         "rope_scaling": rope_scaling,
         "tie_word_embeddings": "output.weight" not in names,
-        # Qwen2 always has q/k/v biases; for llama their presence is `attention_bias`.
-        "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in names,
+        # Qwen2 always has q/k/v biases; for llama and gemma their presence is
+        # `attention_bias`.
+        "attention_bias": arch != "qwen2" and "blk.0.attn_q.bias" in names,
         "mlp_bias": "blk.0.ffn_gate.bias" in names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos or None,
     }
+    if arch in GEMMA_SLIDING_PERIOD:
+        config.update(gemma_config_from_gguf(arch, meta, config))
+    return config
+
+
+def gemma_config_from_gguf(arch: str, meta, config: dict[str, Any]) -> dict[str, Any]:
+    """The Gemma keys of an HF config from a gemma2 / gemma3 file's metadata (`meta(key,
+    default)` reads "<arch>.<key>"), given the common ones in `config`."""
+    num_layers, period = config["num_hidden_layers"], GEMMA_SLIDING_PERIOD[arch]
+    window = meta("attention.sliding_window")  # none (or 0): every layer is global
+    scalar = config["head_dim"]
+    if num_layers == GEMMA_27B_LAYERS[arch]:
+        scalar = config["hidden_size"] // config["num_attention_heads"]
+    gemma = {
+        "sliding_window": window,
+        "layer_types": ["sliding_attention" if window and (n + 1) % period else
+                        "full_attention" for n in range(num_layers)],
+        "query_pre_attn_scalar": scalar,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "attn_logit_softcapping": meta("attn_logit_softcapping"),
+        "final_logit_softcapping": meta("final_logit_softcapping"),
+    }
+    if arch == "gemma3":
+        full = {"rope_type": "default", "rope_theta": config["rope_theta"],
+                **(config["rope_scaling"] or {})}
+        gemma["rope_parameters"] = {
+            "full_attention": full,
+            "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_THETA}}
+    return gemma
 
 
 def load_gguf(path: str, dtype) -> tuple[ModelConfig, dict[str, Any]]:
@@ -267,7 +323,7 @@ def load_gguf(path: str, dtype) -> tuple[ModelConfig, dict[str, Any]]:
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS:
             continue  # folded into config.rope
-        hf_name = hf_tensor_name(tensor.name)
+        hf_name = hf_tensor_name(tensor.name, arch)
         if hf_name is None:
             raise WeightsError(
                 f"{path}: GGUF tensor {tensor.name!r} is not part of a "
@@ -294,6 +350,8 @@ def load_gguf(path: str, dtype) -> tuple[ModelConfig, dict[str, Any]]:
                 array = unpermute_rope_rows(array, config.num_heads)
             elif ".self_attn.k_proj." in hf_name:
                 array = unpermute_rope_rows(array, config.num_kv_heads)
+        if arch in NORM_SHIFTED_ARCHITECTURES and hf_name.endswith("norm.weight"):
+            array = array - 1
         return array
 
     try:

@@ -99,6 +99,29 @@ def hf_fetchers(config: ModelConfig, get: TensorGetter):
     return fetch, linear
 
 
+def attention_params(config: ModelConfig, fetch, linear, prefix: str) -> dict[str, np.ndarray]:
+    """One layer's attention params (fused qkv, o, the config's biases and q/k norms) from
+    the HF tensors under `prefix` ("model.layers.N."), through `hf_fetchers`' helpers."""
+    h, d, q, kv = config.hidden_size, config.head_dim, config.q_size, config.kv_size
+    p = prefix + "self_attn."
+    params = {
+        "qkv": np.concatenate([linear(p + "q_proj.weight", h, q),
+                               linear(p + "k_proj.weight", h, kv),
+                               linear(p + "v_proj.weight", h, kv)], axis=1),
+        "o": linear(p + "o_proj.weight", q, h),
+    }
+    if config.qkv_bias:
+        params["qkv_bias"] = np.concatenate([fetch(p + "q_proj.bias", (q,)),
+                                             fetch(p + "k_proj.bias", (kv,)),
+                                             fetch(p + "v_proj.bias", (kv,))])
+    if config.o_bias:
+        params["o_bias"] = fetch(p + "o_proj.bias", (h,))
+    if config.qk_norm:
+        params["q_norm"] = fetch(p + "q_norm.weight", (d,))
+        params["k_norm"] = fetch(p + "k_norm.weight", (d,))
+    return params
+
+
 def params_from_hf_tensors(config: ModelConfig, get: TensorGetter, dtype) -> dict[str, Any]:
     """Convert HF-named tensors to the jaxpage params layout (numpy arrays of `dtype`) of
     the config's model family.
@@ -111,31 +134,18 @@ def params_from_hf_tensors(config: ModelConfig, get: TensorGetter, dtype) -> dic
         return cast_params(family_module(config).params_from_hf_tensors(config, get), dtype)
     shapes = param_shapes(config)
     fetch, linear = hf_fetchers(config, get)
-    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
-    q, kv = config.q_size, config.kv_size
+    h, i = config.hidden_size, config.intermediate_size
     layers = []
     for n in range(config.num_layers):
         p = f"model.layers.{n}."
         layer = {
             "attn_norm": fetch(p + "input_layernorm.weight", (h,)),
-            "qkv": np.concatenate([linear(p + "self_attn.q_proj.weight", h, q),
-                                   linear(p + "self_attn.k_proj.weight", h, kv),
-                                   linear(p + "self_attn.v_proj.weight", h, kv)], axis=1),
-            "o": linear(p + "self_attn.o_proj.weight", q, h),
+            **attention_params(config, fetch, linear, p),
             "mlp_norm": fetch(p + "post_attention_layernorm.weight", (h,)),
             "gate_up": np.concatenate([linear(p + "mlp.gate_proj.weight", h, i),
                                        linear(p + "mlp.up_proj.weight", h, i)], axis=1),
             "down": linear(p + "mlp.down_proj.weight", i, h),
         }
-        if config.qkv_bias:
-            layer["qkv_bias"] = np.concatenate([fetch(p + "self_attn.q_proj.bias", (q,)),
-                                                fetch(p + "self_attn.k_proj.bias", (kv,)),
-                                                fetch(p + "self_attn.v_proj.bias", (kv,))])
-        if config.o_bias:
-            layer["o_bias"] = fetch(p + "self_attn.o_proj.bias", (h,))
-        if config.qk_norm:
-            layer["q_norm"] = fetch(p + "self_attn.q_norm.weight", (d,))
-            layer["k_norm"] = fetch(p + "self_attn.k_norm.weight", (d,))
         if config.mlp_bias:
             layer["gate_up_bias"] = np.concatenate([fetch(p + "mlp.gate_proj.bias", (i,)),
                                                     fetch(p + "mlp.up_proj.bias", (i,))])

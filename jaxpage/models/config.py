@@ -23,6 +23,7 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the gated MLP's, by HF name
 
 
 def layer_windows(config) -> tuple[int | None, ...]:
@@ -114,11 +115,15 @@ class ModelConfig:
             if "sliding_attention" in self.layer_types and not self.sliding_window:
                 raise ValueError("ModelConfig.layer_types has sliding layers but "
                                  "sliding_window is not set")
-        if self.rope.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"unsupported rope type {self.rope.rope_type!r}; supported: "
-                f"{', '.join(SUPPORTED_ROPE_TYPES)}"
-            )
+        for rope in (self.rope, self.rope_local or self.rope):
+            if rope.rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(
+                    f"unsupported rope type {rope.rope_type!r}; supported: "
+                    f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+                )
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"unsupported MLP activation {self.hidden_act!r}; supported: "
+                             f"{', '.join(SUPPORTED_ACTIVATIONS)}")
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -200,9 +205,45 @@ _WINDOWED_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM", "Gemma2Fo
                            "Gemma3ForCausalLM")
 
 
-def _gemma_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """Gemma 2 / 3 fields of an HF config (layer_types, soft-caps, scalars, local rope)."""
-    return {}
+def _gemma_fields(cfg: Mapping[str, Any], gemma3: bool) -> dict[str, Any]:
+    """Gemma 2 / 3 fields of an HF config (layer_types, soft-caps, scalars, local rope), with
+    transformers' defaults for keys a config.json leaves out (most Hub configs predate
+    `layer_types` and Gemma 3's per-layer-type `rope_parameters`)."""
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("bidirectional Gemma attention (EmbeddingGemma) is not supported")
+    num_layers = cfg["num_hidden_layers"]
+    # every `pattern`-th layer is global, the others slide (Gemma 2: 2, Gemma 3: 6)
+    pattern = (cfg.get("sliding_window_pattern") or 6) if gemma3 else 2
+    layer_types = cfg.get("layer_types") or [
+        "sliding_attention" if (n + 1) % pattern else "full_attention" for n in range(num_layers)]
+    fields: dict[str, Any] = dict(
+        layer_types=tuple(layer_types),
+        hidden_act=cfg.get("hidden_activation") or "gelu_pytorch_tanh",
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+        final_logit_softcap=cfg.get("final_logit_softcapping", None if gemma3 else 30.0),
+        # Gemma 3's attention ignores `attn_logit_softcapping` (transformers passes it no
+        # softcap), so it is dropped here too.
+        attn_logit_softcap=None if gemma3 else cfg.get("attn_logit_softcapping", 50.0),
+        o_bias=bool(cfg.get("attention_bias", False)),
+    )
+    if gemma3:
+        fields["rope"], fields["rope_local"] = _gemma3_ropes(cfg)
+    return fields
+
+
+def _gemma3_ropes(cfg: Mapping[str, Any]) -> tuple[RopeConfig, RopeConfig]:
+    """(global, local) rotary embeddings of a Gemma 3 config: `rope_parameters` keyed by
+    layer type (transformers 5), or the older `rope_theta` (default 1e6) + `rope_scaling`
+    for the global layers and `rope_local_base_freq` (default 1e4) for the sliding ones."""
+    params = dict(cfg.get("rope_parameters") or {})
+    if not params or not set(params) <= set(LAYER_TYPES):
+        params = {"full_attention": {**(cfg.get("rope_scaling") or {}), **params}}
+    full = {"rope_theta": cfg.get("rope_theta", 1e6), **(params.get("full_attention") or {})}
+    local = {"rope_theta": cfg.get("rope_local_base_freq", 1e4),
+             **(params.get("sliding_attention") or {})}
+    context = {"max_position_embeddings": cfg.get("max_position_embeddings", 2048)}
+    return (_rope_from_hf({**context, "rope_parameters": full}),
+            _rope_from_hf({**context, "rope_parameters": local}))
 
 
 def _moe_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -212,8 +253,8 @@ def _moe_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 # architecture -> the ModelConfig fields its HF config adds to the common ones
 _FAMILY_FIELDS = {
-    "Gemma2ForCausalLM": _gemma_fields,
-    "Gemma3ForCausalLM": _gemma_fields,
+    "Gemma2ForCausalLM": lambda cfg: _gemma_fields(cfg, gemma3=False),
+    "Gemma3ForCausalLM": lambda cfg: _gemma_fields(cfg, gemma3=True),
     "MixtralForCausalLM": _moe_fields,
     "Qwen3MoeForCausalLM": _moe_fields,
 }

@@ -20,21 +20,34 @@ layer runs three matmuls instead of seven.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jaxpage.attention import AttentionMetadata, LayerKV, paged_attention
-from jaxpage.models.config import ModelConfig, rope_inv_freq
+from jaxpage.models.config import ModelConfig, RopeConfig, rope_inv_freq
 
 Params = dict[str, Any]
 
+# the gated MLP's activation by HF name (ModelConfig.hidden_act); gelu_pytorch_tanh is
+# torch's gelu(approximate="tanh")
+ACTIVATIONS = {"silu": jax.nn.silu,
+               "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm over the last axis, computed in float32 and cast back (as HF does)."""
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, unit_offset: bool = False
+             ) -> jax.Array:
+    """RMSNorm over the last axis, computed in float32 and cast back (as HF does).
+
+    With `unit_offset` (Gemma) the scale is 1 + weight, and HF applies it in float32
+    before the cast rather than after it (Llama casts, then multiplies by the weight).
+    """
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if unit_offset:
+        return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * x32.astype(x.dtype)
 
 
@@ -48,9 +61,12 @@ def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def rope_cos_sin(config: ModelConfig, positions: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    """cos/sin tables [T, head_dim] for the given positions [T]."""
-    inv_freq = jnp.asarray(rope_inv_freq(config.head_dim, config.rope))  # [D/2] float32
+def rope_cos_sin(config: ModelConfig, positions: jax.Array, dtype,
+                 rope: RopeConfig | None = None) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables [T, head_dim] for the given positions [T], of `rope` (default
+    config.rope; Gemma 3's sliding layers have a rope of their own)."""
+    rope = config.rope if rope is None else rope
+    inv_freq = jnp.asarray(rope_inv_freq(config.head_dim, rope))  # [D/2] float32
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
     angles = jnp.concatenate([freqs, freqs], axis=-1)  # [T, D]
     return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
@@ -114,32 +130,45 @@ class LlamaModel:
         new_pool = []
         for layer, layer_kv, window in zip(params["layers"], kv_pool, cfg.layer_windows,
                                            strict=True):
-            attn_out, layer_kv = self._attention(layer, rms_norm(x, layer["attn_norm"],
-                                                 cfg.rms_norm_eps), cos, sin, layer_kv, metadata,
-                                                 window)
+            options = {} if window is None else {"sliding_window": window}  # Mistral
+            attn_out, layer_kv = self._attention(layer, self._norm(x, layer["attn_norm"]), cos,
+                                                 sin, layer_kv, metadata, **options)
             x = x + attn_out
-            x = x + self._mlp(layer, rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps))
+            x = x + self._mlp(layer, self._norm(x, layer["mlp_norm"]))
             new_pool.append(layer_kv)
-        x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+        return self._output(params, x, metadata), new_pool
+
+    def _output(self, params: Params, x: jax.Array, metadata: AttentionMetadata) -> jax.Array:
+        """The last layer's [T, H] output -> logits of the rows the metadata asks for."""
+        x = self._norm(x, params["final_norm"])
         if metadata.logits_indices is not None:
             x = x[metadata.logits_indices]  # [R, H]
-        return self.compute_logits(params, x), new_pool
+        return self.compute_logits(params, x)
 
     def compute_logits(self, params: Params, hidden: jax.Array) -> jax.Array:
-        """[R, H] final hidden states -> [R, vocab] float32 logits."""
+        """[R, H] final hidden states -> [R, vocab] float32 logits (soft-capped when the
+        config says so: Gemma 2)."""
         if "lm_head" in params:
             # [R, H] x [H, V] -> [R, V]
             logits = jnp.dot(hidden, params["lm_head"], preferred_element_type=jnp.float32)
         else:  # tied: [R, H] x [V, H]^T -> [R, V]
             logits = jnp.einsum("rh,vh->rv", hidden, params["embed"],
                                 preferred_element_type=jnp.float32)
-        if self.tp_axis is None:
-            return logits
-        # each device has its vocabulary range: gather them, drop the padding
-        logits = jax.lax.all_gather(logits, self.tp_axis, axis=1, tiled=True)
-        return logits[:, : self.config.vocab_size]
+        if self.tp_axis is not None:
+            # each device has its vocabulary range: gather them, drop the padding
+            logits = jax.lax.all_gather(logits, self.tp_axis, axis=1, tiled=True)
+            logits = logits[:, : self.config.vocab_size]
+        cap = self.config.final_logit_softcap
+        if cap is not None:
+            logits = cap * jnp.tanh(logits / cap)
+        return logits
 
-    def _attention(self, layer, h, cos, sin, layer_kv, metadata, window=None):
+    def _norm(self, x: jax.Array, weight: jax.Array) -> jax.Array:
+        return rms_norm(x, weight, self.config.rms_norm_eps)
+
+    def _attention(self, layer, h, cos, sin, layer_kv, metadata, **attention_options):
+        """Attention of one layer; `attention_options` go to `paged_attention` (scale,
+        sliding_window, soft_cap)."""
         cfg = self.config
         num_tokens = h.shape[0]
         qkv = h @ layer["qkv"]  # [T, H] x [H, Q + 2K] -> [T, Q + 2K]
@@ -149,12 +178,11 @@ class LlamaModel:
         k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size]
         k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, cfg.q_size + cfg.kv_size :].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        if "q_norm" in layer:  # Qwen3: per-head RMSNorm before rope
-            q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+        if "q_norm" in layer:  # Qwen3, Gemma 3: per-head RMSNorm before rope
+            q, k = self._norm(q, layer["q_norm"]), self._norm(k, layer["k_norm"])
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        out, layer_kv = paged_attention(q, k, v, layer_kv, metadata,  # [T, heads, D]
-                                        sliding_window=window)
+        out, layer_kv = paged_attention(q, k, v, layer_kv, metadata,
+                                        **attention_options)  # [T, heads, D]
         out = out.reshape(num_tokens, cfg.q_size) @ layer["o"]  # [T, Q] x [Q, H] -> [T, H]
         out = self._all_reduce(out)
         if "o_bias" in layer:
@@ -166,7 +194,8 @@ class LlamaModel:
         if "gate_up_bias" in layer:
             gate_up = gate_up + layer["gate_up_bias"]
         gate, up = jnp.split(gate_up, 2, axis=-1)
-        out = (jax.nn.silu(gate) * up) @ layer["down"]  # [T, I] x [I, H] -> [T, H]
+        act = ACTIVATIONS[self.config.hidden_act]
+        out = (act(gate) * up) @ layer["down"]  # [T, I] x [I, H] -> [T, H]
         out = self._all_reduce(out)
         if "down_bias" in layer:
             out = out + layer["down_bias"]
@@ -199,4 +228,6 @@ def param_shapes(config: ModelConfig) -> dict[str, Any]:
     if not config.tie_word_embeddings:
         shapes["lm_head"] = (h, config.vocab_size)
     return shapes
+
+
 MODEL_CLASS = LlamaModel
