@@ -2,16 +2,17 @@
 each sequence's window, and generation through the engine still equals HF transformers,
 under chunked prefill, prefix hits, preemption and n > 1 forks.
 
-The model is a tiny Mistral with a 16-token window (every layer sliding: only the window
-group has a pool) and, where the engine must keep both groups, a tiny Gemma-like mix is
-covered by tests/models and tests/kernels; here the window group's bookkeeping is checked
-against the arithmetic, by hand."""
+Models: a tiny Mistral with a 16-token window (every layer sliding: only the window group has
+a pool), and tiny Gemma 2 (alternating sliding and global layers, soft-caps) and Gemma 3 (five
+sliding layers, then a global one) with the same window: both groups, moved in lockstep.
+Prompts reach 90 tokens and outputs run 20 past them, far past the window."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from conftest import hf_greedy
+from models.gemma_models import build_gemma
 
 from jaxpage import LLM, SamplingParams
 from jaxpage.engine.block_allocator import NULL_BLOCK
@@ -21,11 +22,34 @@ WINDOW, BLOCK = 16, 4
 MAX_TOKENS = 20
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 BACKENDS = ["reference", "jnp", "cpp"]
+MODELS = ["mistral", "gemma2", "gemma3"]
+# the Pallas kernels in interpret mode: slow on CPU, with the kernel tests
+PALLAS = [pytest.param(b, marks=[pytest.mark.slow, pytest.mark.kernels])
+          for b in ("pallas_gpu", "pallas_tpu")]
 
 
 @pytest.fixture(scope="module")
-def mistral(hf_model_dir):
-    return hf_model_dir("mistral", sliding_window=WINDOW)
+def hf_models(hf_model_dir, tmp_path_factory):
+    """name -> (HF directory, HF model), each built once."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            if name == "mistral":
+                cache[name] = hf_model_dir("mistral", sliding_window=WINDOW)
+            else:
+                model = build_gemma(name)
+                path = tmp_path_factory.mktemp(name)
+                model.save_pretrained(path, safe_serialization=True)
+                cache[name] = (str(path), model)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def mistral(hf_models):
+    return hf_models("mistral")
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +59,17 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def expected(mistral, prompts):
-    _, model = mistral
-    return [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
+def expected(hf_models, prompts):
+    """name -> HF greedy continuations of the prompts."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            model = hf_models(name)[1]
+            cache[name] = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
+        return cache[name]
+
+    return get
 
 
 def held_blocks(num_tokens: int) -> int:
@@ -57,24 +89,29 @@ def check(llm, prompts, expected):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_greedy_equals_hf_past_the_window(mistral, prompts, expected, backend):
-    llm = LLM(mistral[0], block_size=BLOCK, attention_backend=backend,
+@pytest.mark.parametrize("name", MODELS)
+def test_greedy_equals_hf_past_the_window(hf_models, prompts, expected, name, backend):
+    llm = LLM(hf_models(name)[0], block_size=BLOCK, attention_backend=backend,
               max_num_batched_tokens=256, max_num_seqs=8, debug_nan_pool=True)
-    stats = check(llm, prompts, expected)
+    stats = check(llm, prompts, expected(name))
     assert stats["sliding_window"] == WINDOW
-    assert set(stats["kv_bytes_per_token"]) == {"sliding_attention"}  # Mistral: all sliding
+    kinds = {"sliding_attention"} if name == "mistral" else {"full_attention",
+                                                              "sliding_attention"}
+    assert set(stats["kv_bytes_per_token"]) == kinds
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_chunked_prefill_prefix_hits_and_preemption(mistral, prompts, expected, backend):
+@pytest.mark.parametrize("backend", ["jnp", "cpp", *PALLAS])
+@pytest.mark.parametrize("name", MODELS)
+def test_chunked_prefill_prefix_hits_and_preemption(hf_models, prompts, expected, name,
+                                                    backend):
     """A 12-token budget chunks every long prompt across window boundaries; a window pool of
-    25 blocks (3 sequences' worst case) preempts; every prompt runs twice so the second
-    copy hits the prefix cache wherever the window group still holds the blocks."""
+    3 sequences' worst case preempts; every prompt runs twice so the second copy hits the
+    prefix cache wherever the window group still holds the blocks."""
     per_seq = window_blocks_per_seq(WINDOW, BLOCK, 12, 512)
-    llm = LLM(mistral[0], block_size=BLOCK, attention_backend=backend,
-              max_num_batched_tokens=12, max_num_seqs=6, num_window_blocks=3 * per_seq + 1,
-              debug_nan_pool=True)
-    stats = check(llm, prompts + prompts, expected + expected)
+    llm = LLM(hf_models(name)[0], block_size=BLOCK, attention_backend=backend,
+              kernel_interpret=backend.startswith("pallas"), max_num_batched_tokens=12,
+              max_num_seqs=6, num_window_blocks=3 * per_seq + 1, debug_nan_pool=True)
+    stats = check(llm, prompts + prompts, expected(name) + expected(name))
     assert stats["num_preemptions"] > 0
     assert stats["prefix_cache_hits"] > 0
 
