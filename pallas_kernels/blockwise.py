@@ -16,6 +16,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import score_mods
+
 
 def write_kv(
     k_pool: jax.Array, v_pool: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
@@ -151,15 +153,10 @@ def _window_start(tables: jax.Array, first_query_pos: jax.Array, block_size: int
     they are, from key 0."""
     if sliding_window is None:
         return tables, jnp.zeros(tables.shape[0], jnp.int32)
-    first_block = jnp.maximum(first_query_pos - sliding_window + 1, 0) // block_size
+    first_block = score_mods.first_key(first_query_pos, sliding_window) // block_size
     cols = first_block[:, None] + jnp.arange(tables.shape[1], dtype=jnp.int32)[None, :]
     tables = jnp.take_along_axis(tables, cols, axis=1, mode="fill", fill_value=0)
     return tables, first_block * block_size
-
-
-def _soft_cap(scores: jax.Array, soft_cap: float | None) -> jax.Array:
-    """Gemma 2's attention-logit soft-capping of the scaled scores, before masking."""
-    return scores if soft_cap is None else soft_cap * jnp.tanh(scores / soft_cap)
 
 
 def _attend_chunks(body, rows_shape, head_dim, spans, chunk, num_chunks):
@@ -212,13 +209,12 @@ def _decode_tier(q_seq, k_pool, v_pool, tables, seq_lens, blocks_per_chunk, slid
         k = k_rows[rows].reshape(num_seqs, num_kv_heads, chunk, head_dim)  # [S, K, C, D]
         v = v_rows[rows].reshape(num_seqs, num_kv_heads, chunk, head_dim)
         key_pos = key_start[:, None] + c * chunk + jnp.arange(chunk, dtype=jnp.int32)  # [S, C]
-        key_valid = key_pos < seq_lens[:, None]  # [S, C]
-        if sliding_window is not None:
-            key_valid &= key_pos >= (seq_lens - sliding_window)[:, None]
+        # the query at seq_len - 1 sees the keys visible to it; those past it are unowned
+        key_valid = score_mods.visible(key_pos, (seq_lens - 1)[:, None], sliding_window)  # [S, C]
         # slots past a sequence's length may hold anything (even NaN): 0 * NaN must not leak
         v = jnp.where(key_valid[:, None, :, None], v, 0).astype(jnp.float32)
         # [S, K, G, D] x [S, K, C, D] -> [S, K, G, C]
-        scores = _soft_cap(_contract_d(q_seq, k.astype(jnp.float32)), soft_cap)
+        scores = score_mods.soft_cap(_contract_d(q_seq, k.astype(jnp.float32)), soft_cap)
         scores = jnp.where(key_valid[:, None, None, :], scores, -jnp.inf)
         # [S, K, G, C] x [S, K, C, D] -> [S, K, G, D]
         return _online_softmax_step(carry, scores, 3, lambda p: _contract_c(p, v))
@@ -290,10 +286,9 @@ def _prefill(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, max_
             v = jnp.where(key_valid[None, :, :, None], v, 0).astype(jnp.float32)
             # keys as the matmul's long side: [K, n, C, D] x [K, n, R, D] -> [K, n, C, R]
             scores = jnp.einsum("ktcd,ktrd->ktcr", k.astype(jnp.float32), q_tiles)
-            scores = _soft_cap(scores, soft_cap)
-            mask = key_valid[:, :, None] & (key_pos[:, :, None] <= query_pos[:, None, :])
-            if sliding_window is not None:
-                mask &= key_pos[:, :, None] > query_pos[:, None, :] - sliding_window
+            scores = score_mods.soft_cap(scores, soft_cap)
+            mask = key_valid[:, :, None] & score_mods.visible(
+                key_pos[:, :, None], query_pos[:, None, :], sliding_window)
             scores = jnp.where(mask[None], scores, -jnp.inf)
             # [K, n, C, R] x [K, n, C, D] -> [K, n, R, D]
             return _online_softmax_step(
