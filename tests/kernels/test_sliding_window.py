@@ -122,7 +122,8 @@ def first_needed_block(seq_len, query_len, window, block_size):
 def window_batch(spec, *, window, group=1, dtype=np.float32, seed=0, num_kv_heads=2):
     """`make_batch`'s ragged inputs (head_dim 64, NaN in unowned slots) with the blocks
     before each sequence's window freed: each such block filled with NaN, and its table entry
-    left pointing at it (reused garbage) or at the null block 0 (also NaN), alternately."""
+    left pointing at it (reused garbage), at the null block 0 (also NaN) or outside the pool
+    in turn (reading that is an error in the C++ kernel and in the TPU interpreter)."""
     inputs, max_query_len = make_batch(spec, group=group, head_dims=(64, 64),
                                        block_size=BLOCK_SIZE, dtype=np.float32, seed=seed,
                                        num_kv_heads=num_kv_heads)
@@ -133,8 +134,7 @@ def window_batch(spec, *, window, group=1, dtype=np.float32, seed=0, num_kv_head
             continue
         for page in range(first_needed_block(length, count, window, BLOCK_SIZE)):
             k_pool[:, tables[seq, page]] = v_pool[:, tables[seq, page]] = np.nan
-            if freed % 2:
-                tables[seq, page] = 0
+            tables[seq, page] = (tables[seq, page], 0, k_pool.shape[1] + 5)[freed % 3]
             freed += 1
     assert window is None or window > 1000 or freed, "the batch frees no block"
     cast = functools.partial(jnp.asarray, dtype=dtype)
