@@ -258,6 +258,18 @@ def test_decode_kernels(kernel, window):
     assert_matches(flat, inputs, max_query_len, np.float32, sliding_window=window, soft_cap=4.0)
 
 
+@needs_cpp
+def test_cpp_rejects_windows_and_caps_out_of_range():
+    """The wrapper passes 0 to the kernel for "off": a window of 0 or a cap <= 0 (or NaN)
+    asked for explicitly is a mistake, not "off"."""
+    inputs, _ = window_batch(decode_spec(BLOCK_SIZE), window=None)
+    for options, message in (({"sliding_window": 0}, "sliding_window"),
+                             ({"soft_cap": 0.0}, "soft_cap"),
+                             ({"soft_cap": float("nan")}, "soft_cap")):
+        with pytest.raises(ValueError, match=message):
+            paged_attention_cpu(*inputs, **options)
+
+
 # --- end to end through jaxpage.attention.paged_attention ----------------------------------
 
 END_TO_END = {"cpp": {}, "jnp": {}, "reference": {}, "pallas_gpu": {"interpret": True},
