@@ -16,6 +16,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import score_mods
+
 
 def write_kv(
     k_pool: jax.Array, v_pool: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
@@ -40,7 +42,8 @@ def write_kv(
 
 
 @functools.partial(jax.jit,
-                   static_argnames=("max_query_len", "scale", "blocks_per_chunk", "query_tile"))
+                   static_argnames=("max_query_len", "scale", "blocks_per_chunk", "query_tile",
+                                    "sliding_window", "soft_cap"))
 def paged_attention_blockwise(
     q: jax.Array,
     k_pool: jax.Array,
@@ -53,6 +56,8 @@ def paged_attention_blockwise(
     scale: float | None = None,
     blocks_per_chunk: int | None = None,
     query_tile: int | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """Same contract as `reference.paged_attention_reference`, computed chunk by chunk of KV blocks
     with an online softmax (flash attention in plain jnp): the portable path.
@@ -63,13 +68,19 @@ def paged_attention_blockwise(
     sequence needs. Decode batches (one query per sequence) and prefill chunks take
     different loops, each shaped for what XLA:CPU runs fast (see `_decode` and `_prefill`).
     `blocks_per_chunk` and `query_tile` override the measured defaults (tests use them).
+
+    With a `sliding_window`, each sequence (decode) or query tile (prefill) starts its loop at
+    the block holding the first key its earliest query sees: blocks before it are never
+    gathered (a sliding layer's pool may have freed them; their table entries may name any
+    block) and a long sequence costs only its window.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     args = (q, k_pool, v_pool, block_tables, seq_lens, query_start_loc)
+    options = dict(scale=scale, blocks_per_chunk=blocks_per_chunk,
+                   sliding_window=sliding_window, soft_cap=soft_cap)
     if max_query_len == 1:
-        return _decode(*args, scale=scale, blocks_per_chunk=blocks_per_chunk)
-    return _prefill(*args, max_query_len=max_query_len, scale=scale,
-                    blocks_per_chunk=blocks_per_chunk, query_tile=query_tile)
+        return _decode(*args, **options)
+    return _prefill(*args, max_query_len=max_query_len, query_tile=query_tile, **options)
 
 
 def _online_softmax_step(carry, scores, key_axis: int, attend_values):
@@ -88,7 +99,7 @@ def _online_softmax_step(carry, scores, key_axis: int, attend_values):
 
 
 def _decode(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, scale,
-            blocks_per_chunk):
+            blocks_per_chunk, sliding_window, soft_cap):
     """One query per sequence: loop over 64-token chunks of the sequences' blocks.
 
     A loop over chunks runs as long as the longest sequence it serves, so the sequences are
@@ -108,7 +119,8 @@ def _decode(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, scale
     q_seq = q.at[token_index].get(mode="fill", fill_value=0) * scale  # [S, H, D]
     q_seq = q_seq.reshape(num_seqs, num_kv_heads, group, head_dim).astype(jnp.float32)
     out = jnp.concatenate([
-        _decode_tier(q_seq[lo:hi], k_pool, v_pool, tables[lo:hi], lens[lo:hi], blocks_per_chunk)
+        _decode_tier(q_seq[lo:hi], k_pool, v_pool, tables[lo:hi], lens[lo:hi], blocks_per_chunk,
+                     sliding_window, soft_cap)
         for lo, hi in _tiers(num_seqs, smallest=8)])  # [S, K, G, D]
     out = out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
     return jnp.zeros_like(q).at[token_index].set(out, mode="drop")
@@ -130,12 +142,30 @@ def _pad_to_chunks(tables: jax.Array, blocks_per_chunk: int) -> tuple[jax.Array,
     return jnp.pad(tables, ((0, 0), (0, num_chunks * blocks_per_chunk - width))), num_chunks
 
 
-def _attend_chunks(body, rows_shape, head_dim, seq_lens, chunk, num_chunks):
+def _window_start(tables: jax.Array, first_query_pos: jax.Array, block_size: int,
+                  sliding_window: int | None) -> tuple[jax.Array, jax.Array]:
+    """Each row's block table shifted to begin at the block holding the first key its earliest
+    query (at `first_query_pos`, [rows]) sees, and that block's first key position [rows].
+
+    Entries before that block may name any block (a sliding layer's pool frees the blocks that
+    left the window), so the chunk loop must never gather them; entries shifted in past the
+    table's end point at block 0 and are masked by length. Without a window: the tables as
+    they are, from key 0."""
+    if sliding_window is None:
+        return tables, jnp.zeros(tables.shape[0], jnp.int32)
+    first_block = score_mods.first_key(first_query_pos, sliding_window) // block_size
+    cols = first_block[:, None] + jnp.arange(tables.shape[1], dtype=jnp.int32)[None, :]
+    tables = jnp.take_along_axis(tables, cols, axis=1, mode="fill", fill_value=0)
+    return tables, first_block * block_size
+
+
+def _attend_chunks(body, rows_shape, head_dim, spans, chunk, num_chunks):
     """Run `body(c, (row_max, denom, acc))` over key chunks, only as many as the longest
-    sequence needs; returns acc / denom (rows with no key: 0), shape rows_shape + (D,)."""
+    span (keys from a row's first gathered block to its last key) needs; returns
+    acc / denom (rows with no key: 0), shape rows_shape + (D,)."""
     init = (jnp.full(rows_shape, -jnp.inf, jnp.float32), jnp.zeros(rows_shape, jnp.float32),
             jnp.zeros((*rows_shape, head_dim), jnp.float32))
-    needed = (jnp.max(seq_lens) + chunk - 1) // chunk
+    needed = (jnp.max(spans) + chunk - 1) // chunk
     _, denom, acc = jax.lax.fori_loop(0, jnp.minimum(needed, num_chunks), body, init)
     return acc / jnp.where(denom > 0, denom, 1.0)[..., None]
 
@@ -152,7 +182,8 @@ def _tiers(num_rows: int, *, smallest: int) -> list[tuple[int, int]]:
     return list(zip(bounds[::-1][:-1], bounds[::-1][1:], strict=True))
 
 
-def _decode_tier(q_seq, k_pool, v_pool, tables, seq_lens, blocks_per_chunk):
+def _decode_tier(q_seq, k_pool, v_pool, tables, seq_lens, blocks_per_chunk, sliding_window,
+                 soft_cap):
     """Attention of one query per sequence, [S, K, G, D], over its blocks.
 
     Each chunk's K/V is gathered as whole (head, block) rows of the flattened pool, straight
@@ -167,6 +198,8 @@ def _decode_tier(q_seq, k_pool, v_pool, tables, seq_lens, blocks_per_chunk):
     block_size = k_pool.shape[2]
     blocks_per_chunk = blocks_per_chunk or max(1, 64 // block_size)  # measured best on CPU
     chunk = blocks_per_chunk * block_size
+    # the one query of each sequence is its last token, at seq_len - 1
+    tables, key_start = _window_start(tables, seq_lens - 1, block_size, sliding_window)
     tables, num_chunks = _pad_to_chunks(tables, blocks_per_chunk)
     (k_rows, head_row), (v_rows, _) = _as_rows(k_pool), _as_rows(v_pool)
 
@@ -175,22 +208,23 @@ def _decode_tier(q_seq, k_pool, v_pool, tables, seq_lens, blocks_per_chunk):
         rows = (ids[:, None, :] + head_row[None, :, None]).reshape(-1)  # [S * K * blocks]
         k = k_rows[rows].reshape(num_seqs, num_kv_heads, chunk, head_dim)  # [S, K, C, D]
         v = v_rows[rows].reshape(num_seqs, num_kv_heads, chunk, head_dim)
-        key_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)  # [C]
-        key_valid = key_pos[None, :] < seq_lens[:, None]  # [S, C]
+        key_pos = key_start[:, None] + c * chunk + jnp.arange(chunk, dtype=jnp.int32)  # [S, C]
+        # the query at seq_len - 1 sees the keys visible to it; those past it are unowned
+        key_valid = score_mods.visible(key_pos, (seq_lens - 1)[:, None], sliding_window)  # [S, C]
         # slots past a sequence's length may hold anything (even NaN): 0 * NaN must not leak
         v = jnp.where(key_valid[:, None, :, None], v, 0).astype(jnp.float32)
         # [S, K, G, D] x [S, K, C, D] -> [S, K, G, C]
-        scores = _contract_d(q_seq, k.astype(jnp.float32))
+        scores = score_mods.soft_cap(_contract_d(q_seq, k.astype(jnp.float32)), soft_cap)
         scores = jnp.where(key_valid[:, None, None, :], scores, -jnp.inf)
         # [S, K, G, C] x [S, K, C, D] -> [S, K, G, D]
         return _online_softmax_step(carry, scores, 3, lambda p: _contract_c(p, v))
 
-    return _attend_chunks(body, (num_seqs, num_kv_heads, group), head_dim, seq_lens, chunk,
-                          num_chunks)
+    return _attend_chunks(body, (num_seqs, num_kv_heads, group), head_dim, seq_lens - key_start,
+                          chunk, num_chunks)
 
 
 def _prefill(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, max_query_len,
-             scale, blocks_per_chunk, query_tile):
+             scale, blocks_per_chunk, query_tile, sliding_window, soft_cap):
     """Ragged prefill chunks: queries cut into tiles, keys in 128-token chunks.
 
     Padding every sequence's queries to `max_query_len` costs S x max_query_len rows (a
@@ -224,6 +258,7 @@ def _prefill(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, max_
     query_pos = lens[:, None] - tile_qlen + offset  # [NT, tile]: the queries are the last tokens
     # causal reach of each tile: keys past its last query's position are masked anyway
     reach = jnp.max(jnp.where(valid, query_pos + 1, 0), axis=1)  # [NT]
+    first_query_pos = query_pos[:, 0]  # [NT] a tile's queries are in position order
     query_pos = jnp.tile(query_pos, (1, group))  # [NT, G*tile], matching q_tiles' rows
     q_tiles = q.at[token_index].get(mode="fill", fill_value=0) * scale  # [NT, tile, H, D]
     q_tiles = q_tiles.reshape(num_tiles, tile, num_kv_heads, group, head_dim)
@@ -232,11 +267,13 @@ def _prefill(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, max_
 
     blocks_per_chunk = min(blocks_per_chunk or max(1, 128 // block_size), max_blocks)
     chunk = blocks_per_chunk * block_size
-    tables, num_chunks = _pad_to_chunks(block_tables, blocks_per_chunk)
-    tables = tables[tile_seq]  # [NT, width]
+    tables, key_start = _window_start(block_tables[tile_seq], first_query_pos, block_size,
+                                      sliding_window)  # [NT, width], [NT]
+    tables, num_chunks = _pad_to_chunks(tables, blocks_per_chunk)
+    span = reach - key_start  # [NT] keys from the tile's first gathered block to its reach
     (k_rows, head_row), (v_rows, _) = _as_rows(k_pool), _as_rows(v_pool)
 
-    def attend_tier(q_tiles, tables, lens, query_pos, reach):
+    def attend_tier(q_tiles, tables, lens, query_pos, key_start, span):
         num = tables.shape[0]
 
         def body(c, carry):
@@ -244,32 +281,36 @@ def _prefill(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, max_
             rows = (ids[None] + head_row[:, None, None]).reshape(-1)  # [K * n * blocks]
             k = k_rows[rows].reshape(num_kv_heads, num, chunk, head_dim)  # [K, n, C, D]
             v = v_rows[rows].reshape(num_kv_heads, num, chunk, head_dim)
-            key_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)  # [C]
-            key_valid = key_pos[None, :] < lens[:, None]  # [n, C]
+            key_pos = key_start[:, None] + c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+            key_valid = key_pos < lens[:, None]  # [n, C]
             v = jnp.where(key_valid[None, :, :, None], v, 0).astype(jnp.float32)
             # keys as the matmul's long side: [K, n, C, D] x [K, n, R, D] -> [K, n, C, R]
             scores = jnp.einsum("ktcd,ktrd->ktcr", k.astype(jnp.float32), q_tiles)
-            mask = key_valid[:, :, None] & (key_pos[None, :, None] <= query_pos[:, None, :])
+            scores = score_mods.soft_cap(scores, soft_cap)
+            mask = key_valid[:, :, None] & score_mods.visible(
+                key_pos[:, :, None], query_pos[:, None, :], sliding_window)
             scores = jnp.where(mask[None], scores, -jnp.inf)
             # [K, n, C, R] x [K, n, C, D] -> [K, n, R, D]
             return _online_softmax_step(
                 carry, scores, 2, lambda p: jnp.einsum("ktcr,ktcd->ktrd", p, v))
 
-        return _attend_chunks(body, (num_kv_heads, num, rows), head_dim, reach, chunk,
+        return _attend_chunks(body, (num_kv_heads, num, rows), head_dim, span, chunk,
                               num_chunks)
 
-    # Tiles sorted by reach and served in tiers, as decode's sequences are: a tile early in
-    # a long chunk, or of a short sequence, stops at its own last key. Tiles are few (often 8
-    # or 16, the last S of them padding) and heavy (G * tile query rows), so tiers go down to
-    # single tiles: a 512-token chunk's 4 tiles reach 4, 3, 2, 1 key chunks and its 4 padding
-    # tiles none; as one tier all 8 ran 4 chunks (32 tile-chunks), as 1, 1, 2, 4 they run 11.
-    # Costs compile time: a loop per tier and layer.
-    order = jnp.argsort(-reach)
-    q_tiles, tables, lens, query_pos, reach = (
-        q_tiles[:, order], tables[order], lens[order], query_pos[order], reach[order])
+    # Tiles sorted by span (without a window, their reach) and served in tiers, as decode's
+    # sequences are: a tile early in a long chunk, or of a short sequence, stops at its own
+    # last key. Tiles are few (often 8 or 16, the last S of them padding) and heavy (G * tile
+    # query rows), so tiers go down to single tiles: a 512-token chunk's 4 tiles reach 4, 3,
+    # 2, 1 key chunks and its 4 padding tiles none; as one tier all 8 ran 4 chunks (32
+    # tile-chunks), as 1, 1, 2, 4 they run 11. Costs compile time: a loop per tier and layer.
+    order = jnp.argsort(-span)
+    q_tiles, tables, lens, query_pos, key_start, span = (
+        q_tiles[:, order], tables[order], lens[order], query_pos[order], key_start[order],
+        span[order])
     out = jnp.concatenate([
         attend_tier(q_tiles[:, lo:hi], tables[lo:hi], lens[lo:hi], query_pos[lo:hi],
-                    reach[lo:hi]) for lo, hi in _tiers(num_tiles, smallest=1)], axis=1)
+                    key_start[lo:hi], span[lo:hi]) for lo, hi in _tiers(num_tiles, smallest=1)],
+        axis=1)
     out = out[:, jnp.argsort(order)]  # [K, NT, G*tile, D], back in tile order
     out = out.reshape(num_kv_heads, num_tiles, group, tile, head_dim).transpose(1, 3, 0, 2, 4)
     out = out.reshape(num_tiles * tile, num_heads, head_dim)

@@ -8,6 +8,11 @@
 // contracts each [block_size, head_dim] tile of K and V in place, with an online softmax.
 // Work items are shared among XLA's intra-op threads.
 //
+// Attributes `sliding_window` (a query at p sees keys (p - window, p]; 0: off) and `soft_cap`
+// (scores -> cap * tanh(scores / cap), Gemma 2; 0: off): an item's block loop starts at the
+// block of the first key its earliest query sees, so a sliding layer reads only its window and
+// never the blocks before it, whose table entries may name anything (the engine frees them).
+//
 // Pools are float32 or bfloat16 (the output is in q's dtype, which the wrapper makes the
 // pools'). bfloat16 tiles are read where they lie too, two ways, chosen per call by the
 // `bf16_dot` attribute:
@@ -110,7 +115,25 @@ struct Problem {
   void* out;             // [T, H, D]
   int64_t num_heads, head_dim, num_kv_heads, num_blocks, block_size, max_blocks, group;
   float scale;
+  int64_t window;  // sliding window: a query at p sees keys (p - window, p]; 0: all keys
+  float soft_cap;  // scores -> soft_cap * tanh(scores / soft_cap) (Gemma 2); 0: off
 };
+
+// The first key a query at `pos` sees. Blocks wholly before it are never read: a sliding
+// layer's pool frees them, and their table entries may name any block.
+inline int64_t first_key(const Problem& P, int64_t pos) {
+  return P.window ? std::max<int64_t>(0, pos - P.window + 1) : 0;
+}
+
+// The key slots [begin, end) of the block whose first key is key0 (slots [0, valid) hold
+// keys) that a query at `pos` sees; none when end <= begin.
+struct Span {
+  int64_t begin, end;
+  bool empty() const { return end <= begin; }
+};
+inline Span visible(const Problem& P, int64_t pos, int64_t key0, int64_t valid) {
+  return {std::max<int64_t>(0, first_key(P, pos) - key0), std::min<int64_t>(valid, pos + 1 - key0)};
+}
 
 // One work item: KV head `head` of sequence `seq`, its queries [tok_begin, tok_end) counted
 // from the sequence's first query.
@@ -138,12 +161,13 @@ inline void prefetch_tile(const T* tile, int64_t elements) {
   for (int64_t i = 0; i < elements * int64_t{sizeof(T)}; i += 64) __builtin_prefetch(p + i, 0, 1);
 }
 
-// Prefetch the tiles of the next blocks of a sequence's table (after block j of n), where
-// k_head and v_head are the pools of the item's KV head and a tile holds `tile` elements.
+// Prefetch the tiles of the next blocks of a sequence's table (after block j of the item's
+// blocks [first, n)), where k_head and v_head are the pools of the item's KV head and a tile
+// holds `tile` elements.
 template <typename T>
-inline void prefetch_blocks(const Problem& P, const int32_t* table, int64_t j, int64_t n,
-                            const T* k_head, const T* v_head, int64_t tile) {
-  for (int64_t ahead = j == 0 ? 1 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead) {
+inline void prefetch_blocks(const Problem& P, const int32_t* table, int64_t j, int64_t first,
+                            int64_t n, const T* k_head, const T* v_head, int64_t tile) {
+  for (int64_t ahead = j == first ? 1 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead) {
     if (j + ahead >= n) break;
     const int32_t next = table[j + ahead];
     if (next >= 0 && next < P.num_blocks) {
@@ -167,22 +191,29 @@ inline void store_rows(const Problem& P, const Item& it, const Scratch& s, int64
   }
 }
 
-// Fold row r's scores for one key tile (keys [0, n) visible) into its running max, denominator
-// and accumulator (the online softmax), leaving the probabilities in `probs`.
+// Fold row r's scores for one key tile (keys [m, n) visible, 0 <= m < n) into its running max,
+// denominator and accumulator (the online softmax), leaving the probabilities in `probs`. The
+// scores are soft-capped first (in place) when `soft_cap` is set.
 template <int kB>
-inline float softmax_step(const float* scores, int64_t n, int64_t block_size, float* probs,
-                          float* row_max, float* denom) {
+inline float softmax_step(float* scores, int64_t m, int64_t n, int64_t block_size,
+                          float soft_cap, float* probs, float* row_max, float* denom) {
   const int64_t B = kB ? kB : block_size;
+  if (soft_cap > 0.0f) {
+    const float inv_cap = 1.0f / soft_cap;
+    // slots outside [m, n) may be garbage: tanh maps NaN to NaN, and they are selected away
+    for (int64_t t = 0; t < B; ++t) scores[t] = soft_cap * std::tanh(scores[t] * inv_cap);
+  }
   float block_max = kNegInf;
-  for (int64_t t = 0; t < B; ++t) block_max = std::max(block_max, t < n ? scores[t] : kNegInf);
+  for (int64_t t = 0; t < B; ++t)
+    block_max = std::max(block_max, t >= m && t < n ? scores[t] : kNegInf);
   const float old_max = *row_max;
   const float new_max = std::max(old_max, block_max);
   const float correction = old_max == kNegInf ? 0.0f : exp_nonpositive(old_max - new_max);
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t t = 0; t < B; ++t) {
-    const float e = exp_nonpositive(scores[t] - new_max);  // slots t >= n may be garbage
-    probs[t] = t < n ? e : 0.0f;
+    const float e = exp_nonpositive(scores[t] - new_max);  // slots outside [m, n): garbage
+    probs[t] = t >= m && t < n ? e : 0.0f;
     sum += probs[t];
   }
   *row_max = new_max;
@@ -226,6 +257,7 @@ bool attend(const Problem& P, const Item& it, Scratch& s) {
 
   const int32_t* table = P.tables + static_cast<int64_t>(it.seq) * P.max_blocks;
   const int64_t num_key_blocks = (reach + B - 1) / B;
+  const int64_t first_block = first_key(P, s.pos[0]) / B;  // rows are in position order
   const int64_t head_offset = it.head * P.num_blocks;
   float* __restrict scores = s.scores.data();
   float* __restrict probs = s.probs.data();
@@ -236,10 +268,10 @@ bool attend(const Problem& P, const Item& it, Scratch& s) {
     s.kf.resize(B * D);
     s.vf.resize(B * D);
   }
-  for (int64_t j = 0; j < num_key_blocks; ++j) {
+  for (int64_t j = first_block; j < num_key_blocks; ++j) {
     const int32_t block = table[j];
     if (block < 0 || block >= P.num_blocks) return false;
-    prefetch_blocks(P, table, j, num_key_blocks, k_pool + head_offset * B * D,
+    prefetch_blocks(P, table, j, first_block, num_key_blocks, k_pool + head_offset * B * D,
                     v_pool + head_offset * B * D, B * D);
     const float* __restrict kb;
     const float* __restrict vb;
@@ -263,8 +295,8 @@ bool attend(const Problem& P, const Item& it, Scratch& s) {
 
     if (rows < 8) {
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t n = std::min<int64_t>(valid, s.pos[r] + 1 - key0);  // keys row r sees
-        if (n <= 0) continue;
+        const Span keys = visible(P, s.pos[r], key0, valid);  // the slots row r sees
+        if (keys.empty()) continue;
         const float* __restrict qr = s.q.data() + r * D;
         for (int64_t t = 0; t < B; ++t) {  // all B: a fixed trip count unrolls; t >= n masked
           float dot = 0.0f;
@@ -273,12 +305,13 @@ bool attend(const Problem& P, const Item& it, Scratch& s) {
           scores[t] = dot;
         }
         const float correction =
-            softmax_step<kB>(scores, n, B, probs, &s.row_max[r], &s.denom[r]);
+            softmax_step<kB>(scores, keys.begin, keys.end, B, P.soft_cap, probs, &s.row_max[r],
+                             &s.denom[r]);
         float* __restrict acc = s.acc.data() + r * D;
         alignas(64) float out[kDMax];
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) out[d] = acc[d] * correction;
-        for (int64_t t = 0; t < n; ++t) {
+        for (int64_t t = keys.begin; t < keys.end; ++t) {
           const float p = probs[t];
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) out[d] += p * vb[t * D + d];
@@ -294,7 +327,8 @@ bool attend(const Problem& P, const Item& it, Scratch& s) {
       for (int64_t d = 0; d < D; ++d) kt[d * B + t] = t < valid ? kb[t * D + d] : 0.0f;
     for (int64_t r0 = 0; r0 < rows; r0 += 8) {
       const int64_t nr = std::min<int64_t>(8, rows - r0);
-      if (s.pos[r0 + nr - 1] + 1 - key0 <= 0) continue;  // rows are in position order
+      // rows are in position order: the last row's causal reach, the first's window
+      if (s.pos[r0 + nr - 1] + 1 - key0 <= 0 || first_key(P, s.pos[r0]) >= key0 + B) continue;
       alignas(64) float sc[8][kBMax] = {};
       for (int64_t d = 0; d < D; ++d) {
         for (int64_t i = 0; i < 8; ++i) {
@@ -306,12 +340,13 @@ bool attend(const Problem& P, const Item& it, Scratch& s) {
       int64_t n_max = 0;
       float correction[8];
       for (int64_t i = 0; i < nr; ++i) {
-        const int64_t n = std::max<int64_t>(0, std::min<int64_t>(valid, s.pos[r0 + i] + 1 - key0));
-        n_max = std::max(n_max, n);
-        correction[i] = n > 0 ? softmax_step<kB>(sc[i], n, B, probs + i * B, &s.row_max[r0 + i],
-                                                &s.denom[r0 + i])
-                              : 1.0f;
-        if (n == 0)
+        const Span keys = visible(P, s.pos[r0 + i], key0, valid);
+        if (!keys.empty()) n_max = std::max(n_max, keys.end);
+        correction[i] = keys.empty() ? 1.0f
+                                     : softmax_step<kB>(sc[i], keys.begin, keys.end, B, P.soft_cap,
+                                                        probs + i * B, &s.row_max[r0 + i],
+                                                        &s.denom[r0 + i]);
+        if (keys.empty())
           for (int64_t t = 0; t < B; ++t) probs[i * B + t] = 0.0f;
       }
       for (int64_t i0 = 0; i0 < nr; i0 += 4) {
@@ -411,6 +446,7 @@ bool attend_dot(const Problem& P, const Item& it, Scratch& s) {
 
   const int32_t* table = P.tables + static_cast<int64_t>(it.seq) * P.max_blocks;
   const int64_t num_key_blocks = (reach + B - 1) / B;
+  const int64_t first_block = first_key(P, s.pos[0]) / B;  // rows are in position order
   const int64_t head_offset = it.head * P.num_blocks;
   const bf16* const k_pool = static_cast<const bf16*>(P.k);
   const bf16* const v_pool = static_cast<const bf16*>(P.v);
@@ -418,10 +454,10 @@ bool attend_dot(const Problem& P, const Item& it, Scratch& s) {
   float* __restrict probs = s.probs.data();
   uint32_t* __restrict kpairs = s.kpairs.data();
   uint32_t* __restrict vpairs = s.vpairs.data();
-  for (int64_t j = 0; j < num_key_blocks; ++j) {
+  for (int64_t j = first_block; j < num_key_blocks; ++j) {
     const int32_t block = table[j];
     if (block < 0 || block >= P.num_blocks) return false;
-    prefetch_blocks(P, table, j, num_key_blocks, k_pool + head_offset * B * D,
+    prefetch_blocks(P, table, j, first_block, num_key_blocks, k_pool + head_offset * B * D,
                     v_pool + head_offset * B * D, B * D);
     const bf16* __restrict kb = k_pool + (head_offset + block) * B * D;
     const bf16* __restrict vb = v_pool + (head_offset + block) * B * D;
@@ -441,8 +477,8 @@ bool attend_dot(const Problem& P, const Item& it, Scratch& s) {
 
     if (rows < 8) {
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t n = std::min<int64_t>(valid, s.pos[r] + 1 - key0);  // keys row r sees
-        if (n <= 0) continue;
+        const Span keys = visible(P, s.pos[r], key0, valid);  // the slots row r sees
+        if (keys.empty()) continue;
         __m512i qv[D / 32];
         for (int64_t c = 0; c < D / 32; ++c)
           qv[c] = _mm512_loadu_si512(s.q16.data() + r * D + 32 * c);
@@ -459,12 +495,14 @@ bool attend_dot(const Problem& P, const Item& it, Scratch& s) {
           _mm512_storeu_ps(scores + t0, _mm512_mul_ps(sum16(dots), sv));
         }
         const float correction =
-            softmax_step<kB>(scores, n, B, probs, &s.row_max[r], &s.denom[r]);
+            softmax_step<kB>(scores, keys.begin, keys.end, B, P.soft_cap, probs, &s.row_max[r],
+                             &s.denom[r]);
         float* acc = s.acc.data() + r * D;
         __m512 out[DV];
         const __m512 c = _mm512_set1_ps(correction);
         for (int64_t v = 0; v < DV; ++v) out[v] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * v), c);
-        for (int64_t tp = 0; tp < (n + 1) / 2; ++tp) {  // probs[n] is 0 when n is odd
+        // probs outside [begin, end) are 0: pairs straddling an end are whole
+        for (int64_t tp = keys.begin / 2; tp < (keys.end + 1) / 2; ++tp) {
           const __m512bh p = as_bh(_mm512_set1_epi32(
               static_cast<int32_t>(pair(narrow(probs[2 * tp]), narrow(probs[2 * tp + 1])))));
           for (int64_t v = 0; v < DV; ++v)
@@ -485,7 +523,8 @@ bool attend_dot(const Problem& P, const Item& it, Scratch& s) {
     }
     for (int64_t r0 = 0; r0 < rows; r0 += 8) {
       const int64_t nr = std::min<int64_t>(8, rows - r0);
-      if (s.pos[r0 + nr - 1] + 1 - key0 <= 0) continue;  // rows are in position order
+      // rows are in position order: the last row's causal reach, the first's window
+      if (s.pos[r0 + nr - 1] + 1 - key0 <= 0 || first_key(P, s.pos[r0]) >= key0 + B) continue;
       __m512 acc_sc[8][BV];
       for (int64_t i = 0; i < 8; ++i)
         for (int64_t b = 0; b < BV; ++b) acc_sc[i][b] = _mm512_setzero_ps();
@@ -511,12 +550,13 @@ bool attend_dot(const Problem& P, const Item& it, Scratch& s) {
       int64_t n_max = 0;
       float correction[8];
       for (int64_t i = 0; i < nr; ++i) {
-        const int64_t n = std::max<int64_t>(0, std::min<int64_t>(valid, s.pos[r0 + i] + 1 - key0));
-        n_max = std::max(n_max, n);
-        correction[i] = n > 0 ? softmax_step<kB>(sc[i], n, B, probs + i * B, &s.row_max[r0 + i],
-                                                &s.denom[r0 + i])
-                              : 1.0f;
-        if (n == 0)
+        const Span keys = visible(P, s.pos[r0 + i], key0, valid);
+        if (!keys.empty()) n_max = std::max(n_max, keys.end);
+        correction[i] = keys.empty() ? 1.0f
+                                     : softmax_step<kB>(sc[i], keys.begin, keys.end, B, P.soft_cap,
+                                                        probs + i * B, &s.row_max[r0 + i],
+                                                        &s.denom[r0 + i]);
+        if (keys.empty())
           for (int64_t t = 0; t < B; ++t) probs[i * B + t] = 0.0f;
       }
       alignas(64) uint32_t p2[8][kB / 2];  // the probabilities rounded to bf16, in pairs
@@ -635,7 +675,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<kType> q,
                           ffi::Buffer<kType> k_pool, ffi::Buffer<kType> v_pool,
                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
                           ffi::Buffer<ffi::S32> query_start_loc, float scale,
-                          int64_t query_tile, Mode mode, ffi::ResultBuffer<kType> out) {
+                          int64_t query_tile, int64_t sliding_window, float soft_cap, Mode mode,
+                          ffi::ResultBuffer<kType> out) {
   const auto qd = q.dimensions();
   const auto kd = k_pool.dimensions();
   const auto td = block_tables.dimensions();
@@ -650,11 +691,18 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<kType> q,
   if (od.size() != qd.size() || !std::equal(qd.begin(), qd.end(), od.begin())) {
     return Invalid("output shape " + shape_string(od) + " is not q's shape " + shape_string(qd));
   }
+  if (sliding_window < 0) {
+    return Invalid("sliding_window " + std::to_string(sliding_window) + " is negative (0: off)");
+  }
+  if (!(soft_cap >= 0.0f) || std::isinf(soft_cap)) {
+    return Invalid("soft_cap " + std::to_string(soft_cap) + " must be finite and >= 0 (0: off)");
+  }
   auto work = std::make_shared<Work>();
   Problem& P = work->problem;
   P = Problem{q.typed_data(), k_pool.typed_data(), v_pool.typed_data(),
               block_tables.typed_data(), seq_lens.typed_data(), query_start_loc.typed_data(),
-              out->typed_data(), qd[1], qd[2], kd[0], kd[1], kd[2], td[1], qd[1] / kd[0], scale};
+              out->typed_data(), qd[1], qd[2], kd[0], kd[1], kd[2], td[1], qd[1] / kd[0], scale,
+              sliding_window, soft_cap};
 
   work->attend_fn = pick(P.head_dim, P.block_size, mode);
   if (work->attend_fn == nullptr) {
@@ -701,9 +749,10 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<kType> q,
     for (int64_t a = 0, b = 0; a < len; a = b) {
       b = len - a <= query_tile ? len : a + query_tile;
       const int64_t reach = P.lens[s] - len + b;
+      const int64_t keys = reach - first_key(P, P.lens[s] - len + a);  // at most, per row
       for (int32_t h = 0; h < P.num_kv_heads; ++h)
         work->items.push_back(Item{static_cast<int32_t>(s), h, static_cast<int32_t>(a),
-                                   static_cast<int32_t>(b), reach * (b - a)});
+                                   static_cast<int32_t>(b), keys * (b - a)});
     }
   }
   // heaviest first, so that the last items to finish are short ones
@@ -723,9 +772,11 @@ ffi::Error PagedAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                              ffi::Buffer<ffi::F32> k_pool, ffi::Buffer<ffi::F32> v_pool,
                              ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
                              ffi::Buffer<ffi::S32> query_start_loc, float scale,
-                             int64_t query_tile, ffi::ResultBuffer<ffi::F32> out) {
+                             int64_t query_tile, int64_t sliding_window, float soft_cap,
+                             ffi::ResultBuffer<ffi::F32> out) {
   return PagedAttention<ffi::F32>(pool, q, k_pool, v_pool, block_tables, seq_lens,
-                                  query_start_loc, scale, query_tile, Mode::kF32, out);
+                                  query_start_loc, scale, query_tile, sliding_window, soft_cap,
+                                  Mode::kF32, out);
 }
 
 // bf16_dot: 1 takes vdpbf16ps where this build has it (see JaxpagePagedAttentionBf16Dot), 0
@@ -734,11 +785,12 @@ ffi::Error PagedAttentionBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q,
                               ffi::Buffer<ffi::BF16> k_pool, ffi::Buffer<ffi::BF16> v_pool,
                               ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
                               ffi::Buffer<ffi::S32> query_start_loc, float scale,
-                              int64_t query_tile, int64_t bf16_dot,
-                              ffi::ResultBuffer<ffi::BF16> out) {
+                              int64_t query_tile, int64_t sliding_window, float soft_cap,
+                              int64_t bf16_dot, ffi::ResultBuffer<ffi::BF16> out) {
   const Mode mode = bf16_dot && kHaveBf16Dot ? Mode::kBf16Dot : Mode::kBf16Portable;
   return PagedAttention<ffi::BF16>(pool, q, k_pool, v_pool, block_tables, seq_lens,
-                                   query_start_loc, scale, query_tile, mode, out);
+                                   query_start_loc, scale, query_tile, sliding_window, soft_cap,
+                                   mode, out);
 }
 
 }  // namespace
@@ -756,7 +808,9 @@ auto bind_attention() {
       .template Arg<ffi::Buffer<ffi::S32>>()   // seq_lens
       .template Arg<ffi::Buffer<ffi::S32>>()   // query_start_loc
       .template Attr<float>("scale")
-      .template Attr<int64_t>("query_tile");
+      .template Attr<int64_t>("query_tile")
+      .template Attr<int64_t>("sliding_window")  // 0: every earlier key
+      .template Attr<float>("soft_cap");         // 0: no soft-capping
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagePagedAttention, PagedAttentionF32,

@@ -176,6 +176,8 @@ def paged_attention_cpu(
     scale: float | None = None,
     query_tile: int = QUERY_TILE,
     bf16_dot: bool | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """`paged_attention_reference`'s contract (no `max_query_len` needed: the kernel walks
     each sequence's queries), float32 or bfloat16 pools (both the same dtype; q is cast to
@@ -183,7 +185,8 @@ def paged_attention_cpu(
 
     `bf16_dot` (bfloat16 pools only): True takes the AVX512-BF16 path where the build has it,
     False the portable one; None reads `JAXPAGE_CPU_KERNEL_BF16` ("dot", the default, or
-    "portable")."""
+    "portable"). `sliding_window` and `soft_cap` as the reference's: the kernel reads no
+    block before the first key a work item's earliest query sees."""
     if not available():
         raise RuntimeError("the CPU attention kernel is not available; use the jnp path")
     pool_dtype = jnp.dtype(k_pool.dtype)
@@ -191,7 +194,13 @@ def paged_attention_cpu(
         raise ValueError(f"the kernel reads float32 or bfloat16 pools of one dtype, got K "
                          f"{pool_dtype.name} and V {jnp.dtype(v_pool.dtype).name}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    attrs = dict(scale=np.float32(scale), query_tile=np.int64(query_tile))
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
+    attrs = dict(scale=np.float32(scale), query_tile=np.int64(query_tile),
+                 sliding_window=np.int64(sliding_window or 0),  # 0 and 0.0: off
+                 soft_cap=np.float32(soft_cap or 0.0))
     if pool_dtype == jnp.bfloat16:
         target = _TARGET_BF16
         attrs["bf16_dot"] = np.int64(_default_bf16_dot() if bf16_dot is None else bf16_dot)

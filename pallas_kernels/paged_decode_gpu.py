@@ -38,6 +38,7 @@ from pallas_kernels.ragged_paged_gpu import (
     jax.jit,
     static_argnames=(
         "scale", "pages_per_compute_block", "num_splits", "num_warps", "num_stages", "interpret",
+        "sliding_window", "soft_cap",
     ),
 )
 def paged_decode_attention_gpu(
@@ -53,6 +54,8 @@ def paged_decode_attention_gpu(
     num_warps: int = DEFAULT_NUM_WARPS,
     num_stages: int = DEFAULT_NUM_STAGES,
     interpret: bool = False,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """Decode attention (one query per sequence) over a paged KV pool, on GPU.
 
@@ -71,6 +74,8 @@ def paged_decode_attention_gpu(
         programs on a 132-SM GPU, capped by the compute blocks in the table width.
       num_warps, num_stages: Triton launch parameters.
       interpret: run the kernel in Pallas interpret mode (CPU).
+      sliding_window, soft_cap: as `ragged_paged_attention_gpu`'s (a sequence reads no
+        page before its query's window).
 
     Returns:
       [S, num_heads, head_dim] in q's dtype.
@@ -97,6 +102,7 @@ def paged_decode_attention_gpu(
         q_grouped, k_pool, v_pool, block_tables, seq_lens, row_pos, scale=scale,
         pages_per_compute_block=pages_per_compute_block, num_splits=num_splits,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-        name="paged_decode_attention_gpu")  # [S, K, G_pad, D_pad]
+        name="paged_decode_attention_gpu", sliding_window=sliding_window,
+        soft_cap=soft_cap)  # [S, K, G_pad, D_pad]
     out = out[:, :, :group, :head_dim].reshape(num_seqs, num_heads, head_dim)
     return out.astype(q.dtype)

@@ -36,7 +36,8 @@ from pallas_kernels.ragged_paged_tpu import (
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "pages_per_compute_block", "batch_chunks", "interpret")
+    jax.jit, static_argnames=("scale", "pages_per_compute_block", "batch_chunks", "interpret",
+                              "sliding_window", "soft_cap")
 )
 def paged_decode_attention_tpu(
     q: jax.Array,
@@ -49,6 +50,8 @@ def paged_decode_attention_tpu(
     pages_per_compute_block: int | None = None,
     batch_chunks: int = DEFAULT_BATCH_CHUNKS,
     interpret: bool = False,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """Decode attention (one query per sequence) over a paged KV pool, on TPU.
 
@@ -68,6 +71,8 @@ def paged_decode_attention_tpu(
       batch_chunks: chunks of the batch (sequences dealt round-robin) on the "parallel"
         grid axis (2 feeds both TensorCores of a megacore chip).
       interpret: run in interpret mode on CPU (`pltpu.InterpretParams` when available).
+      sliding_window, soft_cap: as `ragged_paged_attention_tpu`'s (a sequence copies no
+        page before its query's window).
 
     Returns:
       [S, num_heads, head_dim] in q's dtype.
@@ -99,6 +104,7 @@ def paged_decode_attention_tpu(
         jnp.arange(padded_seqs, dtype=jnp.int32), lengths, tables, row_pos, q_grouped, k_pool,
         v_pool, scale=scale, num_chunks=num_chunks,
         pages_per_compute_block=pages_per_compute_block, interpret=interpret,
-        name="paged_decode_attention_tpu")  # [S_pad, K, G_pad, D_pad] f32
+        name="paged_decode_attention_tpu", sliding_window=sliding_window,
+        soft_cap=soft_cap)  # [S_pad, K, G_pad, D_pad] f32
     out = out[:num_seqs, :, :group, :head_dim].reshape(num_seqs, num_heads, head_dim)
     return out.astype(q.dtype)

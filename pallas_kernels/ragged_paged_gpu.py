@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import ragged_tiles
+from pallas_kernels import ragged_tiles, score_mods
 from pallas_kernels.checks import check_ragged_inputs
 
 # JAX 0.11 deprecated the Pallas Triton backend. In the sources read for 0.11 the warning is
@@ -73,6 +73,7 @@ def _attention_kernel(
     v_ref,  # [num_blocks, block_size, D]: this KV head's V pool
     table_ref,  # [table_width]: the tile's sequence's block table (whole compute blocks)
     kv_len_ref,  # [1]: keys the tile reads (its last query's position + 1; 0 if empty)
+    first_page_ref,  # [1]: the tile's first page (its earliest query's window start; else 0)
     row_pos_ref,  # [rows]: position of each row's query, -1 for empty rows
     out_ref,  # [rows, D] f32: this split's unnormalized output
     max_ref,  # [rows] f32: this split's running max (-inf where no key was seen)
@@ -81,6 +82,8 @@ def _attention_kernel(
     scale: float,
     num_splits: int,
     pages_per_compute_block: int,
+    sliding_window: int | None,
+    soft_cap: float | None,
 ):
     rows, head_dim = q_ref.shape
     block_size = k_ref.shape[1]
@@ -88,11 +91,14 @@ def _attention_kernel(
     split = pl.program_id(2)
     kv_len = kv_len_ref[0]
 
-    # This split's pages: an equal share of the tile's pages, in whole compute blocks.
+    # This split's pages: an equal share of the tile's pages (from its first, past which a
+    # sliding window sees nothing), in whole compute blocks.
     num_pages = pl.cdiv(kv_len, block_size)
-    pages_per_split = pl.cdiv(pl.cdiv(num_pages, num_splits), pages_per_compute_block)
+    tile_first_page = first_page_ref[0]
+    pages_per_split = pl.cdiv(pl.cdiv(num_pages - tile_first_page, num_splits),
+                              pages_per_compute_block)
     pages_per_split = pages_per_split * pages_per_compute_block
-    first_page = split * pages_per_split
+    first_page = tile_first_page + split * pages_per_split
     end_page = jnp.minimum(first_page + pages_per_split, num_pages)
     num_steps = pl.cdiv(jnp.maximum(end_page - first_page, 0), pages_per_compute_block)
 
@@ -111,12 +117,15 @@ def _attention_kernel(
         v = v_ref[page_ids].reshape(keys, head_dim)
         key_pos = page * block_size + jnp.arange(keys, dtype=jnp.int32)  # [Kb]
 
-        # [R, D] x [Kb, D] -> [R, Kb]. Causal per row; row_pos < kv_len <= the sequence's
-        # length, so keys past it (unowned slots, maybe NaN) are masked too.
+        # [R, D] x [Kb, D] -> [R, Kb]. Causal per row (and within its window); row_pos <
+        # kv_len <= the sequence's length, so keys past it (unowned slots, maybe NaN) are
+        # masked too.
         scores = jax.lax.dot_general(
             q, k, (((1,), (1,)), ((), ())), precision=precision,
             preferred_element_type=jnp.float32) * scale
-        scores = jnp.where(key_pos[None, :] <= row_pos[:, None], scores, -jnp.inf)
+        scores = score_mods.soft_cap(scores, soft_cap)
+        mask = score_mods.visible(key_pos[None, :], row_pos[:, None], sliding_window)
+        scores = jnp.where(mask, scores, -jnp.inf)
         new_max = jnp.maximum(row_max, scores.max(axis=1))
         # a row may have seen no key yet (all masked so far): exponents against 0, not -inf
         safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
@@ -143,13 +152,15 @@ def _attention_kernel(
 
 def _build_call(*, scale, num_tiles, num_kv_heads, rows, head_dim, num_blocks, block_size,
                 table_width, num_splits, pages_per_compute_block, num_warps, num_stages,
-                interpret, name):
+                sliding_window, soft_cap, interpret, name):
     """The pallas_call over grid (tile, KV head, split): (q tiles [N, K, R, D], k_pool,
-    v_pool, tile tables [N, W], tile kv lengths [N], row positions [N, R]) -> (partial
-    outputs [N, K, splits, R, D], running maxes and sums [N, K, splits, R]), f32."""
+    v_pool, tile tables [N, W], tile kv lengths [N], tile first pages [N], row positions
+    [N, R]) -> (partial outputs [N, K, splits, R, D], running maxes and sums
+    [N, K, splits, R]), f32."""
     kernel = functools.partial(
         _attention_kernel, scale=scale, num_splits=num_splits,
-        pages_per_compute_block=pages_per_compute_block)
+        pages_per_compute_block=pages_per_compute_block, sliding_window=sliding_window,
+        soft_cap=soft_cap)
     split_shape = (num_tiles, num_kv_heads, num_splits, rows)
     return pl.pallas_call(
         kernel,
@@ -162,7 +173,8 @@ def _build_call(*, scale, num_tiles, num_kv_heads, rows, head_dim, num_blocks, b
             pl.BlockSpec((None, num_blocks, block_size, head_dim), lambda i, h, j: (h, 0, 0, 0)),
             # tile tables [N, W]: the block table of tile i's sequence
             pl.BlockSpec((None, table_width), lambda i, h, j: (i, 0)),
-            # tile kv lengths [N]
+            # tile kv lengths [N] and first pages [N]
+            pl.BlockSpec((1,), lambda i, h, j: (i,)),
             pl.BlockSpec((1,), lambda i, h, j: (i,)),
             # row positions [N, R]
             pl.BlockSpec((None, rows), lambda i, h, j: (i, 0)),
@@ -198,14 +210,16 @@ def combine_splits(partial_out, split_max, split_sum):
 
 def attend_tiles(q_tiles, k_pool, v_pool, tables, kv_lens, row_pos, *, scale,
                  pages_per_compute_block, num_splits, num_warps, num_stages, interpret,
-                 name):
+                 name, sliding_window=None, soft_cap=None):
     """Run the kernel over prepared tiles and merge its splits.
 
     q_tiles [N, K, R, Dp] (Dp = pool_head_dim of the pool's head dim, lanes past the
     queries' zero), tables [N, W] the block table of each tile's sequence, kv_lens [N] the
     keys each tile reads, row_pos [N, R] each row's query position (-1: none) ->
     [N, K, R, Dp] f32 attention outputs. A pool whose head dim is not Dp is padded here
-    (a copy; pools allocated at pool_head_dim avoid it)."""
+    (a copy; pools allocated at pool_head_dim avoid it). With a `sliding_window`, a tile
+    reads pages from the one of its earliest query's first key on
+    (`ragged_tiles.first_pages`)."""
     num_tiles, num_kv_heads, rows, head_dim = q_tiles.shape
     _, num_blocks, block_size, pool_dim = k_pool.shape
     if block_size & (block_size - 1):
@@ -228,22 +242,27 @@ def attend_tiles(q_tiles, k_pool, v_pool, tables, kv_lens, row_pos, *, scale,
     if pool_dim != head_dim:
         pad = ((0, 0), (0, 0), (0, 0), (0, head_dim - pool_dim))
         k_pool, v_pool = jnp.pad(k_pool, pad), jnp.pad(v_pool, pad)
-    # whole compute blocks, so the last step's slice of a table stays in bounds
-    padded_width = max_compute_blocks * pages_per_compute_block
+    # whole compute blocks, so the last step's slice of a table stays in bounds (one more
+    # where a window starts a tile's steps mid compute block)
+    padded_width = (max_compute_blocks + (sliding_window is not None)) * pages_per_compute_block
     tables = jnp.pad(tables, ((0, 0), (0, padded_width - table_width)))
+    first_pages = ragged_tiles.first_pages(row_pos, block_size, sliding_window)
     call = _build_call(
         scale=scale, num_tiles=num_tiles, num_kv_heads=num_kv_heads, rows=rows,
         head_dim=head_dim, num_blocks=num_blocks, block_size=block_size,
         table_width=padded_width, num_splits=num_splits,
         pages_per_compute_block=pages_per_compute_block, num_warps=num_warps,
-        num_stages=num_stages, interpret=interpret, name=name)
-    return combine_splits(*call(q_tiles, k_pool, v_pool, tables, kv_lens, row_pos))
+        num_stages=num_stages, sliding_window=sliding_window, soft_cap=soft_cap,
+        interpret=interpret, name=name)
+    return combine_splits(*call(q_tiles, k_pool, v_pool, tables, kv_lens, first_pages,
+                                row_pos))
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("max_query_len", "scale", "query_rows", "pages_per_compute_block",
-                     "num_splits", "num_warps", "num_stages", "interpret"),
+                     "num_splits", "num_warps", "num_stages", "interpret", "sliding_window",
+                     "soft_cap"),
 )
 def ragged_paged_attention_gpu(
     q: jax.Array,
@@ -261,6 +280,8 @@ def ragged_paged_attention_gpu(
     num_warps: int = DEFAULT_NUM_WARPS,
     num_stages: int = DEFAULT_NUM_STAGES,
     interpret: bool = False,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """Attention of a ragged batch of queries over a paged KV pool, on GPU.
 
@@ -282,6 +303,10 @@ def ragged_paged_attention_gpu(
       num_splits: KV splits per tile; default enough for ~4 waves of programs on 132 SMs.
       num_warps, num_stages: Triton launch parameters.
       interpret: run in Pallas interpret mode (CPU).
+      sliding_window: a query at p sees only the keys (p - sliding_window, p]; a tile
+        reads no page before its earliest query's window, and those pages' table entries
+        may name any block.
+      soft_cap: scores -> soft_cap * tanh(scores / soft_cap) (Gemma 2), before masking.
 
     Returns:
       [T, num_heads, head_dim] in q's dtype; rows of padding tokens are zero.
@@ -303,5 +328,6 @@ def ragged_paged_attention_gpu(
         q_tiles, k_pool, v_pool, block_tables[tiles.tile_seq], tiles.tile_kv_len,
         tiles.row_pos, scale=scale, pages_per_compute_block=pages_per_compute_block,
         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-        interpret=interpret, name="ragged_paged_attention_gpu")  # [N, K, R, Dp]
+        interpret=interpret, name="ragged_paged_attention_gpu", sliding_window=sliding_window,
+        soft_cap=soft_cap)  # [N, K, R, Dp]
     return ragged_tiles.scatter_outputs(out, tiles, layout, num_tokens, head_dim, q.dtype)

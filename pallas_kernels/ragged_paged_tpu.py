@@ -7,7 +7,9 @@ head (`[K, rows, Dp]`). A pure-decode step gets one-token tiles of a sublane mul
 rows (8 f32, 16 bf16); a step with chunks gets tiles of ~128 rows (one MXU width).
 
 One grid step per tile. Per tile, its sequence, the number of keys it reads (its last
-query's position + 1) and the flattened block tables are scalar-prefetched into SMEM. K and
+query's position + 1), its first page (0, or with a sliding window the page of its earliest
+query's first key: earlier pages are never copied) and the flattened block tables are
+scalar-prefetched into SMEM. K and
 V stay in HBM (`memory_space=ANY`) and are copied into VMEM `pages_per_compute_block` pages
 at a time, one DMA per page and pool carrying all KV heads of that page (`[K, block_size,
 Dp]`, strided in HBM). Copies are double-buffered: the copy of the next compute block is
@@ -44,7 +46,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import ragged_tiles
+from pallas_kernels import ragged_tiles, score_mods
 from pallas_kernels.checks import check_ragged_inputs
 
 LANES = 128  # TPU vector lane count: head_dim and the compute block are padded to it
@@ -63,6 +65,7 @@ def _ragged_kernel(
     # scalar prefetch
     tile_seq_ref,  # [N] int32 (SMEM): sequence of each tile
     tile_kv_len_ref,  # [N] int32 (SMEM): keys each tile reads, 0 for empty tiles
+    tile_first_page_ref,  # [N] int32 (SMEM): each tile's first page (window start; else 0)
     tables_ref,  # [S * W] int32 (SMEM): flattened block tables
     # inputs
     row_pos_ref,  # [R, 128] int32: each row's query position (-1: no query), lane-replicated
@@ -86,6 +89,8 @@ def _ragged_kernel(
     tiles_per_chunk: int,
     table_width: int,
     pages_per_compute_block: int,
+    sliding_window: int | None,
+    soft_cap: float | None,
 ):
     num_kv_heads, _, head_dim = q_ref.shape
     block_size = k_hbm.shape[2]
@@ -94,14 +99,17 @@ def _ragged_kernel(
     chunk, step = pl.program_id(0), pl.program_id(1)
     tile = step * num_chunks + chunk  # tiles are dealt round-robin to the chunks
     kv_len = tile_kv_len_ref[tile]
-    num_compute_blocks = pl.cdiv(kv_len, tokens)
+    # a tile's compute blocks start at its first page: with a sliding window, pages before
+    # it are neither copied nor read (their table entries may name any block)
+    first_key = tile_first_page_ref[tile] * block_size
+    num_compute_blocks = pl.cdiv(kv_len - first_key, tokens)  # 0 for empty tiles
 
     def page_copies(copy_tile, block, slot):
         """(valid, K copy, V copy) for each page of compute block `block` of `copy_tile`."""
         copy_seq = tile_seq_ref[copy_tile]
         copies = []
         for p in range(pages_per_compute_block):
-            page = block * pages_per_compute_block + p
+            page = tile_first_page_ref[copy_tile] + block * pages_per_compute_block + p
             page_id = tables_ref[copy_seq * table_width + page]
             valid = page * block_size < tile_kv_len_ref[copy_tile]  # pages past it: no copy
             k_copy = pltpu.make_async_copy(k_hbm.at[:, page_id], k_buf.at[slot, p], k_sems.at[slot])
@@ -130,6 +138,7 @@ def _ragged_kernel(
         scores = jax.lax.dot_general(
             q, k, (((1,), (1,)), ((), ())), precision=precision,
             preferred_element_type=jnp.float32) * scale
+        scores = score_mods.soft_cap(scores, soft_cap)
         # unowned slots (and pages not copied) may hold anything, NaN included: select, not
         # add, and zero their values (0 * NaN = NaN)
         scores = jnp.where(mask, scores, -jnp.inf)
@@ -173,11 +182,13 @@ def _ragged_kernel(
         wait(tile, block, slot)
 
         # causal: a row sees keys up to its own position, which also keeps it inside the
-        # sequence (position < seq_len) and inside the tile's copied pages (< kv_len)
+        # sequence (position < seq_len) and inside the tile's copied pages (< kv_len); with
+        # a window, none before it
+        block_key = first_key + block * tokens
         row_pos = jnp.tile(row_pos_ref[...], (1, tokens // LANES))  # [R, T]
-        key_pos = block * tokens + jax.lax.broadcasted_iota(jnp.int32, row_pos.shape, 1)
-        mask = key_pos <= row_pos
-        value_pos = block * tokens + jax.lax.broadcasted_iota(jnp.int32, (tokens, head_dim), 0)
+        key_pos = block_key + jax.lax.broadcasted_iota(jnp.int32, row_pos.shape, 1)
+        mask = score_mods.visible(key_pos, row_pos, sliding_window)
+        value_pos = block_key + jax.lax.broadcasted_iota(jnp.int32, (tokens, head_dim), 0)
         value_mask = value_pos < kv_len  # [T, Dp]
         if num_kv_heads <= MAX_UNROLLED_HEADS:
             for h in range(num_kv_heads):
@@ -250,28 +261,36 @@ def interpret_params():
 
 
 def attend_tiles(tile_seq, tile_kv_len, block_tables, row_pos, q_tiles, k_pool, v_pool, *,
-                 scale, num_chunks, pages_per_compute_block, interpret, name):
+                 scale, num_chunks, pages_per_compute_block, interpret, name,
+                 sliding_window=None, soft_cap=None):
     """Run the kernel over prepared tiles: tile_seq [N] each tile's sequence (a row of
     block_tables [S, W]), tile_kv_len [N] the keys each tile reads, row_pos [N, R] each
     row's query position (-1: none), q_tiles [N, K, R, Dp] (Dp the pool's head dim rounded
     up to 128 lanes, lanes past the queries' zero), N a multiple of num_chunks ->
     [N, K, R, Dp] f32 attention outputs. A pool whose head dim is not Dp is padded here
-    (a copy; pools allocated at 128 lanes avoid it)."""
+    (a copy; pools allocated at 128 lanes avoid it). With a `sliding_window`, a tile copies
+    pages from the one of its earliest query's first key on (`ragged_tiles.first_pages`)."""
     num_tiles, num_kv_heads, rows, head_dim = q_tiles.shape
     block_size, pool_dim = k_pool.shape[2:]
     if pool_dim != head_dim:
         pad = ((0, 0), (0, 0), (0, 0), (0, head_dim - pool_dim))
         k_pool, v_pool = jnp.pad(k_pool, pad), jnp.pad(v_pool, pad)
-    table_width = round_up(block_tables.shape[1], pages_per_compute_block)
+    # whole compute blocks (one more where a window starts a tile's blocks mid-table), so
+    # that a compute block's page lookups stay inside its sequence's row
+    table_width = round_up(block_tables.shape[1], pages_per_compute_block) + (
+        pages_per_compute_block if sliding_window is not None else 0)
     tables = jnp.pad(block_tables, ((0, 0), (0, table_width - block_tables.shape[1])))
+    first_pages = ragged_tiles.first_pages(row_pos, block_size, sliding_window)
     row_pos = jnp.broadcast_to(row_pos[:, :, None], (num_tiles, rows, LANES))
     call = _build_call(
         scale=scale, num_chunks=num_chunks, tiles_per_chunk=num_tiles // num_chunks,
         num_kv_heads=num_kv_heads, rows=rows, head_dim=head_dim, block_size=block_size,
         pool_dtype=k_pool.dtype, table_width=table_width,
-        pages_per_compute_block=pages_per_compute_block,
-        interpret=interpret_params() if interpret is True else interpret, name=name)
-    return call(tile_seq, tile_kv_len, tables.reshape(-1), row_pos, q_tiles, k_pool, v_pool)
+        pages_per_compute_block=pages_per_compute_block, sliding_window=sliding_window,
+        soft_cap=soft_cap, interpret=interpret_params() if interpret is True else interpret,
+        name=name)
+    return call(tile_seq, tile_kv_len, first_pages, tables.reshape(-1), row_pos, q_tiles,
+                k_pool, v_pool)
 
 
 def check_tiling(block_size: int, pages_per_compute_block: int | None,
@@ -313,18 +332,22 @@ def _build_call(
     pool_dtype,
     table_width: int,
     pages_per_compute_block: int,
+    sliding_window: int | None,
+    soft_cap: float | None,
     interpret,
     name: str,
 ):
     """The pallas_call over grid (chunk, tile within the chunk): (tile sequences [N], tile
-    key counts [N], flattened block tables [S * W] (scalar prefetch), row positions
+    key counts [N], tile first pages [N], flattened block tables [S * W] (scalar prefetch),
+    row positions
     [N, R, 128], q tiles [N, K, R, Dp], k_pool, v_pool) -> outputs [N, K, R, Dp] f32. Tile
     t runs in chunk t % num_chunks; live tiles must precede empty ones for the cross-tile
     prefetch to reach every live tile (an empty tile between live ones only costs the next
     tile its prefetch)."""
     kernel = functools.partial(
         _ragged_kernel, scale=scale, num_chunks=num_chunks, tiles_per_chunk=tiles_per_chunk,
-        table_width=table_width, pages_per_compute_block=pages_per_compute_block)
+        table_width=table_width, pages_per_compute_block=pages_per_compute_block,
+        sliding_window=sliding_window, soft_cap=soft_cap)
     num_tiles = num_chunks * tiles_per_chunk
     itemsize = jnp.dtype(pool_dtype).itemsize
     buffer_shape = (2, pages_per_compute_block, num_kv_heads, block_size, head_dim)
@@ -345,7 +368,8 @@ def _build_call(
         return (step * num_chunks + chunk, 0, 0)
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,  # tile sequences, tile key counts, flattened block tables
+        # tile sequences, key counts and first pages, flattened block tables
+        num_scalar_prefetch=4,
         grid=(num_chunks, tiles_per_chunk),
         in_specs=[
             # row_pos [N, R, 128] int32: one tile's query positions per step
@@ -383,7 +407,7 @@ def _build_call(
 
 @functools.partial(
     jax.jit, static_argnames=("max_query_len", "scale", "interpret", "pages_per_compute_block",
-                              "batch_chunks"))
+                              "batch_chunks", "sliding_window", "soft_cap"))
 def ragged_paged_attention_tpu(
     q: jax.Array,
     k_pool: jax.Array,
@@ -397,6 +421,8 @@ def ragged_paged_attention_tpu(
     interpret: bool = False,
     pages_per_compute_block: int | None = None,
     batch_chunks: int = DEFAULT_BATCH_CHUNKS,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """Attention of a ragged batch of queries over paged K/V, on TPU; the contract of
     `pallas_kernels.reference.paged_attention_reference`.
@@ -421,6 +447,10 @@ def ragged_paged_attention_tpu(
         multiple of 128. Default: 128 tokens' worth.
       batch_chunks: chunks of the tiles on the "parallel" grid axis (2 feeds both
         TensorCores of a megacore chip).
+      sliding_window: a query at p sees only the keys (p - sliding_window, p]; a tile
+        copies no page before its earliest query's window, and those pages' table entries
+        may name any block.
+      soft_cap: scores -> soft_cap * tanh(scores / soft_cap) (Gemma 2), before masking.
 
     Returns:
       [T, num_heads, D] in q's dtype.
@@ -450,5 +480,6 @@ def ragged_paged_attention_tpu(
         tiles.tile_seq, tiles.tile_kv_len, block_tables, tiles.row_pos, q_tiles, k_pool,
         v_pool, scale=scale, num_chunks=num_chunks,
         pages_per_compute_block=pages_per_compute_block, interpret=interpret,
-        name="ragged_paged_attention_tpu")  # [N, K, R, Dp] f32
+        name="ragged_paged_attention_tpu", sliding_window=sliding_window,
+        soft_cap=soft_cap)  # [N, K, R, Dp] f32
     return ragged_tiles.scatter_outputs(out, tiles, layout, num_tokens, head_dim, q.dtype)

@@ -22,6 +22,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import score_mods
+
 
 @dataclasses.dataclass(frozen=True)
 class TileLayout:
@@ -107,6 +109,19 @@ def make_tiles(layout: TileLayout, seq_lens: jax.Array, query_start_loc: jax.Arr
     tile_seq = jnp.where(live_tile, seq, 0)
     return Tiles(tile_seq=tile_seq.astype(jnp.int32), tile_kv_len=tile_kv_len.astype(jnp.int32),
                  row_pos=row_pos.astype(jnp.int32), row_token=row_token.astype(jnp.int32))
+
+
+def first_pages(row_pos: jax.Array, block_size: int, sliding_window: int | None) -> jax.Array:
+    """[N] the first page (block-table column) each tile reads: the page of the first key
+    its earliest query sees (row_pos [N, R], -1 for rows no query fills). 0 without a window
+    and for empty tiles. Pages before it may name any block (a sliding layer's pool frees
+    them): the kernels neither read nor copy them, so a long sequence costs its window."""
+    if sliding_window is None:
+        return jnp.zeros(row_pos.shape[0], jnp.int32)
+    no_query = jnp.iinfo(jnp.int32).max
+    earliest = jnp.min(jnp.where(row_pos >= 0, row_pos, no_query), axis=1)  # [N]
+    first = score_mods.first_key(earliest, sliding_window) // block_size
+    return jnp.where(earliest < no_query, first, 0).astype(jnp.int32)
 
 
 def gather_queries(q: jax.Array, tiles: Tiles, layout: TileLayout, head_dim: int) -> jax.Array:

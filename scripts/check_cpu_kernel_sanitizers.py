@@ -10,13 +10,16 @@ temporary directory. A child Python then registers that library through
 `JAXPAGE_CPU_KERNEL_LIB`, with the sanitizer runtimes preloaded (`LD_PRELOAD` of libasan and
 libubsan, as `g++ -print-file-name` finds them), and runs the kernel on random ragged batches:
 decode and prefill, GQA and not, the compiled (head_dim, block_size) pairs and run-time sized
-ones, several query tiles, every pool slot no sequence owns holding NaN, +inf or -inf, with
-float32 pools and with bfloat16 pools on both bfloat16 paths (the AVX512-BF16 "dot" path where
-the build has it, and the "portable" one). Each result is compared with naive float64 NumPy
+ones, several query tiles, sliding windows (1 to wider than any sequence, the table entries of
+the blocks before a sequence's window pointing outside the pool: reading one is an error) and
+soft-capping, every pool slot no sequence owns holding NaN, +inf or -inf, with float32 pools
+and with bfloat16 pools on both bfloat16 paths (the AVX512-BF16 "dot" path where the build has
+it, and the "portable" one). Each result is compared with naive float64 NumPy
 attention (of the inputs rounded to bfloat16, for bfloat16 pools, within the bound the kernel's
 roundings allow: see `bf16_ratio`). It also feeds the kernel inputs its
 handler must reject (wrong output shape, overlapping or decreasing query ranges, too many
-queries for a sequence, block ids outside the pool) and checks each is an error.
+queries for a sequence, block ids outside the pool, a negative window or soft-cap) and checks
+each is an error.
 
 Prints a one-line summary. Exit status: 0 clean; 1 a sanitizer finding (its report is printed)
 or a wrong result; 2 this machine cannot run the check (no C++ compiler or sanitizer runtime).
@@ -48,6 +51,9 @@ FINDING = re.compile(r"runtime error:|ERROR: AddressSanitizer|UndefinedBehaviorS
 SHAPES = [(9, 3, 64, 16), (8, 2, 128, 32), (4, 4, 64, 32), (8, 1, 128, 16),
           (4, 4, 8, 4), (6, 2, 16, 16), (9, 3, 8, 1), (8, 1, 32, 8), (2, 1, 24, 256)]
 FILLS = [float("nan"), float("inf"), float("-inf")]
+# (sliding_window, soft_cap) cycled through the batches: off, windows of one token, less than a
+# block, odd sizes, longer than any sequence; soft-capping alone and with a window
+ATTENTION_OPTIONS = [(None, None), (1, None), (5, 2.0), (13, None), (None, 3.0), (100, 30.0)]
 
 
 def _runtime(compiler: str, name: str) -> str | None:
@@ -79,9 +85,12 @@ def build(compiler: str, out_dir: Path, source: Path | None = None) -> Path:
 # ----------------------------------------------------------------------------- the child
 
 
-def random_batch(rng, *, num_heads, num_kv_heads, head_dim, block_size, decode, fill):
+def random_batch(rng, *, num_heads, num_kv_heads, head_dim, block_size, decode, fill,
+                 window=None):
     """A ragged batch over a permuted head-major pool whose unowned slots hold `fill`, plus
-    each sequence's contiguous K/V for the oracle."""
+    each sequence's contiguous K/V for the oracle. With a `window`, the table entries of the
+    blocks before each sequence's first needed one (the block of the first key its earliest
+    query sees) point outside the pool, as if freed: the kernel must not read them."""
     import numpy as np
 
     num_seqs = int(rng.integers(1, 6))
@@ -113,29 +122,46 @@ def random_batch(rng, *, num_heads, num_kv_heads, head_dim, block_size, decode, 
     num_tokens = int(new.sum()) + int(rng.integers(0, 4))  # trailing padding tokens
     q = rng.standard_normal((num_tokens, num_heads, head_dim)).astype(np.float32)
     qsl = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    for s in range(num_seqs):
+        if window is not None and new[s]:
+            freed = max(0, int(seq_lens[s] - new[s]) - window + 1) // block_size
+            tables[s, :freed] = np.where(np.arange(freed) % 2, -7, num_blocks + 7)
     return (q, k_pool, v_pool, tables, seq_lens.astype(np.int32), qsl), keys, values
 
 
-def naive_error(out, args, keys, values, scale) -> float:
-    """Largest |out - float64 attention| over all query rows (padding rows must be 0)."""
+def naive_rows(args, keys, values, scale, window, soft_cap):
+    """(token, head, float64 weights, the values they weigh) of every query row: attention
+    over the keys (max(0, p - window + 1) .. p) of a query at position p, scores soft-capped
+    as cap * tanh(scores / cap)."""
     import numpy as np
 
     q, qsl = args[0].astype(np.float64), args[5]
     group = q.shape[1] // keys[0].shape[1] if keys else 1
-    worst = float(np.abs(out[qsl[-1]:]).max(initial=0.0))
     for s, (k, v) in enumerate(zip(keys, values, strict=True)):
         k, v = k.astype(np.float64), v.astype(np.float64)
         first = k.shape[0] - (qsl[s + 1] - qsl[s])
         for i, tok in enumerate(range(qsl[s], qsl[s + 1])):
+            pos = first + i
+            seen = slice(0 if window is None else max(0, pos - window + 1), pos + 1)
             for h in range(q.shape[1]):
-                scores = k[: first + i + 1, h // group] @ q[tok, h] * scale
+                scores = k[seen, h // group] @ q[tok, h] * scale
+                if soft_cap is not None:
+                    scores = soft_cap * np.tanh(scores / soft_cap)
                 weights = np.exp(scores - scores.max())
-                expected = weights / weights.sum() @ v[: first + i + 1, h // group]
-                worst = max(worst, float(np.abs(out[tok, h] - expected).max()))
+                yield tok, h, weights / weights.sum(), v[seen, h // group]
+
+
+def naive_error(out, args, keys, values, scale, window=None, soft_cap=None) -> float:
+    """Largest |out - float64 attention| over all query rows (padding rows must be 0)."""
+    import numpy as np
+
+    worst = float(np.abs(out[args[5][-1]:]).max(initial=0.0))
+    for tok, h, w, v in naive_rows(args, keys, values, scale, window, soft_cap):
+        worst = max(worst, float(np.abs(out[tok, h] - w @ v).max()))
     return worst
 
 
-def bf16_ratio(out, args, keys, values, scale, dot) -> float:
+def bf16_ratio(out, args, keys, values, scale, dot, window=None, soft_cap=None) -> float:
     """Largest |out - float64 attention| / the bound for bfloat16 pools (<= 1 is right):
     eps (|expected| + [dot] sum_t w_t |v_t|) (1 + eps) + 2e-5, eps = 2^-8: the output is
     rounded to bfloat16, and on the dot path each probability before P.V (see
@@ -144,22 +170,12 @@ def bf16_ratio(out, args, keys, values, scale, dot) -> float:
     import numpy as np
 
     eps = 2.0**-8
-    q, qsl = args[0].astype(np.float64), args[5]
-    group = q.shape[1] // keys[0].shape[1] if keys else 1
-    worst = float(np.abs(out[qsl[-1]:]).max(initial=0.0)) / 2e-5
-    for s, (k, v) in enumerate(zip(keys, values, strict=True)):
-        k, v = k.astype(np.float64), v.astype(np.float64)
-        first = k.shape[0] - (qsl[s + 1] - qsl[s])
-        for i, tok in enumerate(range(qsl[s], qsl[s + 1])):
-            for h in range(q.shape[1]):
-                seen = slice(0, first + i + 1)
-                scores = k[seen, h // group] @ q[tok, h] * scale
-                w = np.exp(scores - scores.max())
-                w /= w.sum()
-                expected = w @ v[seen, h // group]
-                spread = w @ np.abs(v[seen, h // group]) if dot else 0.0
-                bound = eps * (np.abs(expected) + spread) * (1 + eps) + 2e-5
-                worst = max(worst, float((np.abs(out[tok, h] - expected) / bound).max()))
+    worst = float(np.abs(out[args[5][-1]:]).max(initial=0.0)) / 2e-5
+    for tok, h, w, v in naive_rows(args, keys, values, scale, window, soft_cap):
+        expected = w @ v
+        spread = w @ np.abs(v) if dot else 0.0
+        bound = eps * (np.abs(expected) + spread) * (1 + eps) + 2e-5
+        worst = max(worst, float((np.abs(out[tok, h] - expected) / bound).max()))
     return worst
 
 
@@ -180,13 +196,16 @@ def bad_inputs():
         return lambda: paged_attention_cpu(np.ones((q_tokens, 2, 8), np.float32), k_pool,
                                            k_pool, table, seq_lens, np.array(qsl, np.int32))
 
-    def wrong_out(shape, dtype=jnp.float32):
+    def wrong_out(shape, dtype=jnp.float32, window=0, soft_cap=0.0):
+        """The FFI target called directly: any output shape, window and soft-cap."""
         target = cpu_attention._TARGET if dtype == jnp.float32 else cpu_attention._TARGET_BF16
         extra = {} if dtype == jnp.float32 else {"bf16_dot": np.int64(1)}
         call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(shape, dtype))
         return lambda: call(jnp.ones((4, 2, 8), dtype), k_pool.astype(dtype),
                             k_pool.astype(dtype), tables, lens, np.array([0, 2, 4], np.int32),
-                            scale=np.float32(1.0), query_tile=np.int64(32), **extra)
+                            scale=np.float32(1.0), query_tile=np.int64(32),
+                            sliding_window=np.int64(window), soft_cap=np.float32(soft_cap),
+                            **extra)
 
     def attend_bf16(table, bf16_dot):
         pool = jnp.zeros((1, 6, 4, 64), jnp.bfloat16)  # head_dim 64: the dot path's sizes
@@ -209,6 +228,9 @@ def bad_inputs():
                                                                       np.int32)),
          "block table entry outside the pool"),
         ("bf16: smaller output", wrong_out((1, 2, 8), jnp.bfloat16), "output shape [1, 2, 8]"),
+        ("negative window", wrong_out((4, 2, 8), window=-1), "sliding_window -1 is negative"),
+        ("NaN soft-cap", wrong_out((4, 2, 8), soft_cap=float("nan")), "must be finite and >= 0"),
+        ("negative soft-cap", wrong_out((4, 2, 8), soft_cap=-1.0), "soft_cap -1"),
         *((f"bf16 {mode}: block outside the pool",
            attend_bf16(np.array([[1, 2], [3, 6]], np.int32), mode == "dot"),
            "block table entry outside the pool") for mode in ("dot", "portable")),
@@ -244,15 +266,19 @@ def child(seeds: int) -> int:
             for decode in (True, False):
                 fill = FILLS[(seed + shape_index + decode) % len(FILLS)]
                 query_tile = (1, 3, 32)[(seed + shape_index) % 3]
+                window, soft_cap = ATTENTION_OPTIONS[
+                    (2 * (seed + shape_index) + decode) % len(ATTENTION_OPTIONS)]
+                options = dict(sliding_window=window, soft_cap=soft_cap)
                 args, keys, values = random_batch(
                     rng, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                    block_size=block_size, decode=decode, fill=fill)
-                out = np.asarray(paged_attention_cpu(*args, query_tile=query_tile))
-                error = naive_error(out, args, keys, values, head_dim**-0.5)
+                    block_size=block_size, decode=decode, fill=fill, window=window)
+                out = np.asarray(paged_attention_cpu(*args, query_tile=query_tile, **options))
+                error = naive_error(out, args, keys, values, head_dim**-0.5, window, soft_cap)
                 if not error <= 2e-5:
                     raise AssertionError(
                         f"seed {seed} shape {SHAPES[shape_index]} decode={decode} fill={fill} "
-                        f"query_tile={query_tile}: max |error| {error} vs float64")
+                        f"query_tile={query_tile} window={window} soft_cap={soft_cap}: "
+                        f"max |error| {error} vs float64")
                 worst = max(worst, error)
                 counts["decode" if decode else "prefill"] += 1
                 # the same batch with bfloat16 pools (NaN/inf survive the rounding)
@@ -261,13 +287,15 @@ def child(seeds: int) -> int:
                 bf16_args = (*(jnp.asarray(a, jnp.bfloat16) for a in args[:3]), *args[3:])
                 for mode in ("dot", "portable"):
                     out = np.asarray(paged_attention_cpu(
-                        *bf16_args, query_tile=query_tile, bf16_dot=mode == "dot"
+                        *bf16_args, query_tile=query_tile, bf16_dot=mode == "dot", **options
                     ).astype(jnp.float32))
-                    ratio = bf16_ratio(out, args, keys, values, head_dim**-0.5, mode == "dot")
+                    ratio = bf16_ratio(out, args, keys, values, head_dim**-0.5, mode == "dot",
+                                       window, soft_cap)
                     if not ratio <= 1.0:
                         raise AssertionError(
                             f"bf16 {mode}: seed {seed} shape {SHAPES[shape_index]} "
-                            f"decode={decode} fill={fill} query_tile={query_tile}: error "
+                            f"decode={decode} fill={fill} query_tile={query_tile} "
+                            f"window={window} soft_cap={soft_cap}: error "
                             f"{ratio:.2f} x the bound vs float64")
                     worst_bf16[mode] = max(worst_bf16[mode], ratio)
     rejected = 0

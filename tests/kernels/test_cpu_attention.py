@@ -205,10 +205,12 @@ def test_inconsistent_lengths_are_an_error():
 
 
 def _call_target(args, out_shape):
-    """The FFI target called as `paged_attention_cpu` calls it (scale 1), any result shape."""
+    """The FFI target called as `paged_attention_cpu` calls it (scale 1, no window or
+    soft-cap), any result shape."""
     call = jax.ffi.ffi_call(cpu_attention._TARGET, jax.ShapeDtypeStruct(out_shape, jnp.float32))
     return jax.block_until_ready(call(*args, scale=np.float32(1.0),
-                                      query_tile=np.int64(cpu_attention.QUERY_TILE)))
+                                      query_tile=np.int64(cpu_attention.QUERY_TILE),
+                                      sliding_window=np.int64(0), soft_cap=np.float32(0.0)))
 
 
 @pytest.mark.parametrize("out_shape", [(1, 2, 8), (2, 2, 8), (64, 2, 8), (2, 4, 8), (4, 2, 1, 8)])
