@@ -1,0 +1,143 @@
+"""Mixture-of-experts decoders (Mixtral, Qwen3-MoE): the Llama-family decoder whose MoE
+layers route each token to `num_experts_per_tok` of `num_experts` gated MLPs.
+
+Params are llama.py's, except that a MoE layer (`ModelConfig.is_moe_layer`) has, instead of
+"gate_up" / "down":
+
+    {"router": [H, E], "experts_gate_up": [E, H, 2I], "experts_down": [E, I, H]}
+
+with E = num_experts and I = moe_intermediate_size; Qwen3-MoE's other layers keep the dense
+MLP ("gate_up" / "down", `intermediate_size` wide).
+
+Routing follows HF: softmax over the router logits in float32, the top k, renormalized to
+sum to 1 when `norm_topk_prob` (always for Mixtral). The experts run as a grouped matmul
+over only the (token, expert) pairs routed (`grouped_experts`, `jax.lax.ragged_dot`);
+`dense_experts` runs every expert on every token and is the reference it is tested against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpage.models import llama
+from jaxpage.models.config import ModelConfig
+
+
+def route(config: ModelConfig, h: jax.Array, router: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(weights [T, k] float32, experts [T, k] int32): each token's top-k experts by router
+    probability and their routing weights, as HF computes them."""
+    logits = h @ router  # [T, H] x [H, E] -> [T, E], in the model's dtype like HF's F.linear
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = top_k(probs, config.num_experts_per_tok)
+    if config.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts
+
+
+def top_k(probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k` over the last axis: among equal values the lower index wins."""
+    return jax.lax.top_k(probs, k)
+
+
+def grouped_experts(h: jax.Array, weights: jax.Array, experts: jax.Array,
+                    gate_up: jax.Array, down: jax.Array) -> jax.Array:
+    """The routed experts' weighted sum per token, computing only the routed pairs.
+
+    The T * k (token, expert) pairs are sorted by expert so each expert's tokens are one
+    contiguous group, and two `ragged_dot`s run the groups' MLPs; the outputs are scaled by
+    their routing weights and summed back onto their tokens in float32.
+
+    h: [T, H]; weights, experts: [T, k]; gate_up: [E, H, 2I]; down: [E, I, H]. Returns [T, H].
+    """
+    num_tokens, k = experts.shape
+    flat = experts.reshape(-1)  # [T * k], pair p = token p // k, its (p % k)-th choice
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    group_sizes = jnp.bincount(flat, length=gate_up.shape[0]).astype(jnp.int32)  # [E]
+    gate, up = jnp.split(jax.lax.ragged_dot(h[token], gate_up, group_sizes), 2, axis=-1)
+    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down, group_sizes)  # [T * k, H]
+    out = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((num_tokens, h.shape[1]), jnp.float32).at[token].add(out).astype(h.dtype)
+
+
+def dense_experts(h: jax.Array, weights: jax.Array, experts: jax.Array,
+                  gate_up: jax.Array, down: jax.Array) -> jax.Array:
+    """What `grouped_experts` computes, by running every expert on every token and weighting
+    the unrouted ones by zero: E / k times the work, the reference for tests and benchmarks."""
+    gate, up = jnp.split(jnp.einsum("th,ehi->eti", h, gate_up), 2, axis=-1)
+    out = jnp.einsum("eti,eih->eth", jax.nn.silu(gate) * up, down)  # [E, T, H]
+    rows = jnp.arange(experts.shape[0])[:, None]
+    combine = jnp.zeros((experts.shape[0], gate_up.shape[0]), jnp.float32)
+    combine = combine.at[rows, experts].add(weights)  # [T, E], zero where unrouted
+    return jnp.einsum("te,eth->th", combine, out.astype(jnp.float32)).astype(h.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeModel(llama.LlamaModel):
+    """llama.LlamaModel whose MoE layers (those with a "router") route to experts.
+
+    `expert_fn` computes the experts (`grouped_experts`, or `dense_experts` to compare).
+    Tensor parallelism is refused for it (`jaxpage.parallel` shards dense MLPs only).
+    """
+
+    expert_fn: Any = grouped_experts
+
+    def _mlp(self, layer, h):
+        if "router" not in layer:
+            return super()._mlp(layer, h)
+        weights, experts = route(self.config, h, layer["router"])
+        return self.expert_fn(h, weights, experts, layer["experts_gate_up"],
+                              layer["experts_down"])
+
+
+def param_shapes(config: ModelConfig) -> dict[str, Any]:
+    """llama.param_shapes with each MoE layer's dense MLP replaced by its router and experts."""
+    shapes = llama.param_shapes(config)
+    h, e, i = config.hidden_size, config.num_experts, config.moe_intermediate_size
+    for n, layer in enumerate(shapes["layers"]):
+        if config.is_moe_layer(n):
+            del layer["gate_up"], layer["down"]
+            layer.update(router=(h, e), experts_gate_up=(e, h, 2 * i), experts_down=(e, i, h))
+    return shapes
+
+
+# where an HF checkpoint keeps a MoE layer's router and experts, and each expert's gate, up
+# and down projections (the Hub's per-expert layout, which transformers 5 also saves)
+_HF_MOE_NAMES = {
+    "MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "Qwen3MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+}
+
+
+def params_from_hf_tensors(config: ModelConfig, get) -> dict[str, Any]:
+    """HF-named tensors -> numpy params: llama's attention, norms and dense MLPs, plus each
+    MoE layer's router and its experts stacked [E, ...]."""
+    from jaxpage.loading.hf import (attention_from_hf, decoder_from_hf, hf_fetchers,
+                                    mlp_from_hf)
+
+    fetch, linear = hf_fetchers(config, get)
+    block, names = _HF_MOE_NAMES[config.architecture]
+    layers = []
+    for n in range(config.num_layers):
+        layer = attention_from_hf(config, fetch, linear, n)
+        if config.is_moe_layer(n):
+            p = f"model.layers.{n}.{block}."
+            experts = [mlp_from_hf(config, fetch, linear, f"{p}experts.{e}.",
+                                   config.moe_intermediate_size, names)
+                       for e in range(config.num_experts)]
+            layer.update(router=linear(p + "gate.weight", config.hidden_size, config.num_experts),
+                         experts_gate_up=np.stack([x["gate_up"] for x in experts]),
+                         experts_down=np.stack([x["down"] for x in experts]))
+        else:
+            layer.update(mlp_from_hf(config, fetch, linear, f"model.layers.{n}.mlp.",
+                                     config.intermediate_size))
+        layers.append(layer)
+    return decoder_from_hf(config, fetch, linear, layers)
+
+
+MODEL_CLASS = MoeModel
