@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpage.models.config import ModelConfig
 from jaxpage.models import FAMILIES, family_module
+from jaxpage.models.config import ModelConfig
 
 # Returns the HF-layout tensor (nn.Linear weights are [out, in]) or None when absent.
 TensorGetter = Callable[[str], "np.ndarray | None"]

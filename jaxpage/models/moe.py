@@ -117,8 +117,7 @@ _HF_MOE_NAMES = {
 def params_from_hf_tensors(config: ModelConfig, get) -> dict[str, Any]:
     """HF-named tensors -> numpy params: llama's attention, norms and dense MLPs, plus each
     MoE layer's router and its experts stacked [E, ...]."""
-    from jaxpage.loading.hf import (attention_from_hf, decoder_from_hf, hf_fetchers,
-                                    mlp_from_hf)
+    from jaxpage.loading.hf import attention_from_hf, decoder_from_hf, hf_fetchers, mlp_from_hf
 
     fetch, linear = hf_fetchers(config, get)
     block, names = _HF_MOE_NAMES[config.architecture]
