@@ -106,9 +106,10 @@ def param_shapes(config: ModelConfig) -> dict[str, Any]:
     return shapes
 
 
-# where an HF checkpoint keeps a MoE layer's router and experts, and each expert's gate, up
-# and down projections (the Hub's per-expert layout, which transformers 5 also saves)
-_HF_MOE_NAMES = {
+# Where an HF checkpoint keeps a MoE layer's router and experts ("model.layers.N.<block>.gate",
+# "...<block>.experts.E.<gate|up|down>"): the Hub's per-expert layout, which transformers 5
+# also saves.
+HF_MOE_NAMES = {
     "MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3", "w2")),
     "Qwen3MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
@@ -120,7 +121,7 @@ def params_from_hf_tensors(config: ModelConfig, get) -> dict[str, Any]:
     from jaxpage.loading.hf import attention_from_hf, decoder_from_hf, hf_fetchers, mlp_from_hf
 
     fetch, linear = hf_fetchers(config, get)
-    block, names = _HF_MOE_NAMES[config.architecture]
+    block, names = HF_MOE_NAMES[config.architecture]
     layers = []
     for n in range(config.num_layers):
         layer = attention_from_hf(config, fetch, linear, n)

@@ -3,6 +3,9 @@ and the grouped (ragged_dot) experts compute what running every expert does."""
 
 from __future__ import annotations
 
+import os
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -207,4 +210,54 @@ def test_checkpoint_round_trip(name, moe_model_dir, tmp_path):
     assert loaded_config == config
     assert jax.tree.structure(loaded) == jax.tree.structure(params)
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+# ----------------------------------------------------------------------------------------
+# GGUF
+
+
+def llama_cpp_tensors(path: str) -> dict[str, np.ndarray]:
+    """An HF directory's tensors as convert_hf_to_gguf hands them to the name map: each MoE
+    projection's experts stacked [E, ...] under the name without the expert index."""
+    from safetensors import safe_open
+
+    handle = safe_open(os.path.join(path, "model.safetensors"), framework="np")
+    tensors, experts = {}, {}
+    for name in handle.keys():
+        match = re.fullmatch(r"(.*\.experts)\.(\d+)\.(\w+\.weight)", name)
+        if match:
+            stack = experts.setdefault(f"{match[1]}.{match[3]}", {})
+            stack[int(match[2])] = handle.get_tensor(name)
+        else:
+            tensors[name] = handle.get_tensor(name)
+    for name, by_expert in experts.items():
+        tensors[name] = np.stack([by_expert[e] for e in range(len(by_expert))])
+    return tensors
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_gguf_equals_its_hf_twin(name, moe_model_dir, tmp_path):
+    """A GGUF written as llama.cpp writes the model (Mixtral as "llama" with expert_count,
+    its q/k rows permuted; Qwen3-MoE as "qwen3moe") loads to the HF directory's params."""
+    from loading.test_gguf_and_checkpoint import write_gguf
+
+    from jaxpage.loading.gguf import load_gguf
+
+    path, hf_model = moe_model_dir(name)
+    hf = hf_model.config
+
+    def experts(writer):
+        writer.add_expert_count(hf.num_experts)
+        writer.add_expert_used_count(hf.num_experts_per_tok)
+        if name == "qwen3_moe":
+            writer.add_expert_feed_forward_length(hf.moe_intermediate_size)
+
+    file = write_gguf(hf_model, tmp_path / f"{name}.gguf", edit=experts,
+                      tensors=llama_cpp_tensors(path))
+    config, params = load_gguf(file, "float32")
+    hf_config, hf_params = load_hf_dir(path, "float32")
+    assert config == hf_config
+    assert jax.tree.structure(params) == jax.tree.structure(hf_params)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(hf_params), strict=True):
         np.testing.assert_array_equal(a, b)
