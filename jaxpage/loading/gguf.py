@@ -266,9 +266,6 @@ def hf_config_from_gguf(reader) -> dict[str, Any]:
             "mlp_only_layers": [n for n in range(num_layers)
                                 if f"blk.{n}.ffn_gate_inp.weight" not in names],
         }
-    elif num_experts:
-        raise WeightsError(f"{arch} GGUF with {num_experts} experts: only Mixtral ('llama') "
-                           "and qwen3moe mixtures of experts are supported")
     return {
         **experts,
         "architectures": [architecture],

@@ -20,6 +20,7 @@ from jaxpage.loading.hf import load_hf_dir
 from jaxpage.models import build_model
 from jaxpage.models.config import ModelConfig
 from jaxpage.models.moe import MoeModel, dense_experts, grouped_experts, route
+from jaxpage.parallel import TensorParallel, valid_tp_sizes
 
 ATOL = 1e-4
 
@@ -261,3 +262,10 @@ def test_gguf_equals_its_hf_twin(name, moe_model_dir, tmp_path):
     assert jax.tree.structure(params) == jax.tree.structure(hf_params)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(hf_params), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_tensor_parallel_refused(moe_model_dir):
+    config, _ = load_hf_dir(moe_model_dir("mixtral")[0], "float32")
+    assert valid_tp_sizes(config, 4) == [1]
+    with pytest.raises(ValueError, match="MixtralForCausalLM is a mixture of experts"):
+        TensorParallel.create(config, 2, jax.devices() * 2)
