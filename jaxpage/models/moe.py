@@ -9,8 +9,9 @@ Params are llama.py's, except that a MoE layer (`ModelConfig.is_moe_layer`) has,
 with E = num_experts and I = moe_intermediate_size; Qwen3-MoE's other layers keep the dense
 MLP ("gate_up" / "down", `intermediate_size` wide).
 
-Routing follows HF: softmax over the router logits in float32, the top k, renormalized to
-sum to 1 when `norm_topk_prob` (always for Mixtral). The experts run as a grouped matmul
+Routing follows HF: softmax over the router logits in float32, the top k (ties broken as
+torch.topk on CPU breaks them), renormalized to sum to 1 when `norm_topk_prob` (always for
+Mixtral). The experts run as a grouped matmul
 over only the (token, expert) pairs routed (`grouped_experts`, `jax.lax.ragged_dot`);
 `dense_experts` runs every expert on every token and is the reference it is tested against.
 """
@@ -18,6 +19,7 @@ over only the (token, expert) pairs routed (`grouped_experts`, `jax.lax.ragged_d
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -26,6 +28,7 @@ import numpy as np
 
 from jaxpage.models import llama
 from jaxpage.models.config import ModelConfig
+from jaxpage.models.torch_topk import torch_cpu_topk_indices
 
 
 def route(config: ModelConfig, h: jax.Array, router: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -40,8 +43,32 @@ def route(config: ModelConfig, h: jax.Array, router: jax.Array) -> tuple[jax.Arr
 
 
 def top_k(probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """`jax.lax.top_k` over the last axis: among equal values the lower index wins."""
-    return jax.lax.top_k(probs, k)
+    """(values, indices) [T, k] of each row's k largest, the set `torch.topk` picks on CPU.
+
+    `jax.lax.top_k` gives the same set unless values tie across the k-th place, where it
+    keeps the lowest indices and torch does not (see `jaxpage.models.torch_topk`). Only a
+    step with such a tie pays for torch's choice: its tied rows are redone on the host.
+    """
+    values, indices = jax.lax.top_k(probs, k)
+    if k == probs.shape[-1]:
+        return values, indices
+    kth = values[:, -1:]
+    tied = jnp.sum(probs == kth, axis=-1) > jnp.sum(values == kth, axis=-1)  # [T]
+
+    def torch_choice():
+        chosen = jax.pure_callback(functools.partial(_torch_choice, k=k),
+                                   jax.ShapeDtypeStruct(indices.shape, indices.dtype),
+                                   probs, indices, tied)
+        return jnp.take_along_axis(probs, chosen, axis=-1), chosen
+
+    return jax.lax.cond(jnp.any(tied), torch_choice, lambda: (values, indices))
+
+
+def _torch_choice(probs: np.ndarray, indices: np.ndarray, tied: np.ndarray, k: int):
+    chosen = np.array(indices)
+    for row in np.flatnonzero(tied):
+        chosen[row] = torch_cpu_topk_indices(probs[row], k)
+    return chosen
 
 
 def grouped_experts(h: jax.Array, weights: jax.Array, experts: jax.Array,

@@ -19,7 +19,7 @@ from jaxpage.loading.checkpoint import load_checkpoint, save_checkpoint
 from jaxpage.loading.hf import load_hf_dir
 from jaxpage.models import build_model
 from jaxpage.models.config import ModelConfig
-from jaxpage.models.moe import MoeModel, dense_experts, grouped_experts, route
+from jaxpage.models.moe import MoeModel, dense_experts, grouped_experts, route, top_k
 from jaxpage.parallel import TensorParallel, valid_tp_sizes
 
 ATOL = 1e-4
@@ -269,3 +269,63 @@ def test_tensor_parallel_refused(moe_model_dir):
     assert valid_tp_sizes(config, 4) == [1]
     with pytest.raises(ValueError, match="MixtralForCausalLM is a mixture of experts"):
         TensorParallel.create(config, 2, jax.devices() * 2)
+
+
+# ----------------------------------------------------------------------------------------
+# Routing ties
+
+
+def tie_rows(rng, num_rows, n):
+    """Rows of n values from a few levels, many all equal: ties everywhere."""
+    rows = (rng.integers(0, rng.integers(1, 5, size=(num_rows, 1)) + 1, size=(num_rows, n))
+            / 7).astype(np.float32)
+    rows[::5] = 0.25
+    return rows
+
+
+@pytest.mark.parametrize("n,k", [(4, 2), (8, 1), (8, 2), (8, 3), (9, 4), (16, 4), (64, 1),
+                                 (64, 8), (128, 2), (128, 8)])
+def test_torch_topk_port_picks_torch_sets(n, k):
+    """The libstdc++ port picks torch.topk's CPU set on rows full of ties, in both of
+    torch's regimes (nth_element; partial_sort when k * 64 <= n)."""
+    import torch
+
+    from jaxpage.models.torch_topk import torch_cpu_topk_indices
+
+    rows = tie_rows(np.random.default_rng(n * k), 200, n)
+    expected = np.sort(torch.topk(torch.from_numpy(rows), k).indices.numpy(), -1)
+    got = np.array([torch_cpu_topk_indices(row, k) for row in rows])
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_jitted_top_k_breaks_ties_as_torch():
+    """Under jit, rows tied across the k-th place take torch's set (which here differs from
+    jax.lax.top_k's lowest indices), and the other rows keep lax.top_k's."""
+    import torch
+
+    rng = np.random.default_rng(0)
+    probs = np.concatenate([tie_rows(rng, 30, 8), rng.random((10, 8), np.float32)])
+    values, indices = jax.jit(top_k, static_argnums=1)(jnp.asarray(probs), 3)
+    expected = torch.topk(torch.from_numpy(probs), 3)
+    np.testing.assert_array_equal(np.sort(indices, -1), np.sort(expected.indices.numpy(), -1))
+    np.testing.assert_array_equal(np.sort(values, -1), np.sort(expected.values.numpy(), -1))
+    lowest = np.sort(np.asarray(jax.lax.top_k(jnp.asarray(probs), 3)[1]), -1)
+    assert (lowest != np.sort(indices, -1)).any(axis=-1).sum() > 5
+
+
+def test_tied_router_logits_match_hf(tmp_path):
+    """A Qwen3-MoE (top 3) whose router rows come in identical pairs: every token's 3rd
+    place is a tie between a pair's two experts, which HF breaks by torch.topk's rule."""
+    import torch
+
+    hf_model = build_moe_model("qwen3_moe")
+    with torch.no_grad():
+        for layer in hf_model.model.layers:
+            router = layer.mlp.gate.weight
+            router[1::2] = router[0::2]
+    hf_model.save_pretrained(tmp_path)
+    config, params = load_hf_dir(str(tmp_path), "float32")
+    tokens = np.random.default_rng(4).integers(0, config.vocab_size, size=30).tolist()
+    logits, _ = paged_forward(build_model(config), params, make_pool(config, 3, 16), [1, 2],
+                              0, tokens, 16, all_logits=True)
+    np.testing.assert_allclose(logits, hf_logits(hf_model, tokens), atol=ATOL, rtol=0)
