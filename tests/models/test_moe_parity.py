@@ -329,3 +329,18 @@ def test_tied_router_logits_match_hf(tmp_path):
     logits, _ = paged_forward(build_model(config), params, make_pool(config, 3, 16), [1, 2],
                               0, tokens, 16, all_logits=True)
     np.testing.assert_allclose(logits, hf_logits(hf_model, tokens), atol=ATOL, rtol=0)
+
+
+def test_bfloat16_close_to_float32(moe_model_dir):
+    """bfloat16 params (router logits in bfloat16 tie far more often) stay close to float32."""
+    path, _ = moe_model_dir("qwen3_moe")
+    config, params32 = load_hf_dir(path, "float32")
+    _, params16 = load_hf_dir(path, "bfloat16")
+    model = build_model(config)
+    tokens = list(range(3, 40))
+    pool32 = make_pool(config, 4, 16, fill=0.0)
+    pool16 = [(k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)) for k, v in pool32]
+    l32, _ = paged_forward(model, params32, pool32, [1, 2, 3], 0, tokens, 16, all_logits=True)
+    l16, _ = paged_forward(model, params16, pool16, [1, 2, 3], 0, tokens, 16, all_logits=True)
+    assert np.abs(l16 - l32).max() < 0.05 * np.abs(l32).max()
+    assert (l16.argmax(-1) == l32.argmax(-1)).mean() > 0.9
