@@ -27,6 +27,7 @@ import numpy as np
 
 from jaxpage.loading.hf import WeightsError, params_from_hf_tensors
 from jaxpage.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from jaxpage.models.moe import HF_MOE_NAMES
 
 # general.architecture -> HF architecture. Mistral GGUFs say "llama", and so do Mixtral's
 # (told apart by their `llama.expert_count`).
@@ -85,8 +86,6 @@ def hf_tensor_name(gguf_name: str) -> str | None:
 def hf_expert_names(gguf_name: str, config: ModelConfig) -> list[tuple[str, int | None]]:
     """The HF names a GGUF MoE tensor holds, with the expert each is the slice of (None:
     the whole tensor, the router); [] when it is no MoE tensor."""
-    from jaxpage.models.moe import HF_MOE_NAMES
-
     parts = gguf_name.split(".")
     if (config.num_experts == 0 or len(parts) != 4 or parts[0] != "blk"
             or parts[2] not in EXPERT_NAMES or parts[3] != "weight"):

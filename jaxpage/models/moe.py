@@ -11,9 +11,10 @@ MLP ("gate_up" / "down", `intermediate_size` wide).
 
 Routing follows HF: softmax over the router logits in float32, the top k (ties broken as
 torch.topk on CPU breaks them), renormalized to sum to 1 when `norm_topk_prob` (always for
-Mixtral). The experts run as a grouped matmul
-over only the (token, expert) pairs routed (`grouped_experts`, `jax.lax.ragged_dot`);
-`dense_experts` runs every expert on every token and is the reference it is tested against.
+Mixtral). The experts run as a grouped matmul over only the (token, expert) pairs routed
+(`grouped_experts`, `jax.lax.ragged_dot`); `dense_experts` runs every expert on every token
+and is the reference it is tested against. (XLA:CPU lowers ragged_dot to a masked dense dot
+per group, so on a CPU the grouped form does not save work yet: see scripts/bench_moe.py.)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpage.loading.hf import attention_from_hf, decoder_from_hf, hf_fetchers, mlp_from_hf
 from jaxpage.models import llama
 from jaxpage.models.config import ModelConfig
 from jaxpage.models.torch_topk import torch_cpu_topk_indices
@@ -145,8 +147,6 @@ HF_MOE_NAMES = {
 def params_from_hf_tensors(config: ModelConfig, get) -> dict[str, Any]:
     """HF-named tensors -> numpy params: llama's attention, norms and dense MLPs, plus each
     MoE layer's router and its experts stacked [E, ...]."""
-    from jaxpage.loading.hf import attention_from_hf, decoder_from_hf, hf_fetchers, mlp_from_hf
-
     fetch, linear = hf_fetchers(config, get)
     block, names = HF_MOE_NAMES[config.architecture]
     layers = []
