@@ -16,7 +16,8 @@ from test_llama_parity import make_pool, paged_forward
 
 from jaxpage import LLM, SamplingParams
 from jaxpage.loading.checkpoint import load_checkpoint, save_checkpoint
-from jaxpage.loading.hf import load_hf_dir
+from jaxpage.loading.gguf import load_gguf
+from jaxpage.loading.hf import WeightsError, load_hf_dir
 from jaxpage.models import build_model
 from jaxpage.models.config import ModelConfig
 from jaxpage.models.moe import MoeModel, dense_experts, grouped_experts, route, top_k
@@ -237,31 +238,47 @@ def llama_cpp_tensors(path: str) -> dict[str, np.ndarray]:
     return tensors
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
-def test_gguf_equals_its_hf_twin(name, moe_model_dir, tmp_path):
-    """A GGUF written as llama.cpp writes the model (Mixtral as "llama" with expert_count,
-    its q/k rows permuted; Qwen3-MoE as "qwen3moe") loads to the HF directory's params."""
+def write_moe_gguf(name, moe_model_dir, path, metadata=True):
+    """The tiny model `name` as a GGUF written as llama.cpp writes it (Mixtral as "llama"
+    with expert_count, its q/k rows permuted; Qwen3-MoE as "qwen3moe"); without `metadata`
+    the expert counts are left out."""
     from loading.test_gguf_and_checkpoint import write_gguf
 
-    from jaxpage.loading.gguf import load_gguf
-
-    path, hf_model = moe_model_dir(name)
+    model_dir, hf_model = moe_model_dir(name)
     hf = hf_model.config
 
     def experts(writer):
+        if not metadata:
+            return
         writer.add_expert_count(hf.num_experts)
         writer.add_expert_used_count(hf.num_experts_per_tok)
-        if name == "qwen3_moe":
+        if hf.model_type == "qwen3_moe":
             writer.add_expert_feed_forward_length(hf.moe_intermediate_size)
+            if not hf.norm_topk_prob:  # llama.cpp's default is to renormalize
+                writer.add_expert_weights_norm(False)
 
-    file = write_gguf(hf_model, tmp_path / f"{name}.gguf", edit=experts,
-                      tensors=llama_cpp_tensors(path))
+    return write_gguf(hf_model, path, edit=experts, tensors=llama_cpp_tensors(model_dir))
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "qwen3_moe_unnormed"])
+def test_gguf_equals_its_hf_twin(name, moe_model_dir, tmp_path):
+    file = write_moe_gguf(name, moe_model_dir, tmp_path / f"{name}.gguf")
     config, params = load_gguf(file, "float32")
-    hf_config, hf_params = load_hf_dir(path, "float32")
+    hf_config, hf_params = load_hf_dir(moe_model_dir(name)[0], "float32")
     assert config == hf_config
     assert jax.tree.structure(params) == jax.tree.structure(hf_params)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(hf_params), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_gguf_without_expert_metadata_fails_clearly(moe_model_dir, tmp_path):
+    file = write_moe_gguf("mixtral", moe_model_dir, tmp_path / "m.gguf", metadata=False)
+    with pytest.raises(WeightsError, match="'blk.0.ffn_gate_inp.weight' is not part of a "
+                                           "LlamaForCausalLM"):
+        load_gguf(file, "float32")
+    file = write_moe_gguf("qwen3_moe", moe_model_dir, tmp_path / "q.gguf", metadata=False)
+    with pytest.raises(WeightsError, match="no 'qwen3moe.expert_count'"):
+        load_gguf(file, "float32")
 
 
 def test_tensor_parallel_refused(moe_model_dir):
