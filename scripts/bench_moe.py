@@ -1,6 +1,7 @@
 """MoE step time on CPU: the grouped experts (`jaxpage.models.moe.grouped_experts`, two
 `jax.lax.ragged_dot`s over only the routed (token, expert) pairs) against the dense
-reference (`dense_experts`: every expert on every token, unrouted ones weighted 0).
+reference (`dense_experts`: every expert on every token, unrouted ones weighted 0), and the
+tiled loop (`tiled_experts`: the routed pairs in tiles of 8 rows, one expert per tile).
 
 The model is Qwen3-30B-A3B scaled down: its hidden 2048 / expert width 768 / 128 experts /
 top-8 / 48 layers become, by default, hidden 512 / expert width 192 (the same 8:3 ratio) /
@@ -13,7 +14,8 @@ ratio E / k bounds the speedup grouping can bring; then the FLOPs XLA's cost ana
 in each compiled step (whole model). On a CPU the grouped step counts about k times the dense
 one: XLA:CPU has no ragged dot, so jax lowers ragged_dot to one masked copy of the lhs per
 group and a dense dot over them (`_ragged_dot_general_impl`), all E experts on all T * k
-rows; GPUs and TPUs lower it to a grouped kernel instead.
+rows; GPUs and TPUs lower it to a grouped kernel instead. (The tiled step has no such
+column: cost analysis counts a loop's body once.)
 
     python scripts/bench_moe.py
     python scripts/bench_moe.py --experts 16 --top-k 4 --batches 1,16 --iters 3
@@ -31,7 +33,7 @@ import numpy as np
 from jaxpage.attention import build_metadata, init_kv_pool
 from jaxpage.models import param_shapes
 from jaxpage.models.config import ModelConfig
-from jaxpage.models.moe import MoeModel, dense_experts, grouped_experts
+from jaxpage.models.moe import MoeModel, dense_experts, grouped_experts, tiled_experts
 
 BLOCK = 16
 
@@ -105,8 +107,8 @@ def main() -> None:
           f"experts, top-{k}, expert width {config.moe_intermediate_size}, "
           f"{config.num_params / 1e6:.1f}M params, float32; decode steps at context "
           f"{args.context}, {args.iters} iterations")
-    print(f"{'':>43}{'expert GFLOP':^36}{'XLA step GFLOP':^22}")
-    print(f"{'tokens':>6}{'grouped ms':>12}{'dense ms':>10}{'dense/grouped':>15}"
+    print(f"{'':>51}{'expert GFLOP':^36}{'XLA step GFLOP':^22}")
+    print(f"{'tokens':>6}{'grouped ms':>12}{'dense ms':>10}{'tiled ms':>10}{'dense/grouped':>15}"
           f"{'routed':>12}{'all':>12}{'bound E/k':>12}{'grouped':>11}{'dense':>11}")
     for batch in (int(b) for b in args.batches.split(",")):
         inputs = decode_inputs(config, batch, args.context)
@@ -114,7 +116,10 @@ def main() -> None:
                                            inputs, args.iters)
         dense, dense_flops = time_step(MoeModel(config, expert_fn=dense_experts), params,
                                        inputs, args.iters)
-        print(f"{batch:>6}{grouped * 1e3:>12.1f}{dense * 1e3:>10.1f}{dense / grouped:>15.2f}"
+        tiled, _ = time_step(MoeModel(config, expert_fn=tiled_experts), params, inputs,
+                             args.iters)
+        print(f"{batch:>6}{grouped * 1e3:>12.1f}{dense * 1e3:>10.1f}{tiled * 1e3:>10.1f}"
+              f"{dense / grouped:>15.2f}"
               f"{expert_gflops(config, batch * k):>12.4g}{expert_gflops(config, batch * e):>12.4g}"
               f"{e / k:>12.1f}{grouped_flops:>11.4g}{dense_flops:>11.4g}", flush=True)
 

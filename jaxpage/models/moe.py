@@ -94,6 +94,42 @@ def grouped_experts(h: jax.Array, weights: jax.Array, experts: jax.Array,
     return jnp.zeros((num_tokens, h.shape[1]), jnp.float32).at[token].add(out).astype(h.dtype)
 
 
+def tiled_experts(h: jax.Array, weights: jax.Array, experts: jax.Array,
+                  gate_up: jax.Array, down: jax.Array, tile: int = 8) -> jax.Array:
+    """What `grouped_experts` computes, without ragged_dot: each expert's pairs are padded to
+    whole tiles of `tile` rows and a loop runs only the tiles that hold pairs, each against
+    its one expert's weights, so the work is the routed pairs' plus at most tile - 1 rows per
+    expert. A candidate for CPUs, where XLA lowers ragged_dot to a masked dense dot per
+    group (every expert on every pair); scripts/bench_moe.py times all three.
+    """
+    num_tokens, k = experts.shape
+    num_experts, hidden = gate_up.shape[0], h.shape[1]
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    sizes = jnp.bincount(flat, length=num_experts)  # [E]
+    padded = -(-sizes // tile) * tile
+    # sorted pair j, the r-th of its expert e's, goes to padded row padded_start[e] + r
+    sorted_expert = flat[order]
+    rank = jnp.arange(flat.shape[0]) - (jnp.cumsum(sizes) - sizes)[sorted_expert]
+    row = (jnp.cumsum(padded) - padded)[sorted_expert] + rank  # [T * k]
+    num_rows = -(-(flat.shape[0] + num_experts * (tile - 1)) // tile) * tile  # static bound
+    x = jnp.zeros((num_rows, hidden), h.dtype).at[row].set(h[token])
+    tile_expert = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(0, num_rows, tile),
+                                   side="right")  # [num_rows / tile]
+
+    def run_tile(t, out):
+        e = tile_expert[t]
+        rows = jax.lax.dynamic_slice_in_dim(x, t * tile, tile)
+        gate, up = jnp.split(rows @ gate_up[e], 2, axis=-1)
+        return jax.lax.dynamic_update_slice_in_dim(out, (jax.nn.silu(gate) * up) @ down[e],
+                                                   t * tile, axis=0)
+
+    out = jax.lax.fori_loop(0, jnp.sum(padded) // tile, run_tile, jnp.zeros_like(x))
+    out = out[row].astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((num_tokens, hidden), jnp.float32).at[token].add(out).astype(h.dtype)
+
+
 def dense_experts(h: jax.Array, weights: jax.Array, experts: jax.Array,
                   gate_up: jax.Array, down: jax.Array) -> jax.Array:
     """What `grouped_experts` computes, by running every expert on every token and weighting

@@ -20,7 +20,14 @@ from jaxpage.loading.gguf import load_gguf
 from jaxpage.loading.hf import WeightsError, load_hf_dir
 from jaxpage.models import build_model
 from jaxpage.models.config import ModelConfig
-from jaxpage.models.moe import MoeModel, dense_experts, grouped_experts, route, top_k
+from jaxpage.models.moe import (
+    MoeModel,
+    dense_experts,
+    grouped_experts,
+    route,
+    tiled_experts,
+    top_k,
+)
 from jaxpage.parallel import TensorParallel, valid_tp_sizes
 
 ATOL = 1e-4
@@ -135,6 +142,7 @@ def numpy_experts(h, weights, experts, gate_up, down) -> np.ndarray:
 
 GROUPED = jax.jit(grouped_experts)
 DENSE = jax.jit(dense_experts)
+TILED = jax.jit(tiled_experts, static_argnames="tile")
 
 
 @pytest.mark.parametrize("num_tokens,num_experts,k", [(1, 8, 2), (13, 8, 3), (40, 16, 4)])
@@ -149,6 +157,9 @@ def test_grouped_experts_equal_dense_for_random_routing(num_tokens, num_experts,
     oracle = numpy_experts(h, weights, experts, gate_up, down)
     np.testing.assert_allclose(GROUPED(h, weights, experts, gate_up, down), oracle, atol=1e-5)
     np.testing.assert_allclose(DENSE(h, weights, experts, gate_up, down), oracle, atol=1e-5)
+    for tile in (1, 4, 8):
+        np.testing.assert_allclose(TILED(h, weights, experts, gate_up, down, tile=tile), oracle,
+                                   atol=1e-5, err_msg=f"tile {tile}")
 
 
 def test_grouped_experts_with_idle_experts():
@@ -164,6 +175,8 @@ def test_grouped_experts_with_idle_experts():
         experts = jnp.asarray(experts, jnp.int32)
         oracle = numpy_experts(h, weights, experts, gate_up, down)
         np.testing.assert_allclose(GROUPED(h, weights, experts, gate_up, down), oracle,
+                                   atol=1e-5, err_msg=f"experts {used}")
+        np.testing.assert_allclose(TILED(h, weights, experts, gate_up, down), oracle,
                                    atol=1e-5, err_msg=f"experts {used}")
     one = jnp.full((num_tokens, 1), 4, jnp.int32)
     np.testing.assert_allclose(GROUPED(h, jnp.ones((num_tokens, 1)), one, gate_up, down),
@@ -187,16 +200,17 @@ def test_routing_matches_hf_router_and_the_dense_model():
     np.testing.assert_allclose(np.sort(weights, -1), np.sort(hf_weights.numpy(), -1), atol=1e-6)
 
 
-def test_dense_experts_model_equals_grouped(moe_model_dir):
+def test_dense_and_tiled_experts_models_equal_grouped(moe_model_dir):
     path, _ = moe_model_dir("qwen3_moe_sparse")
     config, params = load_hf_dir(path, "float32")
     tokens = list(range(3, 40))
     pool = make_pool(config, 4, 16, fill=0.0)
     grouped, _ = paged_forward(MoeModel(config), params, pool, [1, 2, 3], 0, tokens, 16,
                                all_logits=True)
-    dense, _ = paged_forward(MoeModel(config, expert_fn=dense_experts), params, pool, [1, 2, 3],
-                             0, tokens, 16, all_logits=True)
-    np.testing.assert_allclose(grouped, dense, atol=1e-5, rtol=0)
+    for expert_fn in (dense_experts, tiled_experts):
+        other, _ = paged_forward(MoeModel(config, expert_fn=expert_fn), params, pool, [1, 2, 3],
+                                 0, tokens, 16, all_logits=True)
+        np.testing.assert_allclose(other, grouped, atol=1e-5, rtol=0, err_msg=expert_fn.__name__)
 
 
 # ----------------------------------------------------------------------------------------
