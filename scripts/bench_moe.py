@@ -7,7 +7,7 @@ The model is Qwen3-30B-A3B scaled down: its hidden 2048 / expert width 768 / 128
 top-8 / 48 layers become, by default, hidden 512 / expert width 192 (the same 8:3 ratio) /
 64 experts / top-8 / 4 layers, every layer MoE, float32, random weights. Each case is one
 decode step of the whole model (attention through the paged pool included, the same in
-both) for 1, 16 and 64 sequences at a short context, jitted, warmed up, then timed over
+all three) for 1, 16 and 64 sequences at a short context, jitted, warmed up, then timed over
 --iters steps. Printed per batch: milliseconds per step for each, the dense/grouped ratio,
 and the expert FLOPs each does: routed only (T * k pairs) and all experts (T * E), whose
 ratio E / k bounds the speedup grouping can bring; then the FLOPs XLA's cost analysis counts
