@@ -1,8 +1,8 @@
 """Tiny random-weight mixture-of-experts HF models (Mixtral, Qwen3-MoE), float32, for tests.
 
-Importable from any test (`from models.moe_models import ...` with tests/ on sys.path, as
-pytest's rootdir conftest puts it): builders of the HF models and a session cache of their
-saved directories.
+Importable from any test: `from moe_models import ...` beside it in tests/models, and
+`from models.moe_models import ...` elsewhere (pytest puts tests/, the rootdir conftest's
+directory, on sys.path).
 """
 
 from __future__ import annotations
