@@ -51,6 +51,9 @@ def valid_tp_sizes(config: Any, max_size: int) -> list[int]:
 
 
 def _refusal(config: Any, tp: int) -> str | None:
+    if tp > 1 and getattr(config, "num_experts", 0):  # the layout shards dense MLPs only
+        return (f"{config.architecture} is a mixture of experts, which has no "
+                f"tensor-parallel layout")
     if config.num_heads % tp:
         return f"num_heads {config.num_heads} is not a multiple of it"
     if config.num_kv_heads % tp and tp % config.num_kv_heads:

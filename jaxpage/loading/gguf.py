@@ -3,7 +3,9 @@
 The GGUF metadata is turned into an HF `config.json`-style dict (so `ModelConfig.from_hf`
 does the validation), every tensor is dequantized to float32 with `gguf.quants`, renamed
 to its HF name, and handed to `params_from_hf_tensors`, which checks shapes and builds the
-jaxpage layout. Two llama.cpp conventions are undone on the way:
+jaxpage layout (a MoE layer's experts, stacked in one GGUF tensor per projection, are handed
+over one expert at a time under their per-expert HF names). Two llama.cpp conventions are
+undone on the way:
 
 * `convert_hf_to_gguf.py` permutes the rows of q_proj / k_proj (weights and biases) of
   the llama architecture, per head, from HF's half-split rotary layout to llama.cpp's
@@ -23,6 +25,7 @@ except hidden_size / num_heads for the 27B models, told apart by their layer cou
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Any
@@ -31,14 +34,17 @@ import numpy as np
 
 from jaxpage.loading.hf import WeightsError, params_from_hf_tensors
 from jaxpage.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from jaxpage.models.moe import HF_MOE_NAMES
 
-# general.architecture -> HF architecture. Mistral GGUFs say "llama".
+# general.architecture -> HF architecture. Mistral GGUFs say "llama", and so do Mixtral's
+# (told apart by their `llama.expert_count`).
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 # Architectures whose q/k rows convert_hf_to_gguf permutes for interleaved rope.
 ROPE_PERMUTED_ARCHITECTURES = ("llama",)
@@ -79,6 +85,9 @@ NORM_SHIFTED_ARCHITECTURES = ("gemma2", "gemma3")
 GEMMA_SLIDING_PERIOD = {"gemma2": 2, "gemma3": 6}
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
+# A MoE block's router and its experts, each stacked [E, ...] in one tensor by
+# convert_hf_to_gguf: "blk.N.<gguf>.weight" -> the HF names' parts (see moe.HF_MOE_NAMES).
+EXPERT_NAMES = {"ffn_gate_inp": None, "ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
 ROPE_FREQS = "rope_freqs.weight"
 # Bump when load_gguf or gguf_tokenizer changes what it makes of a file: conversions cached
 # by an older version (jaxpage.loading.gguf_cache) are then made again.
@@ -98,6 +107,22 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{suffix}"
     return None
+
+
+def hf_expert_names(gguf_name: str, config: ModelConfig) -> list[tuple[str, int | None]]:
+    """The HF names a GGUF MoE tensor holds, with the expert each is the slice of (None:
+    the whole tensor, the router); [] when it is no MoE tensor."""
+    parts = gguf_name.split(".")
+    if (config.num_experts == 0 or len(parts) != 4 or parts[0] != "blk"
+            or parts[2] not in EXPERT_NAMES or parts[3] != "weight"):
+        return []
+    block, projections = HF_MOE_NAMES[config.architecture]
+    prefix = f"model.layers.{parts[1]}.{block}."
+    which = EXPERT_NAMES[parts[2]]
+    if which is None:
+        return [(prefix + "gate.weight", None)]
+    return [(f"{prefix}experts.{e}.{projections[which]}.weight", e)
+            for e in range(config.num_experts)]
 
 
 def unpermute_rope_rows(tensor: np.ndarray, num_heads: int) -> np.ndarray:
@@ -248,8 +273,27 @@ def hf_config_from_gguf(reader) -> dict[str, Any]:
 
     eos = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     eos = list(dict.fromkeys(int(e) for e in eos if e is not None))
+    architecture = GGUF_ARCHITECTURES[arch]
+    experts: dict[str, Any] = {}
+    num_experts = meta("expert_count")
+    if num_experts and arch == "llama":
+        architecture = "MixtralForCausalLM"
+        experts = {"num_local_experts": num_experts,
+                   "num_experts_per_tok": meta("expert_used_count", required=True)}
+    elif arch == "qwen3moe":
+        num_layers = meta("block_count", required=True)
+        experts = {
+            "num_experts": meta("expert_count", required=True),
+            "num_experts_per_tok": meta("expert_used_count", required=True),
+            "moe_intermediate_size": meta("expert_feed_forward_length", required=True),
+            # llama.cpp always renormalizes qwen3moe's top-k unless the file says otherwise
+            "norm_topk_prob": bool(meta("expert_weights_norm", True)),
+            "mlp_only_layers": [n for n in range(num_layers)
+                                if f"blk.{n}.ffn_gate_inp.weight" not in names],
+        }
     config = {
-        "architectures": [GGUF_ARCHITECTURES[arch]],
+        **experts,
+        "architectures": [architecture],
         "model_type": arch,
         "vocab_size": vocab_size,
         "hidden_size": hidden,
@@ -319,32 +363,42 @@ def load_gguf(path: str, dtype) -> tuple[ModelConfig, dict[str, Any]]:
     except ValueError as e:
         raise type(e)(f"{path}: {e}") from e
     arch = hf_config["model_type"]
-    by_hf_name = {}
+    by_hf_name = {}  # HF name -> (GGUF tensor, the expert it is the slice of, or None)
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS:
             continue  # folded into config.rope
-        hf_name = hf_tensor_name(tensor.name, arch)
-        if hf_name is None:
-            raise WeightsError(
-                f"{path}: GGUF tensor {tensor.name!r} is not part of a "
-                f"{config.architecture} (unknown name)"
-            )
-        by_hf_name[hf_name] = tensor
+        names = hf_expert_names(tensor.name, config)
+        if not names:
+            hf_name = hf_tensor_name(tensor.name, arch)
+            if hf_name is None:
+                raise WeightsError(
+                    f"{path}: GGUF tensor {tensor.name!r} is not part of a "
+                    f"{config.architecture} (unknown name)"
+                )
+            names = [(hf_name, None)]
+        by_hf_name.update((name, (tensor, expert)) for name, expert in names)
     unused = set(by_hf_name)
 
-    def get(hf_name: str) -> np.ndarray | None:
-        tensor = by_hf_name.get(hf_name)
-        if tensor is None:
-            return None
-        unused.discard(hf_name)
+    def dequantized(tensor) -> np.ndarray:
         shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml lists dims innermost first
         try:
-            array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+            return dequantize(tensor.data, tensor.tensor_type).reshape(shape)
         except (NotImplementedError, ValueError) as e:
             raise WeightsError(
                 f"{path}: cannot dequantize {tensor.name!r} "
                 f"({tensor.tensor_type.name}, shape {shape}): {e}"
             ) from e
+
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    # the stacked experts are read one expert at a time: keep a layer's gate, up and down
+    stacked = functools.lru_cache(maxsize=3)(lambda name: dequantized(tensors[name]))
+
+    def get(hf_name: str) -> np.ndarray | None:
+        if hf_name not in by_hf_name:
+            return None
+        unused.discard(hf_name)
+        tensor, expert = by_hf_name[hf_name]
+        array = dequantized(tensor) if expert is None else stacked(tensor.name)[expert]
         if arch in ROPE_PERMUTED_ARCHITECTURES:
             if ".self_attn.q_proj." in hf_name:
                 array = unpermute_rope_rows(array, config.num_heads)

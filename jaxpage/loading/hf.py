@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpage.models import FAMILIES, family_module
 from jaxpage.models.config import ModelConfig
-from jaxpage.models import FAMILIES, family_module, param_shapes
 
 # Returns the HF-layout tensor (nn.Linear weights are [out, in]) or None when absent.
 TensorGetter = Callable[[str], "np.ndarray | None"]
@@ -132,33 +132,53 @@ def params_from_hf_tensors(config: ModelConfig, get: TensorGetter, dtype) -> dic
     dtype = jnp.dtype(dtype)
     if FAMILIES[config.architecture] != "llama":
         return cast_params(family_module(config).params_from_hf_tensors(config, get), dtype)
-    shapes = param_shapes(config)
     fetch, linear = hf_fetchers(config, get)
-    h, i = config.hidden_size, config.intermediate_size
-    layers = []
-    for n in range(config.num_layers):
-        p = f"model.layers.{n}."
-        layer = {
-            "attn_norm": fetch(p + "input_layernorm.weight", (h,)),
+    layers = [{**attention_from_hf(config, fetch, linear, n),
+               **mlp_from_hf(config, fetch, linear, f"model.layers.{n}.mlp.",
+                             config.intermediate_size)}
+              for n in range(config.num_layers)]
+    return cast_params(decoder_from_hf(config, fetch, linear, layers), dtype)
+
+
+def attention_from_hf(config: ModelConfig, fetch, linear, n: int) -> dict[str, np.ndarray]:
+    """Layer `n`'s attention and both its norms in the Llama-family params layout (every
+    family whose HF attention and norms are Llama's shares it)."""
+    p = f"model.layers.{n}."
+    h = config.hidden_size
+    return {"attn_norm": fetch(p + "input_layernorm.weight", (h,)),
             **attention_params(config, fetch, linear, p),
-            "mlp_norm": fetch(p + "post_attention_layernorm.weight", (h,)),
-            "gate_up": np.concatenate([linear(p + "mlp.gate_proj.weight", h, i),
-                                       linear(p + "mlp.up_proj.weight", h, i)], axis=1),
-            "down": linear(p + "mlp.down_proj.weight", i, h),
-        }
-        if config.mlp_bias:
-            layer["gate_up_bias"] = np.concatenate([fetch(p + "mlp.gate_proj.bias", (i,)),
-                                                    fetch(p + "mlp.up_proj.bias", (i,))])
-            layer["down_bias"] = fetch(p + "mlp.down_proj.bias", (h,))
-        layers.append(layer)
+            "mlp_norm": fetch(p + "post_attention_layernorm.weight", (h,))}
+
+
+def mlp_from_hf(config: ModelConfig, fetch, linear, prefix: str, width: int,
+                names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                ) -> dict[str, np.ndarray]:
+    """The gated MLP under `prefix` ("model.layers.3.mlp.", or one expert's) of width
+    `width`: {"gate_up": [H, 2I], "down": [I, H]}, plus biases when config.mlp_bias.
+    `names` are its gate, up and down projections' HF names."""
+    h = config.hidden_size
+    gate, up, down = (prefix + name for name in names)
+    mlp = {"gate_up": np.concatenate([linear(gate + ".weight", h, width),
+                                      linear(up + ".weight", h, width)], axis=1),
+           "down": linear(down + ".weight", width, h)}
+    if config.mlp_bias:
+        mlp["gate_up_bias"] = np.concatenate([fetch(gate + ".bias", (width,)),
+                                              fetch(up + ".bias", (width,))])
+        mlp["down_bias"] = fetch(down + ".bias", (h,))
+    return mlp
+
+
+def decoder_from_hf(config: ModelConfig, fetch, linear, layers: list[dict]) -> dict[str, Any]:
+    """The whole params pytree: `layers` plus the embedding, final norm and LM head."""
+    h = config.hidden_size
     params: dict[str, Any] = {
-        "embed": fetch("model.embed_tokens.weight", shapes["embed"]),
+        "embed": fetch("model.embed_tokens.weight", (config.vocab_size, h)),
         "layers": layers,
         "final_norm": fetch("model.norm.weight", (h,)),
     }
     if not config.tie_word_embeddings:
         params["lm_head"] = linear("lm_head.weight", h, config.vocab_size)
-    return cast_params(params, dtype)
+    return params
 
 
 def cast_params(params: Any, dtype: np.dtype) -> Any:

@@ -115,6 +115,14 @@ class ModelConfig:
             if "sliding_attention" in self.layer_types and not self.sliding_window:
                 raise ValueError("ModelConfig.layer_types has sliding layers but "
                                  "sliding_window is not set")
+        if self.num_experts and not (
+                1 <= self.num_experts_per_tok <= self.num_experts
+                and self.moe_intermediate_size >= 1 and self.decoder_sparse_step >= 1):
+            raise ValueError(
+                f"ModelConfig with {self.num_experts} experts needs 1 <= num_experts_per_tok "
+                f"<= num_experts, moe_intermediate_size >= 1 and decoder_sparse_step >= 1; got "
+                f"{self.num_experts_per_tok}, {self.moe_intermediate_size}, "
+                f"{self.decoder_sparse_step}")
         for rope in (self.rope, self.rope_local or self.rope):
             if rope.rope_type not in SUPPORTED_ROPE_TYPES:
                 raise ValueError(
@@ -130,6 +138,12 @@ class ModelConfig:
         """Each layer's sliding window, None for a full-attention layer."""
         return layer_windows(self)
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether `layer` routes each token to experts (else its MLP is dense), by HF
+        Qwen3-MoE's rule; every layer of a Mixtral."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
@@ -140,11 +154,16 @@ class ModelConfig:
 
     @property
     def num_params(self) -> int:
-        """Parameter count (embedding counted once when tied)."""
-        h, i = self.hidden_size, self.intermediate_size
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        """Parameter count (embedding counted once when tied; every expert counted, not
+        just the ones a token runs)."""
+        h = self.hidden_size
+        attention = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h
+        dense_mlp = 3 * h * self.intermediate_size
+        moe_mlp = self.num_experts * (3 * h * self.moe_intermediate_size + h)  # + router
+        mlps = sum(moe_mlp if self.is_moe_layer(n) else dense_mlp
+                   for n in range(self.num_layers))
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.vocab_size * h + self.num_layers * per_layer + h + head
+        return self.vocab_size * h + self.num_layers * attention + mlps + h + head
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> ModelConfig:
@@ -246,17 +265,31 @@ def _gemma3_ropes(cfg: Mapping[str, Any]) -> tuple[RopeConfig, RopeConfig]:
             _rope_from_hf({**context, "rope_parameters": local}))
 
 
-def _moe_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """Mixtral / Qwen3-MoE fields of an HF config (experts, routing)."""
-    return {}
+def _mixtral_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Mixtral's experts: every layer is MoE, each expert `intermediate_size` wide, and the
+    top-k routing weights are always renormalized."""
+    return dict(num_experts=cfg["num_local_experts"],
+                num_experts_per_tok=cfg["num_experts_per_tok"],
+                moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
+
+
+def _qwen3_moe_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's experts (`intermediate_size` is the dense layers' width). The Hub's
+    config.json says `num_experts`; transformers 5 saves it as `num_local_experts`."""
+    return dict(num_experts=cfg.get("num_experts") or cfg["num_local_experts"],
+                num_experts_per_tok=cfg["num_experts_per_tok"],
+                moe_intermediate_size=cfg["moe_intermediate_size"],
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                decoder_sparse_step=cfg.get("decoder_sparse_step", 1),
+                mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()))
 
 
 # architecture -> the ModelConfig fields its HF config adds to the common ones
 _FAMILY_FIELDS = {
     "Gemma2ForCausalLM": lambda cfg: _gemma_fields(cfg, gemma3=False),
     "Gemma3ForCausalLM": lambda cfg: _gemma_fields(cfg, gemma3=True),
-    "MixtralForCausalLM": _moe_fields,
-    "Qwen3MoeForCausalLM": _moe_fields,
+    "MixtralForCausalLM": _mixtral_fields,
+    "Qwen3MoeForCausalLM": _qwen3_moe_fields,
 }
 
 

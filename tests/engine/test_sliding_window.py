@@ -107,8 +107,9 @@ def test_chunked_prefill_prefix_hits_and_preemption(hf_models, prompts, expected
     """A 12-token budget chunks every long prompt across window boundaries; a window pool of
     3 sequences' worst case preempts; every prompt runs twice so the second copy hits the
     prefix cache wherever the window group still holds the blocks."""
-    per_seq = window_blocks_per_seq(WINDOW, BLOCK, 12, 512)
-    llm = LLM(hf_models(name)[0], block_size=BLOCK, attention_backend=backend,
+    block = 8 if backend == "pallas_tpu" else BLOCK  # Mosaic: blocks of whole sublanes
+    per_seq = window_blocks_per_seq(WINDOW, block, 12, 512)
+    llm = LLM(hf_models(name)[0], block_size=block, attention_backend=backend,
               kernel_interpret=backend.startswith("pallas"), max_num_batched_tokens=12,
               max_num_seqs=6, num_window_blocks=3 * per_seq + 1, debug_nan_pool=True)
     stats = check(llm, prompts + prompts, expected(name) + expected(name))

@@ -46,6 +46,8 @@ GGUF_ARCH = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "qwen3moe",
 }
 
 
@@ -90,9 +92,11 @@ def llama3_rope_factors(cfg) -> np.ndarray:
 TOKENS = [chr(c) for c in range(33, 126)] + ["\u0120", "he", "<s>", "</s>"]
 
 
-def write_gguf(model, path, qtype=None, arch=None, write_vocab_size=True, edit=None):
+def write_gguf(model, path, qtype=None, arch=None, write_vocab_size=True, edit=None,
+               tensors=None):
     """Write an HF model as a GGUF file; `qtype` (F16, Q8_0 ...) applies to 2-D tensors;
-    `edit(writer)` may add more metadata."""
+    `edit(writer)` may add more metadata; `tensors` (HF name -> float32 array, named as
+    convert_hf_to_gguf names them) replaces the model's state dict."""
     cfg = model.config
     arch = arch or GGUF_ARCH[cfg.architectures[0]]
     name_map = gguf.get_tensor_name_map(
@@ -100,6 +104,7 @@ def write_gguf(model, path, qtype=None, arch=None, write_vocab_size=True, edit=N
             "llama": gguf.MODEL_ARCH.LLAMA,
             "qwen2": gguf.MODEL_ARCH.QWEN2,
             "qwen3": gguf.MODEL_ARCH.QWEN3,
+            "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
         }.get(arch, gguf.MODEL_ARCH.LLAMA),
         cfg.num_hidden_layers,
     )
@@ -135,10 +140,11 @@ def write_gguf(model, path, qtype=None, arch=None, write_vocab_size=True, edit=N
         writer.add_rope_scaling_factor(cfg.rope_parameters["factor"])
     if edit is not None:
         edit(writer)
-    for hf_name, tensor in model.state_dict().items():
+    if tensors is None:
+        tensors = {name: t.float().numpy() for name, t in model.state_dict().items()}
+    for hf_name, data in tensors.items():
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # llama.cpp writes no output.weight for tied embeddings
-        data = tensor.float().numpy()
         if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
             n_kv = cfg.num_attention_heads if ".q_proj." in hf_name else cfg.num_key_value_heads
             data = llama_cpp_permute(data, cfg.num_attention_heads, n_kv)

@@ -1,0 +1,208 @@
+"""Mixture-of-experts decoders (Mixtral, Qwen3-MoE): the Llama-family decoder whose MoE
+layers route each token to `num_experts_per_tok` of `num_experts` gated MLPs.
+
+Params are llama.py's, except that a MoE layer (`ModelConfig.is_moe_layer`) has, instead of
+"gate_up" / "down":
+
+    {"router": [H, E], "experts_gate_up": [E, H, 2I], "experts_down": [E, I, H]}
+
+with E = num_experts and I = moe_intermediate_size; Qwen3-MoE's other layers keep the dense
+MLP ("gate_up" / "down", `intermediate_size` wide).
+
+Routing follows HF: softmax over the router logits in float32, the top k (ties broken as
+torch.topk on CPU breaks them), renormalized to sum to 1 when `norm_topk_prob` (always for
+Mixtral). The experts run as a grouped matmul over only the (token, expert) pairs routed
+(`grouped_experts`, `jax.lax.ragged_dot`); `dense_experts` runs every expert on every token
+and is the reference it is tested against. XLA:CPU lowers ragged_dot to a masked dense dot
+per group (k times the dense reference's work), so `tiled_experts`, a loop over tiles of the
+routed pairs, is the grouped form that saves work on a CPU; scripts/bench_moe.py times all
+three.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpage.loading.hf import attention_from_hf, decoder_from_hf, hf_fetchers, mlp_from_hf
+from jaxpage.models import llama
+from jaxpage.models.config import ModelConfig
+from jaxpage.models.torch_topk import torch_cpu_topk_indices
+
+
+def route(config: ModelConfig, h: jax.Array, router: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(weights [T, k] float32, experts [T, k] int32): each token's top-k experts by router
+    probability and their routing weights, as HF computes them."""
+    logits = h @ router  # [T, H] x [H, E] -> [T, E], in the model's dtype like HF's F.linear
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = top_k(probs, config.num_experts_per_tok)
+    if config.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts
+
+
+def top_k(probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """(values, indices) [T, k] of each row's k largest, the set `torch.topk` picks on CPU.
+
+    `jax.lax.top_k` gives the same set unless values tie across the k-th place, where it
+    keeps the lowest indices and torch does not (see `jaxpage.models.torch_topk`). Only a
+    step with such a tie pays for torch's choice: its tied rows are redone on the host.
+    """
+    values, indices = jax.lax.top_k(probs, k)
+    if k == probs.shape[-1]:
+        return values, indices
+    kth = values[:, -1:]
+    tied = jnp.sum(probs == kth, axis=-1) > jnp.sum(values == kth, axis=-1)  # [T]
+
+    def torch_choice():
+        chosen = jax.pure_callback(functools.partial(_torch_choice, k=k),
+                                   jax.ShapeDtypeStruct(indices.shape, indices.dtype),
+                                   probs, indices, tied)
+        return jnp.take_along_axis(probs, chosen, axis=-1), chosen
+
+    return jax.lax.cond(jnp.any(tied), torch_choice, lambda: (values, indices))
+
+
+def _torch_choice(probs: np.ndarray, indices: np.ndarray, tied: np.ndarray, k: int):
+    chosen = np.array(indices)
+    for row in np.flatnonzero(tied):
+        chosen[row] = torch_cpu_topk_indices(probs[row], k)
+    return chosen
+
+
+def grouped_experts(h: jax.Array, weights: jax.Array, experts: jax.Array,
+                    gate_up: jax.Array, down: jax.Array) -> jax.Array:
+    """The routed experts' weighted sum per token, computing only the routed pairs.
+
+    The T * k (token, expert) pairs are sorted by expert so each expert's tokens are one
+    contiguous group, and two `ragged_dot`s run the groups' MLPs; the outputs are scaled by
+    their routing weights and summed back onto their tokens in float32.
+
+    h: [T, H]; weights, experts: [T, k]; gate_up: [E, H, 2I]; down: [E, I, H]. Returns [T, H].
+    """
+    num_tokens, k = experts.shape
+    flat = experts.reshape(-1)  # [T * k], pair p = token p // k, its (p % k)-th choice
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    group_sizes = jnp.bincount(flat, length=gate_up.shape[0]).astype(jnp.int32)  # [E]
+    gate, up = jnp.split(jax.lax.ragged_dot(h[token], gate_up, group_sizes), 2, axis=-1)
+    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down, group_sizes)  # [T * k, H]
+    out = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((num_tokens, h.shape[1]), jnp.float32).at[token].add(out).astype(h.dtype)
+
+
+def tiled_experts(h: jax.Array, weights: jax.Array, experts: jax.Array,
+                  gate_up: jax.Array, down: jax.Array, tile: int = 8) -> jax.Array:
+    """What `grouped_experts` computes, without ragged_dot: each expert's pairs are padded to
+    whole tiles of `tile` rows and a loop runs only the tiles that hold pairs, each against
+    its one expert's weights, so the work is the routed pairs' plus at most tile - 1 rows per
+    expert. A candidate for CPUs, where XLA lowers ragged_dot to a masked dense dot per
+    group (every expert on every pair); scripts/bench_moe.py times all three.
+    """
+    num_tokens, k = experts.shape
+    num_experts, hidden = gate_up.shape[0], h.shape[1]
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    sizes = jnp.bincount(flat, length=num_experts)  # [E]
+    padded = -(-sizes // tile) * tile
+    # sorted pair j, the r-th of its expert e's, goes to padded row padded_start[e] + r
+    sorted_expert = flat[order]
+    rank = jnp.arange(flat.shape[0]) - (jnp.cumsum(sizes) - sizes)[sorted_expert]
+    row = (jnp.cumsum(padded) - padded)[sorted_expert] + rank  # [T * k]
+    num_rows = -(-(flat.shape[0] + num_experts * (tile - 1)) // tile) * tile  # static bound
+    x = jnp.zeros((num_rows, hidden), h.dtype).at[row].set(h[token])
+    tile_expert = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(0, num_rows, tile),
+                                   side="right")  # [num_rows / tile]
+
+    def run_tile(t, out):
+        e = tile_expert[t]
+        rows = jax.lax.dynamic_slice_in_dim(x, t * tile, tile)
+        gate, up = jnp.split(rows @ gate_up[e], 2, axis=-1)
+        return jax.lax.dynamic_update_slice_in_dim(out, (jax.nn.silu(gate) * up) @ down[e],
+                                                   t * tile, axis=0)
+
+    out = jax.lax.fori_loop(0, jnp.sum(padded) // tile, run_tile, jnp.zeros_like(x))
+    out = out[row].astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((num_tokens, hidden), jnp.float32).at[token].add(out).astype(h.dtype)
+
+
+def dense_experts(h: jax.Array, weights: jax.Array, experts: jax.Array,
+                  gate_up: jax.Array, down: jax.Array) -> jax.Array:
+    """What `grouped_experts` computes, by running every expert on every token and weighting
+    the unrouted ones by zero: E / k times the work, the reference for tests and benchmarks."""
+    gate, up = jnp.split(jnp.einsum("th,ehi->eti", h, gate_up), 2, axis=-1)
+    out = jnp.einsum("eti,eih->eth", jax.nn.silu(gate) * up, down)  # [E, T, H]
+    rows = jnp.arange(experts.shape[0])[:, None]
+    combine = jnp.zeros((experts.shape[0], gate_up.shape[0]), jnp.float32)
+    combine = combine.at[rows, experts].add(weights)  # [T, E], zero where unrouted
+    return jnp.einsum("te,eth->th", combine, out.astype(jnp.float32)).astype(h.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeModel(llama.LlamaModel):
+    """llama.LlamaModel whose MoE layers (those with a "router") route to experts.
+
+    `expert_fn` computes the experts (`grouped_experts`, or `dense_experts` to compare).
+    Tensor parallelism is refused for it (`jaxpage.parallel` shards dense MLPs only).
+    """
+
+    expert_fn: Any = grouped_experts
+
+    def _mlp(self, layer, h):
+        if "router" not in layer:
+            return super()._mlp(layer, h)
+        weights, experts = route(self.config, h, layer["router"])
+        return self.expert_fn(h, weights, experts, layer["experts_gate_up"],
+                              layer["experts_down"])
+
+
+def param_shapes(config: ModelConfig) -> dict[str, Any]:
+    """llama.param_shapes with each MoE layer's dense MLP replaced by its router and experts."""
+    shapes = llama.param_shapes(config)
+    h, e, i = config.hidden_size, config.num_experts, config.moe_intermediate_size
+    for n, layer in enumerate(shapes["layers"]):
+        if config.is_moe_layer(n):
+            del layer["gate_up"], layer["down"]
+            layer.update(router=(h, e), experts_gate_up=(e, h, 2 * i), experts_down=(e, i, h))
+    return shapes
+
+
+# Where an HF checkpoint keeps a MoE layer's router and experts ("model.layers.N.<block>.gate",
+# "...<block>.experts.E.<gate|up|down>"): the Hub's per-expert layout, which transformers 5
+# also saves.
+HF_MOE_NAMES = {
+    "MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "Qwen3MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+}
+
+
+def params_from_hf_tensors(config: ModelConfig, get) -> dict[str, Any]:
+    """HF-named tensors -> numpy params: llama's attention, norms and dense MLPs, plus each
+    MoE layer's router and its experts stacked [E, ...]."""
+    fetch, linear = hf_fetchers(config, get)
+    block, names = HF_MOE_NAMES[config.architecture]
+    layers = []
+    for n in range(config.num_layers):
+        layer = attention_from_hf(config, fetch, linear, n)
+        if config.is_moe_layer(n):
+            p = f"model.layers.{n}.{block}."
+            experts = [mlp_from_hf(config, fetch, linear, f"{p}experts.{e}.",
+                                   config.moe_intermediate_size, names)
+                       for e in range(config.num_experts)]
+            layer.update(router=linear(p + "gate.weight", config.hidden_size, config.num_experts),
+                         experts_gate_up=np.stack([x["gate_up"] for x in experts]),
+                         experts_down=np.stack([x["down"] for x in experts]))
+        else:
+            layer.update(mlp_from_hf(config, fetch, linear, f"model.layers.{n}.mlp.",
+                                     config.intermediate_size))
+        layers.append(layer)
+    return decoder_from_hf(config, fetch, linear, layers)
+
+
+MODEL_CLASS = MoeModel
