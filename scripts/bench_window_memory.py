@@ -148,8 +148,8 @@ def main() -> None:
         assert r.allocator_unpaged == r.context_unpaged, "allocator disagrees (unpaged)"
         assert r.allocator_paged == r.context_paged, "allocator disagrees (paged)"
     print("\ncontext: tokens of one sequence the pool holds (arithmetic); (alloc): tokens the "
-          "allocator let one sequence reach (chunks, then blocks). A model's max_position_embeddings may "
-          "end a sequence first (Gemma-2-2B: 8192).")
+          "allocator let one sequence reach (chunks, then blocks). A model's "
+          "max_position_embeddings may end a sequence first (Gemma-2-2B: 8192).")
 
 
 if __name__ == "__main__":

@@ -151,8 +151,9 @@ class ModelRunner:
         # (a window as long as the longest sequence never binds: no window group then)
         windows = [w if w and w < max_model_len else None for w in layer_windows(model_config)]
         if len({w for w in windows if w}) > 1:
-            raise ValueError(f"layers with different sliding windows {sorted(set(windows) - {None})} "
-                             "are not supported (one window group)")
+            raise ValueError(f"layers with different sliding windows "
+                             f"{sorted(set(windows) - {None})} are not supported (one window "
+                             "group)")
         self.window = next((w for w in windows if w), None)
         self.window_layers = [i for i, w in enumerate(windows) if w]
         self.full_layers = [i for i, w in enumerate(windows) if not w]

@@ -24,8 +24,8 @@ import jax
 import numpy as np
 
 from jaxpage.loading.hf import WeightsError
-from jaxpage.models.config import ModelConfig, RopeConfig
 from jaxpage.models import param_shapes
+from jaxpage.models.config import ModelConfig, RopeConfig
 
 FORMAT = "jaxpage-checkpoint"
 FORMAT_VERSION = 1

@@ -32,10 +32,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxpage.attention import AttentionMetadata, LayerKV
-from jaxpage.loading.hf import TensorGetter, attention_params, hf_fetchers
+from jaxpage.loading.hf import (
+    TensorGetter,
+    attention_params,
+    decoder_from_hf,
+    hf_fetchers,
+    mlp_from_hf,
+)
 from jaxpage.models import llama
 from jaxpage.models.config import ModelConfig
 from jaxpage.models.llama import LlamaModel, Params, rms_norm, rope_cos_sin
@@ -95,7 +100,7 @@ def params_from_hf_tensors(config: ModelConfig, get: TensorGetter) -> dict[str, 
     """HF-named Gemma2ForCausalLM / Gemma3ForCausalLM tensors -> the params layout (numpy,
     the tensors' dtype; the caller casts)."""
     fetch, linear = hf_fetchers(config, get)
-    h, i = config.hidden_size, config.intermediate_size
+    h = config.hidden_size
     layers = []
     for n in range(config.num_layers):
         p = f"model.layers.{n}."
@@ -104,16 +109,7 @@ def params_from_hf_tensors(config: ModelConfig, get: TensorGetter) -> dict[str, 
             **attention_params(config, fetch, linear, p),
             "post_attn_norm": fetch(p + "post_attention_layernorm.weight", (h,)),
             "mlp_norm": fetch(p + "pre_feedforward_layernorm.weight", (h,)),
-            "gate_up": np.concatenate([linear(p + "mlp.gate_proj.weight", h, i),
-                                       linear(p + "mlp.up_proj.weight", h, i)], axis=1),
-            "down": linear(p + "mlp.down_proj.weight", i, h),
+            **mlp_from_hf(config, fetch, linear, p + "mlp.", config.intermediate_size),
             "post_mlp_norm": fetch(p + "post_feedforward_layernorm.weight", (h,)),
         })
-    params: dict[str, Any] = {
-        "embed": fetch("model.embed_tokens.weight", (config.vocab_size, h)),
-        "layers": layers,
-        "final_norm": fetch("model.norm.weight", (h,)),
-    }
-    if not config.tie_word_embeddings:
-        params["lm_head"] = linear("lm_head.weight", h, config.vocab_size)
-    return params
+    return decoder_from_hf(config, fetch, linear, layers)
