@@ -215,6 +215,12 @@ class NoHeadDimConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LayerTypesConfig(nnx_example.DecoderConfig):
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class NoForward:
     config: nnx_example.DecoderConfig
 
@@ -245,6 +251,14 @@ def _broken(case: str):
         return nnx_example.NNXModel(graphdef, dataclasses.replace(config, num_heads=3)), state
     if case == "kv pool returned":
         return DropsLayerModel(graphdef, config), state
+    if case == "layer types":
+        typed = LayerTypesConfig(**dataclasses.asdict(config), sliding_window=8,
+                                 layer_types=("full_attention",))
+        return nnx_example.NNXModel(graphdef, typed), state
+    if case == "sliding without window":
+        typed = LayerTypesConfig(**dataclasses.asdict(config),
+                                 layer_types=("sliding_attention", "full_attention"))
+        return nnx_example.NNXModel(graphdef, typed), state
     if case == "no forward":
         return NoForward(config), state
     if case == "unhashable":
@@ -263,6 +277,8 @@ def _broken(case: str):
     ("non-positive", r"config\.num_layers must be an integer >= 1, got 0"),
     ("inconsistent heads", r"num_heads \(3\) must be a positive multiple of num_kv_heads \(2\)"),
     ("kv pool returned", r"kv_pool"),
+    ("layer types", r"layer_types must be None or num_layers=2 of"),
+    ("sliding without window", r"layer_types has sliding layers but sliding_window is None"),
     ("no forward", r"no `forward"),
     ("unhashable", r"must be hashable"),
     ("params not arrays", r"params\['embed'\] is a str"),

@@ -95,9 +95,13 @@ def test_greedy_equals_hf_past_the_window(hf_models, prompts, expected, name, ba
               max_num_batched_tokens=256, max_num_seqs=8, debug_nan_pool=True)
     stats = check(llm, prompts, expected(name))
     assert stats["sliding_window"] == WINDOW
-    kinds = {"sliding_attention"} if name == "mistral" else {"full_attention",
-                                                              "sliding_attention"}
-    assert set(stats["kv_bytes_per_token"]) == kinds
+    config = llm.engine.model.config
+    per_layer = 2 * config.num_kv_heads * config.head_dim * 4  # K and V, float32
+    sliding = sum(1 for w in config.layer_windows if w)
+    expected_bytes = {"full_attention": (config.num_layers - sliding) * per_layer,
+                      "sliding_attention": sliding * per_layer}
+    assert stats["kv_bytes_per_token"] == {k: v for k, v in expected_bytes.items() if v}
+    assert sliding == {"mistral": 2, "gemma2": 2, "gemma3": 5}[name]
 
 
 @pytest.mark.parametrize("backend", ["jnp", "cpp", *PALLAS])

@@ -34,6 +34,7 @@ def assert_same_tokens(results: dict) -> None:
     ("smollm9", "cpp", "3", "recompute"),  # SmolLM2's 9 / 3 heads
     ("llama8", "cpp", "4", "swap"),  # the host pool holds every KV head of a block
     ("llama8", "jnp", "4", "recompute"),
+    ("gemma2", "cpp", "2", "recompute"),  # a window group beside the full one
     pytest.param("llama8", "jnp", "2,8", "recompute", marks=pytest.mark.slow),
     pytest.param("llama8", "pallas_tpu", "2,4", "recompute",
                  marks=[pytest.mark.slow, pytest.mark.kernels]),

@@ -34,13 +34,21 @@ MODELS = {
     "llama8_wide": dict(name="llama", num_attention_heads=8, num_key_value_heads=2,
                         hidden_size=256, intermediate_size=512, vocab_size=128),
 }
+# alternating 16-token sliding windows and global layers: both KV groups sharded
+MODELS["gemma2"] = dict(name="gemma2")
 PREFIX = list(range(40, 60))  # shared by two prompts: prefix-cache hits
 
 
 def model_dir(kind: str) -> str:
     spec = dict(MODELS[kind])
     path = tempfile.mkdtemp()
-    build_hf_model(spec.pop("name"), 0, **spec).save_pretrained(path)
+    name = spec.pop("name")
+    if name.startswith("gemma"):
+        from models.gemma_models import build_gemma
+
+        build_gemma(name, 0, **spec).save_pretrained(path)
+    else:
+        build_hf_model(name, 0, **spec).save_pretrained(path)
     return path
 
 
