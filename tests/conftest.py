@@ -13,6 +13,16 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_executables():
+    """Drop every compiled executable after each test module. Each one XLA:CPU loads holds
+    a few memory mappings, and one process running the whole suite (~1,000 tests, several
+    thousand executables) otherwise reaches the kernel's vm.max_map_count (65,530 here) and
+    segfaults inside the next compilation."""
+    yield
+    jax.clear_caches()
+
 # Tiny configs of every supported architecture. Head counts are chosen to cover GQA with
 # 3 query heads per KV head, an odd head count, MHA, and tied and untied embeddings.
 TINY_CONFIGS = {
