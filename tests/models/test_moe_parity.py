@@ -205,12 +205,12 @@ def test_dense_and_tiled_experts_models_equal_grouped(moe_model_dir):
     config, params = load_hf_dir(path, "float32")
     tokens = list(range(3, 40))
     pool = make_pool(config, 4, 16, fill=0.0)
-    grouped, _ = paged_forward(MoeModel(config), params, pool, [1, 2, 3], 0, tokens, 16,
-                               all_logits=True)
-    for expert_fn in (dense_experts, tiled_experts):
+    grouped, _ = paged_forward(MoeModel(config, expert_fn=grouped_experts), params, pool,
+                               [1, 2, 3], 0, tokens, 16, all_logits=True)
+    for expert_fn in (dense_experts, tiled_experts, None):  # None: the platform's default
         other, _ = paged_forward(MoeModel(config, expert_fn=expert_fn), params, pool, [1, 2, 3],
                                  0, tokens, 16, all_logits=True)
-        np.testing.assert_allclose(other, grouped, atol=1e-5, rtol=0, err_msg=expert_fn.__name__)
+        np.testing.assert_allclose(other, grouped, atol=1e-5, rtol=0, err_msg=str(expert_fn))
 
 
 # ----------------------------------------------------------------------------------------
