@@ -45,7 +45,6 @@ TINY_CONFIGS = {
 
 def build_hf_model(name: str, seed: int = 0, **overrides):
     """A tiny random-weight HF model (float32, eval mode) of one of TINY_CONFIGS."""
-    import torch
     import transformers
 
     spec = dict(TINY_CONFIGS[name])
@@ -66,11 +65,20 @@ def build_hf_model(name: str, seed: int = 0, **overrides):
     else:
         config.rope_theta = rope_theta
         config.rope_scaling = rope_scaling
+    return instantiate_hf_model(config, arch, seed)
+
+
+def instantiate_hf_model(config, arch: str, seed: int):
+    """HF transformers' `arch` (e.g. "LlamaForCausalLM") of `config`, float32 in eval mode,
+    with seeded random weights. Random init leaves norms at their identity and biases at 0:
+    both are perturbed so that they are exercised."""
+    import torch
+    import transformers
+
     config.architectures = [arch]
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(config).eval()
     model.generation_config.eos_token_id = None  # hf_greedy passes EOS explicitly
-    # Random init leaves norms at 1 and biases at 0; perturb them so they are exercised.
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if "norm" in pname or pname.endswith("bias"):
@@ -78,16 +86,28 @@ def build_hf_model(name: str, seed: int = 0, **overrides):
     return model
 
 
+def build_tiny_model(name: str, seed: int = 0, **overrides):
+    """A tiny random-weight HF model of any family by its name: TINY_CONFIGS here, the Gemma
+    and MoE ones in tests/models."""
+    if name in TINY_CONFIGS:
+        return build_hf_model(name, seed, **overrides)
+    from models.gemma_models import TINY_GEMMA_CONFIGS, build_gemma
+    from models.moe_models import build_moe_model
+
+    build = build_gemma if name in TINY_GEMMA_CONFIGS else build_moe_model
+    return build(name, seed, **overrides)
+
+
 @pytest.fixture(scope="session")
 def hf_model_dir(tmp_path_factory):
-    """Factory: save a tiny HF model to a temp dir once per (name, seed, config overrides);
-    returns (dir, model)."""
+    """Factory: save a tiny HF model (`build_tiny_model`: any family) to a temp dir once per
+    (name, seed, config overrides); returns (dir, model)."""
     cache = {}
 
     def make(name: str, seed: int = 0, **overrides):
         key = (name, seed, tuple(sorted(overrides.items())))
         if key not in cache:
-            model = build_hf_model(name, seed, **overrides)
+            model = build_tiny_model(name, seed, **overrides)
             path = tmp_path_factory.mktemp(f"hf_{name}_{seed}")
             model.save_pretrained(path, safe_serialization=True)
             cache[key] = (str(path), model)

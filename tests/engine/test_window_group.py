@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import hf_greedy
-from models.gemma_models import build_gemma
 
 from jaxpage import LLM, SamplingParams
 from jaxpage.engine.block_allocator import NULL_BLOCK
@@ -29,22 +28,10 @@ PALLAS = [pytest.param(b, marks=[pytest.mark.slow, pytest.mark.kernels])
 
 
 @pytest.fixture(scope="module")
-def hf_models(hf_model_dir, tmp_path_factory):
-    """name -> (HF directory, HF model), each built once."""
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            if name == "mistral":
-                cache[name] = hf_model_dir("mistral", sliding_window=WINDOW)
-            else:
-                model = build_gemma(name)
-                path = tmp_path_factory.mktemp(name)
-                model.save_pretrained(path, safe_serialization=True)
-                cache[name] = (str(path), model)
-        return cache[name]
-
-    return get
+def hf_models(hf_model_dir):
+    """name -> (HF directory, HF model), each built once (Mistral with the 16-token window)."""
+    return lambda name: hf_model_dir(name, **({"sliding_window": WINDOW}
+                                              if name == "mistral" else {}))
 
 
 @pytest.fixture(scope="module")

@@ -29,8 +29,8 @@ TINY_GEMMA_CONFIGS = {
 
 def build_gemma(name: str, seed: int = 0, **overrides):
     """A tiny random-weight Gemma HF model (float32, eval mode) of TINY_GEMMA_CONFIGS."""
-    import torch
     import transformers
+    from conftest import instantiate_hf_model
 
     spec = {**TINY_GEMMA_CONFIGS[name], **overrides}
     model_type, arch = spec.pop("model_type"), spec.pop("arch")
@@ -40,16 +40,8 @@ def build_gemma(name: str, seed: int = 0, **overrides):
                   bos_token_id=2, eos_token_id=1, pad_token_id=0)
     kwargs.update(spec)
     config = transformers.AutoConfig.for_model(model_type, **kwargs)
-    config.architectures = [arch]
-    torch.manual_seed(seed)
-    model = getattr(transformers, arch)(config).eval()
-    model.generation_config.eos_token_id = None  # hf_greedy passes EOS explicitly
-    # Random init leaves Gemma's norm weights at 0 (a scale of 1); perturb them.
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+    # Gemma's norm weights start at 0 (a scale of 1); instantiate_hf_model perturbs them.
+    return instantiate_hf_model(config, arch, seed)
 
 
 # ----------------------------------------------------------------------------------------

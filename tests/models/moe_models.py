@@ -34,31 +34,28 @@ MOE_CONFIGS = {
 _MODEL_TYPES = {"MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
 
 
-def build_moe_model(name: str, seed: int = 0):
+def build_moe_model(name: str, seed: int = 0, **overrides):
     """A tiny random-weight HF MoE model (float32, eval mode) of one of MOE_CONFIGS.
 
-    Norms are perturbed away from 1 (as conftest.build_hf_model does) and the routers
+    Norms are perturbed away from 1 (conftest.instantiate_hf_model) and the routers
     scaled up, so routing is decided by clear margins rather than near-ties a float32
     rounding could flip.
     """
     import torch
     import transformers
+    from conftest import instantiate_hf_model
 
     arch, spec = MOE_CONFIGS[name]
+    spec = {**spec, **overrides}
     kwargs = dict(vocab_size=97, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
                   max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1,
                   eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
     kwargs.update(spec)
     config = transformers.AutoConfig.for_model(_MODEL_TYPES[arch], **kwargs)
     config.rope_parameters = {"rope_theta": 10000.0, "rope_type": "default"}
-    config.architectures = [arch]
-    torch.manual_seed(seed)
-    model = getattr(transformers, arch)(config).eval()
-    model.generation_config.eos_token_id = None  # hf_greedy passes EOS explicitly
+    model = instantiate_hf_model(config, arch, seed)
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.add_(0.1 * torch.randn_like(p))
-            elif pname.endswith(".gate.weight"):  # the routers
+            if pname.endswith(".gate.weight"):  # the routers
                 p.mul_(20.0)
     return model

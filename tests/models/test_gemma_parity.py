@@ -25,22 +25,6 @@ STEP = jax.jit(GemmaModel.forward, static_argnums=0)  # one compile per model an
 NAMES = sorted(TINY_GEMMA_CONFIGS)
 
 
-@pytest.fixture(scope="module")
-def gemma_dir(tmp_path_factory):
-    """Factory: a tiny Gemma HF model saved once per name; returns (dir, model)."""
-    cache = {}
-
-    def make(name: str):
-        if name not in cache:
-            model = build_gemma(name)
-            path = tmp_path_factory.mktemp(f"hf_{name}")
-            model.save_pretrained(path, safe_serialization=True)
-            cache[name] = (str(path), model)
-        return cache[name]
-
-    return make
-
-
 def load(path: str):
     config, params = load_hf_dir(path, "float32")
     return build_model(config), params
@@ -73,9 +57,9 @@ def prompt(length: int, seed: int = 1) -> list[int]:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_prompt_logits_match_hf(name, gemma_dir):
+def test_prompt_logits_match_hf(name, hf_model_dir):
     """A 50-token prompt (three windows) in one step, over permuted blocks."""
-    path, hf_model = gemma_dir(name)
+    path, hf_model = hf_model_dir(name)
     model, params = load(path)
     tokens = prompt(50)
     pool = make_pool(model.config, 10, 16)
@@ -84,10 +68,10 @@ def test_prompt_logits_match_hf(name, gemma_dir):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_chunked_prefill_batched_and_decode_match_hf(name, gemma_dir):
+def test_chunked_prefill_batched_and_decode_match_hf(name, hf_model_dir):
     """Sequence a prefills in chunks that straddle the window edge, sharing steps with
     sequence b, which decodes; then a decodes token by token to 60 tokens."""
-    path, hf_model = gemma_dir(name)
+    path, hf_model = hf_model_dir(name)
     model, params = load(path)
     block_size = 8
     seq_a, seq_b = prompt(60, seed=2), prompt(30, seed=3)
@@ -116,9 +100,9 @@ def test_chunked_prefill_batched_and_decode_match_hf(name, gemma_dir):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_greedy_tokens_match_hf_generate(name, gemma_dir):
+def test_greedy_tokens_match_hf_generate(name, hf_model_dir):
     """24 greedy tokens after a 12-token prompt: generation runs 20 tokens past the window."""
-    path, hf_model = gemma_dir(name)
+    path, hf_model = hf_model_dir(name)
     model, params = load(path)
     tokens, new = prompt(12, seed=4), 24
     table, block_size = [4, 1, 6, 3, 2], 8
@@ -134,10 +118,10 @@ def test_greedy_tokens_match_hf_generate(name, gemma_dir):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_window_and_soft_caps_bind(name, gemma_dir):
+def test_window_and_soft_caps_bind(name, hf_model_dir):
     """The parity tests would catch a model that ignores the window, the soft-caps or the
     local rope: each changes the tiny models' logits by far more than the tolerance."""
-    path, hf_model = gemma_dir(name)
+    path, hf_model = hf_model_dir(name)
     model, params = load(path)
     tokens = prompt(50)
     expected = hf_logits(hf_model, tokens)
@@ -156,9 +140,9 @@ def test_window_and_soft_caps_bind(name, gemma_dir):
         assert np.abs(logits - expected).max() > 100 * ATOL, what
 
 
-def test_bfloat16_close_to_float32(gemma_dir):
+def test_bfloat16_close_to_float32(hf_model_dir):
     """bfloat16 params and pool run the same forward (no float32 leaking into the pool)."""
-    path, _ = gemma_dir("gemma3")
+    path, _ = hf_model_dir("gemma3")
     model, params32 = load(path)
     _, params16 = load_hf_dir(path, "bfloat16")
     tokens = prompt(40)
@@ -171,10 +155,10 @@ def test_bfloat16_close_to_float32(gemma_dir):
     assert (l16.argmax(-1) == l32.argmax(-1)).mean() > 0.9
 
 
-def test_config_from_hub_style_config_json(gemma_dir):
+def test_config_from_hub_style_config_json(hf_model_dir):
     """Hub config.json files predate transformers 5: no layer_types, and Gemma 3's ropes
     as rope_theta / rope_scaling / rope_local_base_freq. Both forms give one config."""
-    path, hf_model = gemma_dir("gemma3")
+    path, hf_model = hf_model_dir("gemma3")
     current = hf_model.config.to_dict()
     ropes = current.pop("rope_parameters")
     hub = {k: v for k, v in current.items() if k != "layer_types"}
@@ -188,7 +172,7 @@ def test_config_from_hub_style_config_json(gemma_dir):
     del hub["rope_theta"], hub["rope_local_base_freq"], hub["rope_scaling"]
     config = ModelConfig.from_hf(hub)
     assert (config.rope.theta, config.rope_local.theta) == (1e6, 1e4)
-    gemma2 = {k: v for k, v in gemma_dir("gemma2")[1].config.to_dict().items()
+    gemma2 = {k: v for k, v in hf_model_dir("gemma2")[1].config.to_dict().items()
               if k not in ("attn_logit_softcapping", "final_logit_softcapping",
                            "query_pre_attn_scalar", "layer_types")}
     config = ModelConfig.from_hf(gemma2)
@@ -200,8 +184,8 @@ def test_config_from_hub_style_config_json(gemma_dir):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_checkpoint_round_trip(name, gemma_dir, tmp_path):
-    path, _ = gemma_dir(name)
+def test_checkpoint_round_trip(name, hf_model_dir, tmp_path):
+    path, _ = hf_model_dir(name)
     config, params = load_hf_dir(path, "float32")
     save_checkpoint(str(tmp_path / "ckpt"), config, params)
     loaded_config, loaded, _ = load_checkpoint(str(tmp_path / "ckpt"), "float32")

@@ -33,29 +33,13 @@ from jaxpage.parallel import TensorParallel, valid_tp_sizes
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="session")
-def moe_model_dir(tmp_path_factory):
-    """Factory: save a tiny HF MoE model once per name; returns (dir, model)."""
-    cache = {}
-
-    def make(name: str):
-        if name not in cache:
-            model = build_moe_model(name)
-            path = tmp_path_factory.mktemp(f"hf_{name}")
-            model.save_pretrained(path, safe_serialization=True)
-            cache[name] = (str(path), model)
-        return cache[name]
-
-    return make
-
-
-def test_config_from_hf(moe_model_dir):
+def test_config_from_hf(hf_model_dir):
     """Expert counts, widths, routing switches and the dense layers come from the HF config;
     num_params counts every expert, as HF's parameter count does (less q/k norms, which
     ModelConfig.num_params leaves out for every family)."""
     for name, expected_moe in [("mixtral", [True, True]), ("qwen3_moe", [True, True]),
                                ("qwen3_moe_sparse", [False, True, False, False])]:
-        path, hf_model = moe_model_dir(name)
+        path, hf_model = hf_model_dir(name)
         config, _ = load_hf_dir(path, "float32")
         hf = hf_model.config
         assert config.num_experts == 8
@@ -63,15 +47,15 @@ def test_config_from_hf(moe_model_dir):
         assert [config.is_moe_layer(n) for n in range(config.num_layers)] == expected_moe
         qk_norms = 2 * config.head_dim * config.num_layers if config.qk_norm else 0
         assert config.num_params + qk_norms == sum(p.numel() for p in hf_model.parameters())
-    mixtral, _ = load_hf_dir(moe_model_dir("mixtral")[0], "float32")
+    mixtral, _ = load_hf_dir(hf_model_dir("mixtral")[0], "float32")
     assert mixtral.moe_intermediate_size == 64 and mixtral.norm_topk_prob
-    unnormed, _ = load_hf_dir(moe_model_dir("qwen3_moe_unnormed")[0], "float32")
+    unnormed, _ = load_hf_dir(hf_model_dir("qwen3_moe_unnormed")[0], "float32")
     assert unnormed.moe_intermediate_size == 24 and not unnormed.norm_topk_prob
 
 
 @pytest.mark.parametrize("name", sorted(MOE_CONFIGS))
-def test_prompt_logits_match_hf(name, moe_model_dir):
-    path, hf_model = moe_model_dir(name)
+def test_prompt_logits_match_hf(name, hf_model_dir):
+    path, hf_model = hf_model_dir(name)
     config, params = load_hf_dir(path, "float32")
     model = build_model(config)
     assert isinstance(model, MoeModel)
@@ -84,9 +68,9 @@ def test_prompt_logits_match_hf(name, moe_model_dir):
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe_sparse"])
-def test_token_by_token_decode_matches_hf(name, moe_model_dir):
+def test_token_by_token_decode_matches_hf(name, hf_model_dir):
     """Prefill a prompt that ends on a block boundary, then decode one token per step."""
-    path, hf_model = moe_model_dir(name)
+    path, hf_model = hf_model_dir(name)
     config, params = load_hf_dir(path, "float32")
     model = build_model(config)
     rng = np.random.default_rng(2)
@@ -106,9 +90,9 @@ def test_token_by_token_decode_matches_hf(name, moe_model_dir):
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe_unnormed"])
-def test_engine_greedy_matches_hf_generate(name, moe_model_dir):
+def test_engine_greedy_matches_hf_generate(name, hf_model_dir):
     """Through the whole engine (model built from the directory, batched, padded steps)."""
-    path, hf_model = moe_model_dir(name)
+    path, hf_model = hf_model_dir(name)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 97, size=n).tolist() for n in (1, 7, 19)]
     llm = LLM(path, block_size=8, num_blocks=32, max_num_seqs=4)
@@ -200,8 +184,8 @@ def test_routing_matches_hf_router_and_the_dense_model():
     np.testing.assert_allclose(np.sort(weights, -1), np.sort(hf_weights.numpy(), -1), atol=1e-6)
 
 
-def test_dense_and_tiled_experts_models_equal_grouped(moe_model_dir):
-    path, _ = moe_model_dir("qwen3_moe_sparse")
+def test_dense_and_tiled_experts_models_equal_grouped(hf_model_dir):
+    path, _ = hf_model_dir("qwen3_moe_sparse")
     config, params = load_hf_dir(path, "float32")
     tokens = list(range(3, 40))
     pool = make_pool(config, 4, 16, fill=0.0)
@@ -218,8 +202,8 @@ def test_dense_and_tiled_experts_models_equal_grouped(moe_model_dir):
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe_sparse"])
-def test_checkpoint_round_trip(name, moe_model_dir, tmp_path):
-    path, _ = moe_model_dir(name)
+def test_checkpoint_round_trip(name, hf_model_dir, tmp_path):
+    path, _ = hf_model_dir(name)
     config, params = load_hf_dir(path, "float32")
     save_checkpoint(str(tmp_path / "ckpt"), config, params)
     loaded_config, loaded, _ = load_checkpoint(str(tmp_path / "ckpt"), "float32")
@@ -252,13 +236,13 @@ def llama_cpp_tensors(path: str) -> dict[str, np.ndarray]:
     return tensors
 
 
-def write_moe_gguf(name, moe_model_dir, path, metadata=True):
+def write_moe_gguf(name, hf_model_dir, path, metadata=True):
     """The tiny model `name` as a GGUF written as llama.cpp writes it (Mixtral as "llama"
     with expert_count, its q/k rows permuted; Qwen3-MoE as "qwen3moe"); without `metadata`
     the expert counts are left out."""
     from loading.test_gguf_and_checkpoint import write_gguf
 
-    model_dir, hf_model = moe_model_dir(name)
+    model_dir, hf_model = hf_model_dir(name)
     hf = hf_model.config
 
     def experts(writer):
@@ -275,28 +259,28 @@ def write_moe_gguf(name, moe_model_dir, path, metadata=True):
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "qwen3_moe_unnormed"])
-def test_gguf_equals_its_hf_twin(name, moe_model_dir, tmp_path):
-    file = write_moe_gguf(name, moe_model_dir, tmp_path / f"{name}.gguf")
+def test_gguf_equals_its_hf_twin(name, hf_model_dir, tmp_path):
+    file = write_moe_gguf(name, hf_model_dir, tmp_path / f"{name}.gguf")
     config, params = load_gguf(file, "float32")
-    hf_config, hf_params = load_hf_dir(moe_model_dir(name)[0], "float32")
+    hf_config, hf_params = load_hf_dir(hf_model_dir(name)[0], "float32")
     assert config == hf_config
     assert jax.tree.structure(params) == jax.tree.structure(hf_params)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(hf_params), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
-def test_gguf_without_expert_metadata_fails_clearly(moe_model_dir, tmp_path):
-    file = write_moe_gguf("mixtral", moe_model_dir, tmp_path / "m.gguf", metadata=False)
+def test_gguf_without_expert_metadata_fails_clearly(hf_model_dir, tmp_path):
+    file = write_moe_gguf("mixtral", hf_model_dir, tmp_path / "m.gguf", metadata=False)
     with pytest.raises(WeightsError, match="'blk.0.ffn_gate_inp.weight' is not part of a "
                                            "LlamaForCausalLM"):
         load_gguf(file, "float32")
-    file = write_moe_gguf("qwen3_moe", moe_model_dir, tmp_path / "q.gguf", metadata=False)
+    file = write_moe_gguf("qwen3_moe", hf_model_dir, tmp_path / "q.gguf", metadata=False)
     with pytest.raises(WeightsError, match="no 'qwen3moe.expert_count'"):
         load_gguf(file, "float32")
 
 
-def test_tensor_parallel_refused(moe_model_dir):
-    config, _ = load_hf_dir(moe_model_dir("mixtral")[0], "float32")
+def test_tensor_parallel_refused(hf_model_dir):
+    config, _ = load_hf_dir(hf_model_dir("mixtral")[0], "float32")
     assert valid_tp_sizes(config, 4) == [1]
     with pytest.raises(ValueError, match="MixtralForCausalLM is a mixture of experts"):
         TensorParallel.create(config, 2, jax.devices() * 2)
@@ -362,9 +346,9 @@ def test_tied_router_logits_match_hf(tmp_path):
     np.testing.assert_allclose(logits, hf_logits(hf_model, tokens), atol=ATOL, rtol=0)
 
 
-def test_bfloat16_close_to_float32(moe_model_dir):
+def test_bfloat16_close_to_float32(hf_model_dir):
     """bfloat16 params (router logits in bfloat16 tie far more often) stay close to float32."""
-    path, _ = moe_model_dir("qwen3_moe")
+    path, _ = hf_model_dir("qwen3_moe")
     config, params32 = load_hf_dir(path, "float32")
     _, params16 = load_hf_dir(path, "bfloat16")
     model = build_model(config)
