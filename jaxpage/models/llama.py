@@ -37,6 +37,14 @@ ACTIVATIONS = {"silu": jax.nn.silu,
                "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 
 
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x @ w accumulated in float32 and rounded once to x's dtype (as PyTorch's bfloat16
+    matmuls do). For bfloat16 this is also XLA:CPU's fast path: a bfloat16 dot with a
+    bfloat16 result runs ~4x slower there than one with a float32 result (SmolLM2's [16, 576]
+    x [576, 1536] projection: 1.10 ms vs 0.28 ms; float32 inputs: 0.21 ms)."""
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, unit_offset: bool = False
              ) -> jax.Array:
     """RMSNorm over the last axis, computed in float32 and cast back (as HF does).
@@ -171,7 +179,7 @@ class LlamaModel:
         sliding_window, soft_cap)."""
         cfg = self.config
         num_tokens = h.shape[0]
-        qkv = h @ layer["qkv"]  # [T, H] x [H, Q + 2K] -> [T, Q + 2K]
+        qkv = linear(h, layer["qkv"])  # [T, H] x [H, Q + 2K] -> [T, Q + 2K]
         if "qkv_bias" in layer:
             qkv = qkv + layer["qkv_bias"]
         q = qkv[:, : cfg.q_size].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
@@ -183,19 +191,19 @@ class LlamaModel:
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         out, layer_kv = paged_attention(q, k, v, layer_kv, metadata,
                                         **attention_options)  # [T, heads, D]
-        out = out.reshape(num_tokens, cfg.q_size) @ layer["o"]  # [T, Q] x [Q, H] -> [T, H]
+        out = linear(out.reshape(num_tokens, cfg.q_size), layer["o"])  # [T, Q] x [Q, H] -> [T, H]
         out = self._all_reduce(out)
         if "o_bias" in layer:
             out = out + layer["o_bias"]
         return out, layer_kv
 
     def _mlp(self, layer, h):
-        gate_up = h @ layer["gate_up"]  # [T, H] x [H, 2I] -> [T, 2I]
+        gate_up = linear(h, layer["gate_up"])  # [T, H] x [H, 2I] -> [T, 2I]
         if "gate_up_bias" in layer:
             gate_up = gate_up + layer["gate_up_bias"]
         gate, up = jnp.split(gate_up, 2, axis=-1)
         act = ACTIVATIONS[self.config.hidden_act]
-        out = (act(gate) * up) @ layer["down"]  # [T, I] x [I, H] -> [T, H]
+        out = linear(act(gate) * up, layer["down"])  # [T, I] x [I, H] -> [T, H]
         out = self._all_reduce(out)
         if "down_bias" in layer:
             out = out + layer["down_bias"]
