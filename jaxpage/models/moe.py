@@ -85,15 +85,27 @@ def grouped_experts(h: jax.Array, weights: jax.Array, experts: jax.Array,
 
     h: [T, H]; weights, experts: [T, k]; gate_up: [E, H, 2I]; down: [E, I, H]. Returns [T, H].
     """
-    num_tokens, k = experts.shape
-    flat = experts.reshape(-1)  # [T * k], pair p = token p // k, its (p % k)-th choice
-    order = jnp.argsort(flat, stable=True)
-    token = order // k
-    group_sizes = jnp.bincount(flat, length=gate_up.shape[0]).astype(jnp.int32)  # [E]
+    _, order, token, sizes = _sorted_pairs(experts, gate_up.shape[0])
+    group_sizes = sizes.astype(jnp.int32)
     gate, up = jnp.split(jax.lax.ragged_dot(h[token], gate_up, group_sizes), 2, axis=-1)
     out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down, group_sizes)  # [T * k, H]
+    return _combine(out, weights, order, token, h)
+
+
+def _sorted_pairs(experts: jax.Array, num_experts: int):
+    """The T * k routed (token, expert) pairs sorted by expert: (flat [T * k] experts, the
+    sorting order, each sorted pair's token, the pairs per expert [E])."""
+    flat = experts.reshape(-1)  # pair p = token p // k, its (p % k)-th choice
+    order = jnp.argsort(flat, stable=True)
+    return flat, order, order // experts.shape[1], jnp.bincount(flat, length=num_experts)
+
+
+def _combine(out: jax.Array, weights: jax.Array, order: jax.Array, token: jax.Array,
+             h: jax.Array) -> jax.Array:
+    """The sorted pairs' expert outputs [T * k, H] weighted by their routing weights and
+    summed onto their tokens in float32, in h's dtype and shape."""
     out = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-    return jnp.zeros((num_tokens, h.shape[1]), jnp.float32).at[token].add(out).astype(h.dtype)
+    return jnp.zeros(h.shape, jnp.float32).at[token].add(out).astype(h.dtype)
 
 
 def tiled_experts(h: jax.Array, weights: jax.Array, experts: jax.Array,
@@ -104,12 +116,8 @@ def tiled_experts(h: jax.Array, weights: jax.Array, experts: jax.Array,
     expert. A candidate for CPUs, where XLA lowers ragged_dot to a masked dense dot per
     group (every expert on every pair); scripts/bench_moe.py times all three.
     """
-    num_tokens, k = experts.shape
     num_experts, hidden = gate_up.shape[0], h.shape[1]
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    token = order // k
-    sizes = jnp.bincount(flat, length=num_experts)  # [E]
+    flat, order, token, sizes = _sorted_pairs(experts, num_experts)
     padded = -(-sizes // tile) * tile
     # sorted pair j, the r-th of its expert e's, goes to padded row padded_start[e] + r
     sorted_expert = flat[order]
@@ -128,8 +136,7 @@ def tiled_experts(h: jax.Array, weights: jax.Array, experts: jax.Array,
                                                    t * tile, axis=0)
 
     out = jax.lax.fori_loop(0, jnp.sum(padded) // tile, run_tile, jnp.zeros_like(x))
-    out = out[row].astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-    return jnp.zeros((num_tokens, hidden), jnp.float32).at[token].add(out).astype(h.dtype)
+    return _combine(out[row], weights, order, token, h)
 
 
 def dense_experts(h: jax.Array, weights: jax.Array, experts: jax.Array,

@@ -68,10 +68,18 @@ def test_token_by_token_decode_matches_hf(name, block_size, hf_model_dir):
     pool = make_pool(config, num_blocks, block_size)
     expected = hf_logits(hf_model, tokens)
 
+    assert_prefill_then_decode_match(model, params, pool, table, tokens, prompt_len,
+                                     block_size, expected)
+
+
+def assert_prefill_then_decode_match(model, params, pool, table, tokens, prompt_len,
+                                     block_size, expected):
+    """Prefill `tokens[:prompt_len]` in one step, then decode the rest one token per step,
+    through `table`; every position's logits within ATOL of `expected` [len, vocab]."""
     logits, pool = paged_forward(model, params, pool, table, 0, tokens[:prompt_len], block_size,
                                  all_logits=True)
     np.testing.assert_allclose(logits, expected[:prompt_len], atol=ATOL, rtol=0)
-    for pos in range(prompt_len, total):
+    for pos in range(prompt_len, len(tokens)):
         logits, pool = paged_forward(model, params, pool, table, pos, tokens[pos : pos + 1],
                                      block_size)
         np.testing.assert_allclose(logits[0], expected[pos], atol=ATOL, rtol=0,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import hf_greedy, hf_logits
 from moe_models import MOE_CONFIGS, build_moe_model
-from test_llama_parity import make_pool, paged_forward
+from test_llama_parity import assert_prefill_then_decode_match, make_pool, paged_forward
 
 from jaxpage import LLM, SamplingParams
 from jaxpage.loading.checkpoint import load_checkpoint, save_checkpoint
@@ -78,15 +78,8 @@ def test_token_by_token_decode_matches_hf(name, hf_model_dir):
     tokens = rng.integers(0, config.vocab_size, size=total).tolist()
     table = [4, 1, 3]
     pool = make_pool(config, 6, block_size)
-    expected = hf_logits(hf_model, tokens)
-    logits, pool = paged_forward(model, params, pool, table, 0, tokens[:prompt_len], block_size,
-                                 all_logits=True)
-    np.testing.assert_allclose(logits, expected[:prompt_len], atol=ATOL, rtol=0)
-    for pos in range(prompt_len, total):
-        logits, pool = paged_forward(model, params, pool, table, pos, tokens[pos:pos + 1],
-                                     block_size)
-        np.testing.assert_allclose(logits[0], expected[pos], atol=ATOL, rtol=0,
-                                   err_msg=f"position {pos}")
+    assert_prefill_then_decode_match(model, params, pool, table, tokens, prompt_len,
+                                     block_size, hf_logits(hf_model, tokens))
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe_unnormed"])
