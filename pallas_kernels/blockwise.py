@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import score_mods
+from pallas_kernels import bits, quantized, score_mods
 
 
 def write_kv(
@@ -25,18 +25,19 @@ def write_kv(
     """Scatter this step's K/V into the pool.
 
     Args:
-      k_pool, v_pool: [num_kv_heads, num_blocks, block_size, head_dim].
+      k_pool, v_pool: [num_kv_heads, num_blocks, block_size, head_dim], or QuantizedPools
+        of that shape (k and v are quantized per (head, token) as they are written).
       k, v: [T, num_kv_heads, head_dim].
       slot_mapping: [T] int32, slot = block_id * block_size + offset; padding tokens
         point into the reserved block 0.
     """
-    shape = k_pool.shape  # [num_kv_heads, num_blocks, block_size, head_dim]
-    flat_shape = (shape[0], shape[1] * shape[2], shape[3])
-
-    def scatter(pool, new):  # new: [T, K, D] -> written at [:, slot, :]
-        pool = jnp.asarray(pool).reshape(flat_shape)
-        new = new.astype(pool.dtype).transpose(1, 0, 2)
-        return pool.at[:, slot_mapping].set(new).reshape(shape)
+    def scatter(pool, new):  # new: [T, K, D] -> written at [:, slot, :] of [K, slots, D]
+        new = new.transpose(1, 0, 2)
+        if quantized.is_quantized(pool):
+            values, scales = quantized.quantize(new, pool.dtype)
+            return quantized.QuantizedPool(bits.set_rows(pool.values, slot_mapping, values),
+                                           bits.set_rows(pool.scales, slot_mapping, scales))
+        return bits.set_rows(jnp.asarray(pool), slot_mapping, new)
 
     return scatter(k_pool, k), scatter(v_pool, v)
 
@@ -126,12 +127,24 @@ def _decode(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, scale
     return jnp.zeros_like(q).at[token_index].set(out, mode="drop")
 
 
-def _as_rows(pool: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The pool [K, NB, B, D] as rows of one (head, block), [K * NB, B * D], and each head's
-    first row [K]: on CPU a gather of whole rows is a memcpy per row."""
+def _as_rows(pool) -> tuple:
+    """(read, head_row): `read(rows)` gathers rows of one (head, block) of the pool [K, NB, B,
+    D] viewed as [K * NB, B * D] (on CPU a gather of whole rows is a memcpy per row) and
+    returns them [n, B * D], dequantized to float32 for a QuantizedPool; head_row [K] is each
+    head's first row."""
     num_kv_heads, num_blocks, block_size, head_dim = pool.shape
-    rows = pool.reshape(num_kv_heads * num_blocks, block_size * head_dim)
-    return rows, jnp.arange(num_kv_heads, dtype=jnp.int32) * num_blocks
+    head_row = jnp.arange(num_kv_heads, dtype=jnp.int32) * num_blocks
+    if quantized.is_quantized(pool):
+        values = pool.values.reshape(num_kv_heads * num_blocks, block_size, head_dim)
+        scales = pool.scales.reshape(num_kv_heads * num_blocks, block_size)
+
+        def read(rows):
+            tiles = quantized.dequantize(bits.take(values, rows), bits.take(scales, rows))
+            return tiles.reshape(rows.shape[0], block_size * head_dim)
+
+        return read, head_row
+    flat = pool.reshape(num_kv_heads * num_blocks, block_size * head_dim)
+    return (lambda rows: bits.take(flat, rows)), head_row
 
 
 def _pad_to_chunks(tables: jax.Array, blocks_per_chunk: int) -> tuple[jax.Array, int]:
@@ -201,13 +214,13 @@ def _decode_tier(q_seq, k_pool, v_pool, tables, seq_lens, blocks_per_chunk, slid
     # the one query of each sequence is its last token, at seq_len - 1
     tables, key_start = _window_start(tables, seq_lens - 1, block_size, sliding_window)
     tables, num_chunks = _pad_to_chunks(tables, blocks_per_chunk)
-    (k_rows, head_row), (v_rows, _) = _as_rows(k_pool), _as_rows(v_pool)
+    (read_k, head_row), (read_v, _) = _as_rows(k_pool), _as_rows(v_pool)
 
     def body(c, carry):
         ids = jax.lax.dynamic_slice_in_dim(tables, c * blocks_per_chunk, blocks_per_chunk, 1)
         rows = (ids[:, None, :] + head_row[None, :, None]).reshape(-1)  # [S * K * blocks]
-        k = k_rows[rows].reshape(num_seqs, num_kv_heads, chunk, head_dim)  # [S, K, C, D]
-        v = v_rows[rows].reshape(num_seqs, num_kv_heads, chunk, head_dim)
+        k = read_k(rows).reshape(num_seqs, num_kv_heads, chunk, head_dim)  # [S, K, C, D]
+        v = read_v(rows).reshape(num_seqs, num_kv_heads, chunk, head_dim)
         key_pos = key_start[:, None] + c * chunk + jnp.arange(chunk, dtype=jnp.int32)  # [S, C]
         # the query at seq_len - 1 sees the keys visible to it; those past it are unowned
         key_valid = score_mods.visible(key_pos, (seq_lens - 1)[:, None], sliding_window)  # [S, C]
@@ -271,7 +284,7 @@ def _prefill(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, max_
                                       sliding_window)  # [NT, width], [NT]
     tables, num_chunks = _pad_to_chunks(tables, blocks_per_chunk)
     span = reach - key_start  # [NT] keys from the tile's first gathered block to its reach
-    (k_rows, head_row), (v_rows, _) = _as_rows(k_pool), _as_rows(v_pool)
+    (read_k, head_row), (read_v, _) = _as_rows(k_pool), _as_rows(v_pool)
 
     def attend_tier(q_tiles, tables, lens, query_pos, key_start, span):
         num = tables.shape[0]
@@ -279,8 +292,8 @@ def _prefill(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, max_
         def body(c, carry):
             ids = jax.lax.dynamic_slice_in_dim(tables, c * blocks_per_chunk, blocks_per_chunk, 1)
             rows = (ids[None] + head_row[:, None, None]).reshape(-1)  # [K * n * blocks]
-            k = k_rows[rows].reshape(num_kv_heads, num, chunk, head_dim)  # [K, n, C, D]
-            v = v_rows[rows].reshape(num_kv_heads, num, chunk, head_dim)
+            k = read_k(rows).reshape(num_kv_heads, num, chunk, head_dim)  # [K, n, C, D]
+            v = read_v(rows).reshape(num_kv_heads, num, chunk, head_dim)
             key_pos = key_start[:, None] + c * chunk + jnp.arange(chunk, dtype=jnp.int32)
             key_valid = key_pos < lens[:, None]  # [n, C]
             v = jnp.where(key_valid[None, :, :, None], v, 0).astype(jnp.float32)

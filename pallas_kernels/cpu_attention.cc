@@ -793,6 +793,42 @@ ffi::Error PagedAttentionBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q,
                                    mode, out);
 }
 
+// pool[:, index[t]] = values[:, t] in place (the result aliases the pool): the KV write and
+// block copies for pools XLA:CPU cannot scatter itself without converting the whole pool to
+// float32 and back (bfloat16, float8; see pallas_kernels/bits.py). values [K, T, R...] of
+// the pool's element type, index [T] int32; the pool [K, ...] is read as [K, N, prod(R)]
+// whatever its shape (a [K, blocks, block_size, D] pool takes slot indices directly: a
+// reshape of the operand would make XLA copy the pool before the call). Rows are written in
+// t order (a later duplicate wins; callers never rely on it).
+ffi::Error SetRows(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> index, ffi::AnyBuffer values,
+                   ffi::Result<ffi::AnyBuffer> out) {
+  const auto pd = pool.dimensions();
+  const auto vd = values.dimensions();
+  if (pool.element_type() != values.element_type() || pd.size() < 1 || vd.size() < 2 ||
+      index.dimensions().size() != 1 || vd[0] != pd[0] || vd[1] != index.dimensions()[0])
+    return Invalid("set_rows: inconsistent shapes or element types");
+  int64_t row_elems = 1;
+  for (size_t i = 2; i < vd.size(); ++i) row_elems *= vd[i];
+  const int64_t per_head = pd[0] ? static_cast<int64_t>(pool.element_count()) / pd[0] : 0;
+  if (row_elems == 0 || per_head % row_elems)
+    return Invalid("set_rows: rows do not tile the pool");
+  const int64_t rows = per_head / row_elems;
+  const int64_t row_bytes = row_elems * static_cast<int64_t>(ffi::ByteWidth(pool.element_type()));
+  const int64_t heads = pd[0], count = vd[1];
+  char* dst = static_cast<char*>(out->untyped_data());
+  if (dst != pool.untyped_data())  // XLA did not alias: start from a copy of the pool
+    std::memcpy(dst, pool.untyped_data(), static_cast<size_t>(heads * rows * row_bytes));
+  const char* src = static_cast<const char*>(values.untyped_data());
+  const int32_t* idx = index.typed_data();
+  for (int64_t t = 0; t < count; ++t)
+    if (idx[t] < 0 || idx[t] >= rows) return Invalid("set_rows: index outside the pool");
+  for (int64_t k = 0; k < heads; ++k)
+    for (int64_t t = 0; t < count; ++t)
+      std::memcpy(dst + (k * rows + idx[t]) * row_bytes, src + (k * count + t) * row_bytes,
+                  static_cast<size_t>(row_bytes));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // The arguments and attributes both handlers take, for pools (q, out) of element type kType.
@@ -823,3 +859,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagePagedAttentionBf16, PagedAttentionBf16,
 
 // Whether this build has the bfloat16 dot path (compiled for a CPU with AVX512-BF16).
 extern "C" int JaxpagePagedAttentionBf16Dot() { return kHaveBf16Dot ? 1 : 0; }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageSetRows, SetRows,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()          // pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // index
+                                  .Arg<ffi::AnyBuffer>()          // values
+                                  .Ret<ffi::AnyBuffer>());        // the pool, written

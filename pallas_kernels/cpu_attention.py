@@ -46,6 +46,7 @@ import numpy as np
 _SOURCE = Path(__file__).with_name("cpu_attention.cc")
 _TARGET = "jaxpage_paged_attention"
 _TARGET_BF16 = "jaxpage_paged_attention_bf16"
+_TARGET_SET_ROWS = "jaxpage_set_rows"
 # Query tokens per work item in prefill (x the GQA group = rows contracted against each
 # K/V tile while it is in cache). Decode items have one token.
 QUERY_TILE = 32
@@ -123,6 +124,8 @@ def _loaded() -> ctypes.CDLL | None:
             _TARGET, jax.ffi.pycapsule(library.JaxpagePagedAttention), platform="cpu")
         jax.ffi.register_ffi_target(
             _TARGET_BF16, jax.ffi.pycapsule(library.JaxpagePagedAttentionBf16), platform="cpu")
+        jax.ffi.register_ffi_target(
+            _TARGET_SET_ROWS, jax.ffi.pycapsule(library.JaxpageSetRows), platform="cpu")
     except Exception as e:  # noqa: BLE001 - any failure means: use the jnp path
         warnings.warn(f"jaxpage: CPU attention kernel unavailable, using the jnp path ({e})",
                       stacklevel=3)
@@ -210,3 +213,17 @@ def paged_attention_cpu(
         q.astype(pool_dtype), k_pool, v_pool, block_tables.astype(jnp.int32),
         seq_lens.astype(jnp.int32), query_start_loc.astype(jnp.int32), **attrs)
     return out.astype(q.dtype)
+
+
+def set_rows(pool: jax.Array, index: jax.Array, values: jax.Array) -> jax.Array:
+    """`pool.reshape(K, N, *row).at[:, index].set(values)` in pool's shape, written in place
+    by the kernel library (the result aliases the pool; XLA copies it first only where the
+    pool is still needed): values [K, T, *row] of the pool's dtype, index [T] int32 within
+    [0, N), the pool any shape [K, ...] whose rows are `row` (pass a [K, blocks, block_size,
+    D] pool as it is, not reshaped: XLA copies an aliased operand that is a reshape). The
+    kernel must be `available()`."""
+    if not available():
+        raise RuntimeError("the CPU kernel library is not available")
+    return jax.ffi.ffi_call(_TARGET_SET_ROWS, jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+                            input_output_aliases={0: 0})(
+        pool, index.astype(jnp.int32), values.astype(pool.dtype))

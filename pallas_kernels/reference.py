@@ -17,7 +17,18 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import bits, quantized
+
 _NEG_INF = float("-inf")
+
+
+def _gather(pool, block_tables):
+    """pool[:, block_tables]: [K, S, max_blocks, block_size, D], dequantized to float32 for
+    a QuantizedPool."""
+    index = (slice(None), block_tables)
+    if quantized.is_quantized(pool):
+        return quantized.dequantize(bits.take(pool.values, index), bits.take(pool.scales, index))
+    return bits.take(pool, index)
 
 
 @functools.partial(jax.jit, static_argnames=("max_query_len", "scale", "sliding_window",
@@ -39,8 +50,8 @@ def paged_attention_reference(
 
     Args:
       q: [T, num_heads, head_dim] queries (already rotated).
-      k_pool, v_pool: [num_kv_heads, num_blocks, block_size, head_dim]; this step's K/V
-        must already be written.
+      k_pool, v_pool: [num_kv_heads, num_blocks, block_size, head_dim] (float, or a
+        `quantized.QuantizedPool`, read dequantized); this step's K/V must already be written.
       block_tables: [S, max_blocks_per_seq] int32 physical block ids; entries past a
         sequence's length are never read (padding points at block 0).
       seq_lens: [S] int32 total tokens of each sequence including this step's queries.
@@ -79,8 +90,10 @@ def paged_attention_reference(
     query_pos = seq_lens[:, None] - query_lens[:, None] + offsets[None, :]  # [S, Qm]
 
     # K/V of each sequence gathered through its block table.
-    k = k_pool[:, block_tables].reshape(num_kv_heads, num_seqs, max_len, head_dim)  # [K, S, L, D]
-    v = v_pool[:, block_tables].reshape(num_kv_heads, num_seqs, max_len, head_dim)  # [K, S, L, D]
+    k = _gather(k_pool, block_tables)
+    k = k.reshape(num_kv_heads, num_seqs, max_len, head_dim)  # [K, S, L, D]
+    v = _gather(v_pool, block_tables)
+    v = v.reshape(num_kv_heads, num_seqs, max_len, head_dim)  # [K, S, L, D]
     key_pos = jnp.arange(max_len, dtype=jnp.int32)  # [L]
     key_valid = key_pos[None, :] < seq_lens[:, None]  # [S, L]
     if sliding_window is not None:  # keys before the first query's window may be anything

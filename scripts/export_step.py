@@ -49,10 +49,12 @@ BACKEND = {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}
 # decode tokens and two chunks (the ragged kernels take both in one call)
 STEPS = {"decode": (64, 64, 1), "mixed": (512, 64, 512)}
 # the ops allowed to touch the pool: the kernel (a custom call, or a call of the function
-# holding it), the K/V write (a scatter), a reshape (a bitcast of the contiguous pool) and
-# the return of the updated pool
+# holding it), the K/V write (a scatter), a reshape (a bitcast of the contiguous pool), the
+# return of the updated pool, and the `lax.platform_dependent` dispatch of the write (bits.py:
+# a case on the lowering platform, a constant XLA folds; the ops in its branches are held to
+# this same list)
 POOL_OPS = ("stablehlo.custom_call", "func.call", "stablehlo.scatter", "stablehlo.reshape",
-            "func.return")
+            "func.return", "stablehlo.case", "stablehlo.return")
 
 
 @dataclasses.dataclass

@@ -37,6 +37,7 @@ from jaxpage.models.config import layer_windows
 from jaxpage.parallel import TensorParallel, TensorParallelModel
 from jaxpage.sampling import SamplingMetadata, sample
 from jaxpage.sampling_params import SamplingParams, SamplingRow
+from pallas_kernels import bits
 
 if TYPE_CHECKING:
     from jaxpage.config import EngineConfig
@@ -48,28 +49,30 @@ _CPU_KV_BUDGET = 1 << 30
 def _copy_blocks_fn(kv_pool, src, dst):
     # src, dst: [C] int32; padding copies block 0 onto itself
     # pools are [num_kv_heads, num_blocks, block_size, head_dim]
-    return [(k.at[:, dst].set(k[:, src]), v.at[:, dst].set(v[:, src])) for k, v in kv_pool]
+    return [tuple(bits.set_rows(x, dst, bits.take(x, (slice(None), src))) for x in layer)
+            for layer in kv_pool]
 
 
 def _fill_blocks_fn(kv_pool, block_ids, value):
     # block_ids: [C] int32 (padding repeats the first id); value: a float32 scalar
-    return [(k.at[:, block_ids].set(value.astype(k.dtype)),
-             v.at[:, block_ids].set(value.astype(v.dtype))) for k, v in kv_pool]
+    return [tuple(bits.set_rows(x, block_ids, jnp.broadcast_to(
+        value.astype(x.dtype), (x.shape[0], block_ids.shape[0], *x.shape[2:]))) for x in layer)
+        for layer in kv_pool]
 
 
 def _gather_blocks_fn(kv_pool, block_ids):
     # block_ids: [C] int32 (padding reads block 0)
     # -> [C, num_layers, 2, num_kv_heads, block_size, head_dim]: a block's K and V of every
     #    layer together, the host pool's layout
-    per_layer = [jnp.stack([k[:, block_ids], v[:, block_ids]]) for k, v in kv_pool]
+    per_layer = [jnp.stack([bits.take(x, (slice(None), block_ids)) for x in layer])
+                 for layer in kv_pool]
     return jnp.stack(per_layer).transpose(3, 0, 1, 2, 4, 5)
 
 
 def _scatter_blocks_fn(kv_pool, block_ids, blocks):
     # block_ids: [C] int32 (padding writes block 0); blocks: [C, num_layers, 2, H, bs, D]
-    return [(k.at[:, block_ids].set(blocks[:, layer, 0].transpose(1, 0, 2, 3)),
-             v.at[:, block_ids].set(blocks[:, layer, 1].transpose(1, 0, 2, 3)))
-            for layer, (k, v) in enumerate(kv_pool)]
+    return [tuple(bits.set_rows(x, block_ids, blocks[:, layer, i].transpose(1, 0, 2, 3))
+                  for i, x in enumerate(pair)) for layer, pair in enumerate(kv_pool)]
 
 
 def _forward_fn(model, params, kv_pool, token_ids, positions, attn_md):

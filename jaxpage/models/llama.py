@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from jaxpage.attention import AttentionMetadata, LayerKV, paged_attention
 from jaxpage.models.config import ModelConfig, RopeConfig, rope_inv_freq
+from pallas_kernels import bits
 
 Params = dict[str, Any]
 
@@ -104,11 +105,11 @@ class LlamaModel:
         range and the partial rows are summed."""
         table = params["embed"]
         if self.tp_axis is None:
-            return table[token_ids]
+            return bits.take(table, token_ids)
         rows = table.shape[0]
         local = token_ids - jax.lax.axis_index(self.tp_axis) * rows
         mine = (local >= 0) & (local < rows)
-        x = jnp.where(mine[:, None], table[jnp.clip(local, 0, rows - 1)], 0)
+        x = jnp.where(mine[:, None], bits.take(table, jnp.clip(local, 0, rows - 1)), 0)
         return jax.lax.psum(x, self.tp_axis)
 
     def forward(
