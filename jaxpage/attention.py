@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import cpu_attention
+from pallas_kernels import cpu_attention, quantized
 from pallas_kernels.blockwise import paged_attention_blockwise, write_kv
 from pallas_kernels.reference import paged_attention_reference
 
@@ -31,8 +31,9 @@ _PALLAS_PLATFORM = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 
 # One layer's pool: (k_pool, v_pool), each [num_kv_heads, num_blocks, block_size, head_dim]
 # (head-major: a block of one head is a contiguous [block_size, head_dim] tile, the layout the
-# Pallas kernels and the CPU kernel read and the jnp path gathers without transposes).
-LayerKV = tuple[jax.Array, jax.Array]
+# Pallas kernels and the CPU kernel read and the jnp path gathers without transposes), or with
+# an 8-bit kv_cache_dtype each a `quantized.QuantizedPool` of that shape (values + scales).
+LayerKV = tuple[jax.Array | quantized.QuantizedPool, jax.Array | quantized.QuantizedPool]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,19 +225,36 @@ def init_kv_pool(
     """Preallocate the paged KV pool: per layer a (k, v) pair of
     [num_kv_heads, num_blocks, block_size, head_dim] filled with `fill_value` (zeros; NaN to
     make reads of unwritten slots show). Block 0 is reserved for padding. With a `sharding`
-    (tensor parallel: over KV heads) each device allocates only its own share."""
+    (tensor parallel: over KV heads) each device allocates only its own share.
+
+    A quantized `dtype` (int8, float8_*: `quantized.FORMATS`) gives each of k and v as a
+    `QuantizedPool`: zero values and scales of `fill_value`, or 1 for a zero fill (a NaN
+    scale makes the slot read NaN whatever the format)."""
     if num_blocks < 2:
         raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
     shape = (num_kv_heads, num_blocks, block_size, head_dim)
-    return [tuple(jnp.full(shape, fill_value, dtype, device=sharding) for _ in "kv")
-            for _ in range(num_layers)]
+    if jnp.dtype(dtype).name in quantized.FORMATS:
+        scale_fill = 1.0 if fill_value == 0 else fill_value
+
+        def new():
+            return quantized.QuantizedPool(
+                jnp.zeros(shape, dtype, device=sharding),
+                jnp.full(shape[:-1], scale_fill, jnp.float32, device=sharding))
+    else:
+        def new():
+            return jnp.full(shape, fill_value, dtype, device=sharding)
+    return [(new(), new()) for _ in range(num_layers)]
 
 
 def kv_bytes_per_block(
     num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: jnp.dtype
 ) -> int:
-    """Bytes one block occupies across all layers, K and V."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+    """Bytes one block occupies across all layers, K and V (with a quantized dtype's
+    float32 scale per head and token)."""
+    row = head_dim * jnp.dtype(dtype).itemsize
+    if jnp.dtype(dtype).name in quantized.FORMATS:
+        row += 4
+    return 2 * num_layers * block_size * num_kv_heads * row
 
 
 def build_metadata(

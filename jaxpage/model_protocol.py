@@ -229,10 +229,10 @@ def _check_forward_trace(model: Any, params: Any, config: Any, name: str) -> Non
         raise ValueError(f"model {name}.forward returned a kv_pool structured as {returned}; "
                          f"expected the structure it was given, a list of config.num_layers="
                          f"{config.num_layers} (k_pool, v_pool) pairs: {given}")
-    for i, (got, want) in enumerate(zip(jax.tree.leaves(new_pool), jax.tree.leaves(kv_pool),
-                                        strict=True)):
+    for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(new_pool)[0],
+                                 jax.tree.leaves(kv_pool), strict=True):
         if got.shape != want.shape or got.dtype != want.dtype:
             raise ValueError(
-                f"model {name}.forward returned kv_pool[{i // 2}][{i % 2}] of "
+                f"model {name}.forward returned kv_pool{jax.tree_util.keystr(path)} of "
                 f"{got.dtype}{list(got.shape)}; expected {want.dtype}{list(want.shape)} "
                 f"(config.num_kv_heads={config.num_kv_heads}, head_dim={config.head_dim})")

@@ -42,7 +42,8 @@ _SPECS = {
     "qkv": P(None, MODEL_AXIS), "qkv_bias": P(MODEL_AXIS), "o": P(MODEL_AXIS, None),
     "gate_up": P(None, MODEL_AXIS), "gate_up_bias": P(MODEL_AXIS), "down": P(MODEL_AXIS, None),
 }
-POOL_SPEC = P(MODEL_AXIS, None, None, None)
+# [kv_heads, ...]: split over KV heads, a pool's values (and a quantized pool's scales)
+POOL_SPEC = P(MODEL_AXIS)
 
 
 def valid_tp_sizes(config: Any, max_size: int) -> list[int]:

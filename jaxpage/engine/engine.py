@@ -455,6 +455,7 @@ class LLMEngine:
             "kv_peak_usage": self.peak_kv_usage,
             # per kind of layer; sliding layers hold a token only while it is in the window
             "kv_bytes_per_token": dict(self.runner.kv_bytes_per_token),
+            "kv_cache_dtype": self.runner.kv_dtype.name,
             "sliding_window": self.runner.window,
             "kv_window_blocks_total": usage.get("window_num_blocks", 0),
             "kv_window_blocks_used": usage.get("window_used", 0),

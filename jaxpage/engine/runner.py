@@ -37,7 +37,7 @@ from jaxpage.models.config import layer_windows
 from jaxpage.parallel import TensorParallel, TensorParallelModel
 from jaxpage.sampling import SamplingMetadata, sample
 from jaxpage.sampling_params import SamplingParams, SamplingRow
-from pallas_kernels import bits
+from pallas_kernels import bits, quantized
 
 if TYPE_CHECKING:
     from jaxpage.config import EngineConfig
@@ -48,16 +48,22 @@ _CPU_KV_BUDGET = 1 << 30
 
 def _copy_blocks_fn(kv_pool, src, dst):
     # src, dst: [C] int32; padding copies block 0 onto itself
-    # pools are [num_kv_heads, num_blocks, block_size, head_dim]
-    return [tuple(bits.set_rows(x, dst, bits.take(x, (slice(None), src))) for x in layer)
-            for layer in kv_pool]
+    # pools are [num_kv_heads, num_blocks, block_size, head_dim] (a quantized pool's scales
+    # [num_kv_heads, num_blocks, block_size]: every leaf is indexed by block on axis 1)
+    return jax.tree.map(lambda x: bits.set_rows(x, dst, bits.take(x, (slice(None), src))),
+                        kv_pool)
 
 
 def _fill_blocks_fn(kv_pool, block_ids, value):
-    # block_ids: [C] int32 (padding repeats the first id); value: a float32 scalar
-    return [tuple(bits.set_rows(x, block_ids, jnp.broadcast_to(
-        value.astype(x.dtype), (x.shape[0], block_ids.shape[0], *x.shape[2:]))) for x in layer)
-        for layer in kv_pool]
+    # block_ids: [C] int32 (padding repeats the first id); value: a float32 scalar (NaN),
+    # written to float leaves (a quantized pool's NaN scales poison its slots; int8 values
+    # take 0)
+    def fill(x):
+        v = value if jnp.issubdtype(x.dtype, jnp.floating) else jnp.zeros((), x.dtype)
+        return bits.set_rows(x, block_ids, jnp.broadcast_to(
+            v.astype(x.dtype), (x.shape[0], block_ids.shape[0], *x.shape[2:])))
+
+    return jax.tree.map(fill, kv_pool)
 
 
 def _gather_blocks_fn(kv_pool, block_ids):
@@ -117,6 +123,9 @@ class ModelRunner:
                  max_model_len: int, devices: list | None = None) -> None:
         model_config = model.config
         dtype = jnp.dtype(config.dtype)
+        # the pool's storage: the model dtype, or a float / 8-bit kv_cache_dtype
+        kv_dtype = dtype if config.kv_cache_dtype == "auto" else jnp.dtype(config.kv_cache_dtype)
+        self.kv_dtype = kv_dtype
         block_size = config.block_size
         max_num_seqs, max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens
         self.model = model
@@ -125,7 +134,7 @@ class ModelRunner:
         self.backend = select_backend(config.attention_backend,
                                       interpret=config.kernel_interpret,
                                       head_dim=model_config.head_dim, block_size=block_size,
-                                      dtype=dtype)
+                                      dtype=kv_dtype)
         self.ragged = self.backend in RAGGED_BACKENDS
         self.interpret = config.kernel_interpret
         params = jax.tree.map(lambda a: _cast_float(a, dtype), params)
@@ -163,7 +172,7 @@ class ModelRunner:
 
         def block_bytes(num_layers: int) -> int:  # one block of num_layers on one device
             return kv_bytes_per_block(num_layers, block_size, pool_kv_heads // tp, pool_dim,
-                                      dtype)
+                                      kv_dtype)
 
         # one block over the full group's layers: on each device (its KV heads), and in all
         # (a swap)
@@ -178,18 +187,21 @@ class ModelRunner:
             kind: block_bytes(len(layers)) * tp // block_size
             for kind, layers in (("full_attention", self.full_layers),
                                  ("sliding_attention", self.window_layers)) if layers}
-        self._pool_dims = (block_size, pool_kv_heads, pool_dim, dtype)
+        self._pool_dims = (block_size, pool_kv_heads, pool_dim, kv_dtype)
         self._pool_fill = float("nan") if config.debug_nan_pool else 0.0
         self.kv_pool = self._new_pool()
         self.max_model_len = max_model_len
         if config.swap_space and self.window is not None:
             raise ValueError("swap_space > 0 (a host pool) is not supported for models with "
                              "sliding-window layers; use swap_space=0")
+        if config.swap_space and kv_dtype.name in quantized.FORMATS:
+            raise ValueError(f"swap_space > 0 (a host pool) is not supported with "
+                             f"kv_cache_dtype={config.kv_cache_dtype!r}; use swap_space=0")
         self.num_host_blocks = num_host_blocks = _num_host_blocks(config, self.block_bytes)
         self.host_kv = np.zeros((num_host_blocks, model_config.num_layers, 2, pool_kv_heads,
-                                 block_size, pool_dim), dtype)
-        if config.debug_nan_pool:  # a read of a host block nobody wrote shows too
-            self.host_kv.fill(np.nan)
+                                 block_size, pool_dim), kv_dtype)
+        if config.debug_nan_pool and num_host_blocks:  # a read of a host block nobody
+            self.host_kv.fill(np.nan)                   # wrote shows too
         max_blocks = -(-max_model_len // block_size)
         # Smallest buckets are set where padding is nearly free (a decode step of 8 rows costs
         # what one row costs: both read every weight once) to keep compilations few. Above 8
