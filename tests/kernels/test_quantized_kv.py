@@ -67,7 +67,8 @@ def assert_exact_and_near_oracle(out_q, out_f, args, keys, values, scale):
 
 
 def test_int8_quantization_hand_worked():
-    # absmax 2 -> scale 2 * float32(1/127); x / s = 63.5, -127, 15.875, 0 -> round half even 64, -127, 16, 0
+    # absmax 2 -> scale 2 * float32(1/127); x / s = 63.5, -127, 15.875, 0, which round half
+    # to even to 64, -127, 16, 0
     x = jnp.array([[1.0, -2.0, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0]], jnp.float32)
     values, scales = quantized.quantize(x, jnp.int8)
     assert values.dtype == jnp.int8 and scales.dtype == jnp.float32
