@@ -104,11 +104,91 @@ inline T from_float(float x) {
   if constexpr (std::is_same_v<T, float>) return x; else return narrow(x);
 }
 
-// q, k, v and out point at float (float32 pools) or bf16 elements (bfloat16 pools).
+// Quantized pools' element types (one byte each): int8_t, and the two float8 formats' bits.
+struct E4M3 { uint8_t bits; };  // float8_e4m3fn: bias 7, no inf, NaN at 0x7f and 0xff
+struct E5M2 { uint8_t bits; };  // float8_e5m2: bias 15, IEEE-like (inf and NaN at exponent 31)
+static_assert(sizeof(E4M3) == 1 && sizeof(E5M2) == 1, "float8 elements are one byte");
+template <typename T>
+constexpr bool kQuantized =
+    std::is_same_v<T, int8_t> || std::is_same_v<T, E4M3> || std::is_same_v<T, E5M2>;
+
+// q and the output: bfloat16 for bfloat16 pools, else float32 (quantized pools included).
+template <typename T>
+using io_t = std::conditional_t<std::is_same_v<T, bf16>, bf16, float>;
+
+// The float32 value of each of a float8 format's 256 bit patterns (exact: every float8 value
+// is a float32), NaN and inf where the format has them.
+struct Float8Table {
+  float value[256];
+  Float8Table(int exp_bits, int man_bits, bool ieee_specials) {
+    const int bias = (1 << (exp_bits - 1)) - 1, exp_max = (1 << exp_bits) - 1;
+    const int man_max = (1 << man_bits) - 1;
+    for (int bits = 0; bits < 256; ++bits) {
+      const int e = (bits >> man_bits) & exp_max, m = bits & man_max;
+      float magnitude;
+      if (ieee_specials && e == exp_max)  // e5m2: inf (m = 0) and NaN
+        magnitude = m ? std::numeric_limits<float>::quiet_NaN()
+                      : std::numeric_limits<float>::infinity();
+      else if (!ieee_specials && e == exp_max && m == man_max)  // e4m3fn: S.1111.111 is NaN
+        magnitude = std::numeric_limits<float>::quiet_NaN();
+      else if (e == 0)  // subnormal: m * 2^(1 - bias - man_bits)
+        magnitude = std::ldexp(static_cast<float>(m), 1 - bias - man_bits);
+      else  // (2^man_bits + m) * 2^(e - bias - man_bits)
+        magnitude = std::ldexp(static_cast<float>((1 << man_bits) + m), e - bias - man_bits);
+      value[bits] = bits & 0x80 ? -magnitude : magnitude;
+    }
+  }
+};
+
+template <typename T>
+const float* float8_table() {
+  static_assert(std::is_same_v<T, E4M3> || std::is_same_v<T, E5M2>);
+  // built on first use (thread-safe: a function-local static), once per process
+  if constexpr (std::is_same_v<T, E4M3>) {
+    static const Float8Table table(4, 3, false);
+    return table.value;
+  } else {
+    static const Float8Table table(5, 2, true);
+    return table.value;
+  }
+}
+
+// A K or V tile of B slots by D read into float32 scratch for the float32 code: bfloat16
+// widened (exact); quantized values converted exactly (int8: a cast; float8: the table) and
+// each slot's row times its scale, one float32 multiply: quantized.dequantize's arithmetic,
+// so the tile equals the dequantized pool's bit for bit. All B slots are converted: those
+// past a tile's valid keys may hold anything (a NaN scale makes their row NaN) and are masked
+// by position as in a float32 pool.
+template <typename T>
+inline void widen_tile(const T* __restrict src, const float* __restrict scales, int64_t B,
+                       int64_t D, float* __restrict dst) {
+  if constexpr (std::is_same_v<T, bf16>) {
+#pragma omp simd
+    for (int64_t i = 0; i < B * D; ++i) dst[i] = widen(src[i]);
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    for (int64_t t = 0; t < B; ++t) {
+      const float s = scales[t];
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) dst[t * D + d] = static_cast<float>(src[t * D + d]) * s;
+    }
+  } else {
+    const float* __restrict table = float8_table<T>();
+    for (int64_t t = 0; t < B; ++t) {
+      const float s = scales[t];
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) dst[t * D + d] = table[src[t * D + d].bits] * s;
+    }
+  }
+}
+
+// q and out point at float (float32 and quantized pools) or bf16 elements (bfloat16 pools);
+// k and v at the pools' elements (float, bf16, int8_t, E4M3 or E5M2).
 struct Problem {
   const void* q;         // [T, H, D]
   const void* k;         // [K, NB, B, D]
   const void* v;         // [K, NB, B, D]
+  const float* k_scales; // [K, NB, B]: quantized pools' scales (else null)
+  const float* v_scales; // [K, NB, B]
   const int32_t* tables; // [S, MB]
   const int32_t* lens;   // [S]
   const int32_t* qsl;    // [S + 1]
@@ -145,7 +225,7 @@ struct Item {
 struct Scratch {
   std::vector<float> q, acc, row_max, denom, kt, scores, probs;
   std::vector<int32_t> pos;
-  std::vector<float> kf, vf;           // portable bf16 path: the K/V tile widened
+  std::vector<float> kf, vf;           // bf16 portable / quantized: the K/V tile in float32
   std::vector<bf16> q16;               // dot path: the rows' queries
   std::vector<uint32_t> kpairs, vpairs; // dot path: K and V tiles as bf16 pairs
 };
@@ -226,8 +306,9 @@ inline float softmax_step(float* scores, int64_t m, int64_t n, int64_t block_siz
 // to kMaxTile (read from the problem at run time). Few rows (a decode item: one token's GQA
 // group) take dot products straight off the K tile; many rows (a prefill tile) transpose the
 // K tile once and contract it eight rows at a time.
-// T is the pools' element type: float, or bf16 (the portable path: each K/V tile is widened to
-// float32 into scratch first, then contracted by the same code).
+// T is the pools' element type: float, or bf16 (the portable path) or a quantized type (int8_t,
+// E4M3, E5M2), whose K/V tiles are read into float32 scratch first (`widen_tile`: bf16 widened,
+// quantized values dequantized) and contracted by the same code. q and the output are io_t<T>.
 // Returns false if the block table names a block outside the pool.
 template <int kD, int kB, typename T = float>
 bool attend(const Problem& P, const Item& it, Scratch& s) {
@@ -250,7 +331,8 @@ bool attend(const Problem& P, const Item& it, Scratch& s) {
   s.probs.resize(8 * B);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t tok = q_start + it.tok_begin + r / G;
-    const T* src = static_cast<const T*>(P.q) + (tok * P.num_heads + it.head * G + r % G) * D;
+    const io_t<T>* src =
+        static_cast<const io_t<T>*>(P.q) + (tok * P.num_heads + it.head * G + r % G) * D;
     for (int64_t d = 0; d < D; ++d) s.q[r * D + d] = to_float(src[d]) * P.scale;
     s.pos[r] = first_pos + it.tok_begin + static_cast<int32_t>(r / G);
   }
@@ -278,17 +360,18 @@ bool attend(const Problem& P, const Item& it, Scratch& s) {
     if constexpr (std::is_same_v<T, float>) {
       kb = k_pool + (head_offset + block) * B * D;
       vb = v_pool + (head_offset + block) * B * D;
-    } else {  // widen the tile (all B slots: those past `valid` are masked as in float32)
-      const T* kr = k_pool + (head_offset + block) * B * D;
-      const T* vr = v_pool + (head_offset + block) * B * D;
-      float* __restrict kf = s.kf.data();
-      float* __restrict vf = s.vf.data();
-#pragma omp simd
-      for (int64_t i = 0; i < B * D; ++i) kf[i] = widen(kr[i]);
-#pragma omp simd
-      for (int64_t i = 0; i < B * D; ++i) vf[i] = widen(vr[i]);
-      kb = kf;
-      vb = vf;
+    } else {  // the tile in float32 (all B slots: those past `valid` are masked as in float32)
+      const int64_t slot0 = (head_offset + block) * B;
+      const float* k_scales = nullptr;
+      const float* v_scales = nullptr;
+      if constexpr (kQuantized<T>) {
+        k_scales = P.k_scales + slot0;
+        v_scales = P.v_scales + slot0;
+      }
+      widen_tile(k_pool + slot0 * D, k_scales, B, D, s.kf.data());
+      widen_tile(v_pool + slot0 * D, v_scales, B, D, s.vf.data());
+      kb = s.kf.data();
+      vb = s.vf.data();
     }
     const int64_t key0 = j * B;
     const int64_t valid = std::min<int64_t>(B, reach - key0);
@@ -374,7 +457,7 @@ bool attend(const Problem& P, const Item& it, Scratch& s) {
     }
   }
 
-  store_rows<T>(P, it, s, rows, q_start, D);
+  store_rows<io_t<T>>(P, it, s, rows, q_start, D);
   return true;
 }
 
@@ -596,8 +679,9 @@ bool attend_dot(const Problem& P, const Item& it, Scratch& s) {
 constexpr bool kHaveBf16Dot = false;
 #endif
 
-// How a call's pools are read: float32, bfloat16 widened to float32, bfloat16 on vdpbf16ps.
-enum class Mode { kF32, kBf16Portable, kBf16Dot };
+// How a call's pools are read: float32, bfloat16 widened to float32, bfloat16 on vdpbf16ps,
+// or quantized (int8, float8_e4m3fn, float8_e5m2) dequantized to float32.
+enum class Mode { kF32, kBf16Portable, kBf16Dot, kS8, kF8E4M3FN, kF8E5M2 };
 
 using AttendFn = bool (*)(const Problem&, const Item&, Scratch&);
 
@@ -618,7 +702,13 @@ AttendFn pick_typed(int64_t head_dim, int64_t block_size) {
 
 // The bf16 dot path serves the compiled pairs; any other size (or no AVX512-BF16) is portable.
 AttendFn pick(int64_t head_dim, int64_t block_size, Mode mode) {
-  if (mode == Mode::kF32) return pick_typed<float>(head_dim, block_size);
+  switch (mode) {
+    case Mode::kF32: return pick_typed<float>(head_dim, block_size);
+    case Mode::kS8: return pick_typed<int8_t>(head_dim, block_size);
+    case Mode::kF8E4M3FN: return pick_typed<E4M3>(head_dim, block_size);
+    case Mode::kF8E5M2: return pick_typed<E5M2>(head_dim, block_size);
+    case Mode::kBf16Portable: case Mode::kBf16Dot: break;
+  }
 #ifdef __AVX512BF16__
   if (mode == Mode::kBf16Dot) {
     if (block_size == 16) {
@@ -665,26 +755,32 @@ std::string shape_string(ffi::Span<const int64_t> dims) {
 }
 
 // Everything the work items trust is checked here, before any of them runs: shapes (the output
-// is q's), query ranges (query_start_loc non-decreasing within [0, T], so that the sequences'
+// is q's; quantized pools' scales are their values' shape less head_dim), query ranges
+// (query_start_loc non-decreasing within [0, T], so that the sequences'
 // query rows neither overlap nor leave the batch), each sequence's query count <= its seq_len
 // and, for sequences with queries, seq_len <= what its block table holds. Block ids are
 // checked by the items as they read them (only the blocks a sequence reaches are read).
-// kType: F32 (mode kF32) or BF16 (kBf16Portable or kBf16Dot) for q, the pools and out.
-template <ffi::DataType kType>
-ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<kType> q,
-                          ffi::Buffer<kType> k_pool, ffi::Buffer<kType> v_pool,
-                          ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
-                          ffi::Buffer<ffi::S32> query_start_loc, float scale,
-                          int64_t query_tile, int64_t sliding_window, float soft_cap, Mode mode,
-                          ffi::ResultBuffer<kType> out) {
-  const auto qd = q.dimensions();
-  const auto kd = k_pool.dimensions();
+// The handlers below pass their buffers' data and dimensions; `out_bytes` is the size of an
+// output element (q's: float32 or bfloat16).
+struct Operand {
+  const void* data;
+  ffi::Span<const int64_t> dims;
+};
+
+ffi::Error RunAttention(ffi::ThreadPool pool, Operand q, Operand k_pool, Operand v_pool,
+                        const float* k_scales, const float* v_scales,
+                        ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
+                        ffi::Buffer<ffi::S32> query_start_loc, float scale, int64_t query_tile,
+                        int64_t sliding_window, float soft_cap, Mode mode, void* out_data,
+                        ffi::Span<const int64_t> od, size_t out_bytes) {
+  const auto qd = q.dims;
+  const auto kd = k_pool.dims;
   const auto td = block_tables.dimensions();
-  const auto vd = v_pool.dimensions();
-  const auto od = out->dimensions();
+  const auto vd = v_pool.dims;
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || vd.size() != 4 ||
       !std::equal(kd.begin(), kd.end(), vd.begin()) ||
-      seq_lens.element_count() != td[0] || query_start_loc.element_count() != td[0] + 1 ||
+      static_cast<int64_t>(seq_lens.element_count()) != td[0] ||
+      static_cast<int64_t>(query_start_loc.element_count()) != td[0] + 1 ||
       kd[3] != qd[2] || kd[0] == 0 || qd[1] % kd[0] != 0 || query_tile < 1) {
     return Invalid("inconsistent shapes");
   }
@@ -699,9 +795,9 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<kType> q,
   }
   auto work = std::make_shared<Work>();
   Problem& P = work->problem;
-  P = Problem{q.typed_data(), k_pool.typed_data(), v_pool.typed_data(),
+  P = Problem{q.data, k_pool.data, v_pool.data, k_scales, v_scales,
               block_tables.typed_data(), seq_lens.typed_data(), query_start_loc.typed_data(),
-              out->typed_data(), qd[1], qd[2], kd[0], kd[1], kd[2], td[1], qd[1] / kd[0], scale,
+              out_data, qd[1], qd[2], kd[0], kd[1], kd[2], td[1], qd[1] / kd[0], scale,
               sliding_window, soft_cap};
 
   work->attend_fn = pick(P.head_dim, P.block_size, mode);
@@ -742,7 +838,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<kType> q,
   }
 
   // padding tokens stay 0
-  std::memset(P.out, 0, sizeof(*out->typed_data()) * qd[0] * qd[1] * qd[2]);
+  std::memset(P.out, 0, out_bytes * qd[0] * qd[1] * qd[2]);
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t len = static_cast<int64_t>(qsl[s + 1]) - qsl[s];
     // tiles [a, b) of at most query_tile tokens (no a + query_tile: query_tile may be huge)
@@ -768,6 +864,22 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<kType> q,
   return ffi::Error::Success();
 }
 
+// kType: F32 (mode kF32) or BF16 (kBf16Portable or kBf16Dot) for q, the pools and out.
+template <ffi::DataType kType>
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<kType> q,
+                          ffi::Buffer<kType> k_pool, ffi::Buffer<kType> v_pool,
+                          ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
+                          ffi::Buffer<ffi::S32> query_start_loc, float scale,
+                          int64_t query_tile, int64_t sliding_window, float soft_cap, Mode mode,
+                          ffi::ResultBuffer<kType> out) {
+  return RunAttention(pool, {q.untyped_data(), q.dimensions()},
+                      {k_pool.untyped_data(), k_pool.dimensions()},
+                      {v_pool.untyped_data(), v_pool.dimensions()}, nullptr, nullptr,
+                      block_tables, seq_lens, query_start_loc, scale, query_tile,
+                      sliding_window, soft_cap, mode, out->untyped_data(), out->dimensions(),
+                      sizeof(ffi::NativeType<kType>));
+}
+
 ffi::Error PagedAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                              ffi::Buffer<ffi::F32> k_pool, ffi::Buffer<ffi::F32> v_pool,
                              ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
@@ -791,6 +903,59 @@ ffi::Error PagedAttentionBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q,
   return PagedAttention<ffi::BF16>(pool, q, k_pool, v_pool, block_tables, seq_lens,
                                    query_start_loc, scale, query_tile, sliding_window, soft_cap,
                                    mode, out);
+}
+
+std::string type_name(ffi::DataType type) {
+  switch (type) {
+    case ffi::DataType::S8: return "int8";
+    case ffi::DataType::F8E4M3FN: return "float8_e4m3fn";
+    case ffi::DataType::F8E5M2: return "float8_e5m2";
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::BF16: return "bfloat16";
+    default: return "element type " + std::to_string(static_cast<int>(type));
+  }
+}
+
+// Quantized pools (pallas_kernels/quantized.py): K and V values [K, NB, B, D] of one storage
+// type (int8, float8_e4m3fn or float8_e5m2) with float32 scales [K, NB, B]; q and out float32.
+// Position p of head h reads float32(values[h, p]) * scales[h, p], as the float32 kernel reads
+// quantized.dequantize_pool(pool): the output is that kernel's, bit for bit.
+ffi::Error PagedAttentionQuantized(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                                   ffi::AnyBuffer k_values, ffi::Buffer<ffi::F32> k_scales,
+                                   ffi::AnyBuffer v_values, ffi::Buffer<ffi::F32> v_scales,
+                                   ffi::Buffer<ffi::S32> block_tables,
+                                   ffi::Buffer<ffi::S32> seq_lens,
+                                   ffi::Buffer<ffi::S32> query_start_loc, float scale,
+                                   int64_t query_tile, int64_t sliding_window, float soft_cap,
+                                   ffi::ResultBuffer<ffi::F32> out) {
+  const ffi::DataType type = k_values.element_type();
+  if (v_values.element_type() != type) {
+    return Invalid("K values are " + type_name(type) + " but V values " +
+                   type_name(v_values.element_type()) + " (quantized pools of one type)");
+  }
+  Mode mode;
+  switch (type) {
+    case ffi::DataType::S8: mode = Mode::kS8; break;
+    case ffi::DataType::F8E4M3FN: mode = Mode::kF8E4M3FN; break;
+    case ffi::DataType::F8E5M2: mode = Mode::kF8E5M2; break;
+    default:
+      return Invalid("quantized pools are int8, float8_e4m3fn or float8_e5m2, not " +
+                     type_name(type));
+  }
+  for (const auto& [values, scales] : {std::pair{k_values.dimensions(), k_scales.dimensions()},
+                                       std::pair{v_values.dimensions(), v_scales.dimensions()}}) {
+    if (values.size() != 4 || scales.size() != 3 ||
+        !std::equal(scales.begin(), scales.end(), values.begin())) {
+      return Invalid("scales " + shape_string(scales) + " are not the values' " +
+                     shape_string(values) + " less head_dim");
+    }
+  }
+  return RunAttention(pool, {q.untyped_data(), q.dimensions()},
+                      {k_values.untyped_data(), k_values.dimensions()},
+                      {v_values.untyped_data(), v_values.dimensions()}, k_scales.typed_data(),
+                      v_scales.typed_data(), block_tables, seq_lens, query_start_loc, scale,
+                      query_tile, sliding_window, soft_cap, mode, out->untyped_data(),
+                      out->dimensions(), sizeof(float));
 }
 
 // pool[:, index[t]] = values[:, t] in place (the result aliases the pool): the KV write and
@@ -856,6 +1021,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagePagedAttentionBf16, PagedAttentionBf16,
                               bind_attention<ffi::BF16>()
                                   .Attr<int64_t>("bf16_dot")
                                   .Ret<ffi::Buffer<ffi::BF16>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagePagedAttentionQuantized, PagedAttentionQuantized,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
+                                  .Arg<ffi::AnyBuffer>()          // K values
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // K scales
+                                  .Arg<ffi::AnyBuffer>()          // V values
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // V scales
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // seq_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // query_start_loc
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("query_tile")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("soft_cap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// The float32 value of each of the 256 bit patterns of a float8 format as the kernel reads
+// them (format 0: float8_e4m3fn, 1: float8_e5m2), written to out[256]: for tests.
+extern "C" void JaxpageFloat8Table(int format, float* out) {
+  const float* table = format == 0 ? float8_table<E4M3>() : float8_table<E5M2>();
+  std::memcpy(out, table, 256 * sizeof(float));
+}
 
 // Whether this build has the bfloat16 dot path (compiled for a CPU with AVX512-BF16).
 extern "C" int JaxpagePagedAttentionBf16Dot() { return kHaveBf16Dot ? 1 : 0; }

@@ -6,7 +6,7 @@ before contracting it; this kernel reads each [block_size, head_dim] tile of K a
 it lies in the pool. The kernel is compiled on first use with the machine's C++ compiler
 (`g++ -O3 -march=native`, about 3 s) into a cache directory keyed by the source, the flags,
 the jaxlib version and the CPU; `available()` says whether that worked, and callers fall back to the
-jnp path when it did not (no compiler, another platform, pools neither float32 nor bfloat16).
+jnp path when it did not (no compiler, another platform, pools of a dtype it does not read).
 
 bfloat16 pools are read as they lie, in one of two ways (see cpu_attention.cc): "dot", on the
 AVX512-BF16 dot product `vdpbf16ps` (q.K and P.V; the probabilities P are rounded to bfloat16
@@ -17,6 +17,12 @@ The choice is made at build time (the compiler's `__AVX512BF16__`; the build is 
 by the CPU, so that is this CPU's answer) and can be forced to "portable" per call
 (`bf16_dot=False`) or per process (`JAXPAGE_CPU_KERNEL_BF16=portable`), for tests of the
 fallback on machines that have the instruction.
+
+Quantized pools (`quantized.QuantizedPool`: int8, float8_e4m3fn or float8_e5m2 values with a
+float32 scale per KV head and slot; K and V of one storage dtype) are read the portable way:
+each K/V tile is dequantized into float32 scratch (`float32(value) * scale`, exactly
+`quantized.dequantize`) and run through the float32 code, so the output (float32, then cast to
+q's dtype) is bit for bit the float32 kernel's on `quantized.dequantize_pool` of the pools.
 
 Environment: `JAXPAGE_NO_CPU_KERNEL` (any value) turns the kernel off; `JAXPAGE_CACHE_DIR`
 (or the older `JAXPAGE_CACHE`) moves the build cache; `JAXPAGE_CPU_KERNEL_LIB` names a
@@ -43,10 +49,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import quantized
+
 _SOURCE = Path(__file__).with_name("cpu_attention.cc")
 _TARGET = "jaxpage_paged_attention"
 _TARGET_BF16 = "jaxpage_paged_attention_bf16"
 _TARGET_SET_ROWS = "jaxpage_set_rows"
+_TARGET_QUANTIZED = "jaxpage_paged_attention_quantized"
 # Query tokens per work item in prefill (x the GQA group = rows contracted against each
 # K/V tile while it is in cache). Decode items have one token.
 QUERY_TILE = 32
@@ -126,6 +135,9 @@ def _loaded() -> ctypes.CDLL | None:
             _TARGET_BF16, jax.ffi.pycapsule(library.JaxpagePagedAttentionBf16), platform="cpu")
         jax.ffi.register_ffi_target(
             _TARGET_SET_ROWS, jax.ffi.pycapsule(library.JaxpageSetRows), platform="cpu")
+        jax.ffi.register_ffi_target(
+            _TARGET_QUANTIZED, jax.ffi.pycapsule(library.JaxpagePagedAttentionQuantized),
+            platform="cpu")
     except Exception as e:  # noqa: BLE001 - any failure means: use the jnp path
         warnings.warn(f"jaxpage: CPU attention kernel unavailable, using the jnp path ({e})",
                       stacklevel=3)
@@ -153,13 +165,20 @@ def _default_bf16_dot() -> bool:
 
 
 MAX_TILE = 256  # largest head_dim and block_size the kernel serves (cpu_attention.cc)
-POOL_DTYPES = (jnp.float32, jnp.bfloat16)  # the pools it reads (q and the output alike)
+POOL_DTYPES = (jnp.float32, jnp.bfloat16)  # the float pools it reads (q and the output alike)
+# the storage dtypes of the QuantizedPools it reads (q cast to float32, the output float32)
+QUANTIZED_DTYPES = tuple(jnp.dtype(name) for name in quantized.FORMATS)
 
 
 def unsupported_reason(head_dim: int, block_size: int, dtype) -> str | None:
-    """Why the kernel cannot serve this pool, or None if it can (building it if needed)."""
-    if jnp.dtype(dtype) not in POOL_DTYPES:
-        return f"the kernel reads float32 or bfloat16 pools, not {jnp.dtype(dtype).name}"
+    """Why the kernel cannot serve this pool, or None if it can (building it if needed).
+
+    `dtype` is a float pool's dtype, or a `QuantizedPool`'s storage dtype (its `.dtype`: int8,
+    float8_e4m3fn or float8_e5m2)."""
+    if jnp.dtype(dtype) not in (*POOL_DTYPES, *QUANTIZED_DTYPES):
+        names = ", ".join(jnp.dtype(d).name for d in (*POOL_DTYPES, *QUANTIZED_DTYPES))
+        return (f"the kernel reads float32 or bfloat16 pools or quantized ones ({names} in "
+                f"all), not {jnp.dtype(dtype).name}")
     if head_dim > MAX_TILE or block_size > MAX_TILE:
         return f"head_dim {head_dim} and block_size {block_size} must be <= {MAX_TILE}"
     if not available():
@@ -170,8 +189,8 @@ def unsupported_reason(head_dim: int, block_size: int, dtype) -> str | None:
 
 def paged_attention_cpu(
     q: jax.Array,
-    k_pool: jax.Array,
-    v_pool: jax.Array,
+    k_pool: jax.Array | quantized.QuantizedPool,
+    v_pool: jax.Array | quantized.QuantizedPool,
     block_tables: jax.Array,
     seq_lens: jax.Array,
     query_start_loc: jax.Array,
@@ -184,7 +203,10 @@ def paged_attention_cpu(
 ) -> jax.Array:
     """`paged_attention_reference`'s contract (no `max_query_len` needed: the kernel walks
     each sequence's queries), float32 or bfloat16 pools (both the same dtype; q is cast to
-    it, the result back to q's dtype); the kernel must be `available()`.
+    it, the result back to q's dtype), or two `QuantizedPool`s of one storage dtype (int8,
+    float8_e4m3fn, float8_e5m2: q is cast to float32 and the float32 result back to q's dtype;
+    the result equals, bit for bit, this function's on `quantized.dequantize_pool` of each
+    pool); the kernel must be `available()`.
 
     `bf16_dot` (bfloat16 pools only): True takes the AVX512-BF16 path where the build has it,
     False the portable one; None reads `JAXPAGE_CPU_KERNEL_BF16` ("dot", the default, or
@@ -193,7 +215,16 @@ def paged_attention_cpu(
     if not available():
         raise RuntimeError("the CPU attention kernel is not available; use the jnp path")
     pool_dtype = jnp.dtype(k_pool.dtype)
-    if jnp.dtype(v_pool.dtype) != pool_dtype or pool_dtype not in POOL_DTYPES:
+    k_quantized, v_quantized = quantized.is_quantized(k_pool), quantized.is_quantized(v_pool)
+    if k_quantized or v_quantized:
+        if not (k_quantized and v_quantized and jnp.dtype(v_pool.dtype) == pool_dtype
+                and pool_dtype in QUANTIZED_DTYPES):
+            kinds = ["quantized " if k_quantized else "", "quantized " if v_quantized else ""]
+            raise ValueError(
+                f"the kernel reads quantized K and V pools of one storage dtype (int8, "
+                f"float8_e4m3fn or float8_e5m2), got K {kinds[0]}{pool_dtype.name} and V "
+                f"{kinds[1]}{jnp.dtype(v_pool.dtype).name}")
+    elif jnp.dtype(v_pool.dtype) != pool_dtype or pool_dtype not in POOL_DTYPES:
         raise ValueError(f"the kernel reads float32 or bfloat16 pools of one dtype, got K "
                          f"{pool_dtype.name} and V {jnp.dtype(v_pool.dtype).name}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -204,14 +235,20 @@ def paged_attention_cpu(
     attrs = dict(scale=np.float32(scale), query_tile=np.int64(query_tile),
                  sliding_window=np.int64(sliding_window or 0),  # 0 and 0.0: off
                  soft_cap=np.float32(soft_cap or 0.0))
+    tables_etc = (block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32),
+                  query_start_loc.astype(jnp.int32))
+    if k_quantized:
+        out = jax.ffi.ffi_call(_TARGET_QUANTIZED, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+            q.astype(jnp.float32), k_pool.values, k_pool.scales.astype(jnp.float32),
+            v_pool.values, v_pool.scales.astype(jnp.float32), *tables_etc, **attrs)
+        return out.astype(q.dtype)
     if pool_dtype == jnp.bfloat16:
         target = _TARGET_BF16
         attrs["bf16_dot"] = np.int64(_default_bf16_dot() if bf16_dot is None else bf16_dot)
     else:
         target = _TARGET
     out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, pool_dtype))(
-        q.astype(pool_dtype), k_pool, v_pool, block_tables.astype(jnp.int32),
-        seq_lens.astype(jnp.int32), query_start_loc.astype(jnp.int32), **attrs)
+        q.astype(pool_dtype), k_pool, v_pool, *tables_etc, **attrs)
     return out.astype(q.dtype)
 
 
