@@ -13,9 +13,9 @@
 // block of the first key its earliest query sees, so a sliding layer reads only its window and
 // never the blocks before it, whose table entries may name anything (the engine frees them).
 //
-// Pools are float32 or bfloat16 (the output is in q's dtype, which the wrapper makes the
-// pools'). bfloat16 tiles are read where they lie too, two ways, chosen per call by the
-// `bf16_dot` attribute:
+// Pools are float32, bfloat16 (for both, the output is in q's dtype, which the wrapper makes
+// the pools') or quantized (below). bfloat16 tiles are read where they lie too, two ways,
+// chosen per call by the `bf16_dot` attribute:
 // - dot (bf16_dot = 1, built only where the compiler targets AVX512-BF16, i.e. -march=native
 //   on a CPU that has it: `__AVX512BF16__`): q.K and P.V on `vdpbf16ps` (bf16 pairs
 //   multiplied exactly, summed in float32). q and K enter as they are (the scale multiplies
@@ -28,6 +28,17 @@
 //   the top half of a float32: a 16-bit shift, exact) and the float32 code runs on it, so
 //   nothing is rounded but the output.
 // Either way the output is rounded to bfloat16 (nearest even) once, at the end.
+//
+// Quantized pools (pallas_kernels/quantized.py, handler JaxpagePagedAttentionQuantized): K and
+// V values [K, NB, B, D] of one storage type, int8, float8_e4m3fn or float8_e5m2, each with
+// float32 scales [K, NB, B]; q and the output float32. Position p of head h reads
+// float32(values[h, p]) * scales[h, p] (quantized.dequantize), nothing else: as on the portable
+// bfloat16 path, each K/V tile is converted into float32 scratch, all B slots (int8 by a cast,
+// float8 through a 256-entry table of the format's values built once, exact, with NaN and inf
+// where the format has them: e4m3fn NaN at 0x7f and 0xff and no inf, e5m2 IEEE-like), each
+// slot's row multiplied by its scale (one float32 multiply), and the float32 code runs on it.
+// So the output is, bit for bit, the float32 kernel's on the dequantized pool. Unowned slots
+// may have NaN scales (NaN rows); they are masked by position like any pool's.
 //
 // Built on first use by pallas_kernels/cpu_attention.py (g++ -O3 -march=native).
 
@@ -912,6 +923,10 @@ std::string type_name(ffi::DataType type) {
     case ffi::DataType::F8E5M2: return "float8_e5m2";
     case ffi::DataType::F32: return "float32";
     case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::U8: return "uint8";
+    case ffi::DataType::F8E4M3FNUZ: return "float8_e4m3fnuz";
+    case ffi::DataType::F8E5M2FNUZ: return "float8_e5m2fnuz";
     default: return "element type " + std::to_string(static_cast<int>(type));
   }
 }
