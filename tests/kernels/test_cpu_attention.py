@@ -15,6 +15,7 @@ float64 attention of the bfloat16 inputs upcast (dequantize, then the oracle).
 
 from __future__ import annotations
 
+import ctypes
 import math
 import re
 import subprocess
@@ -23,11 +24,13 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
+from test_quantized_kv import assert_exact_and_near_oracle, quantized_batch
 from test_reference import assert_matches_naive, random_batch
 
-from pallas_kernels import cpu_attention
+from pallas_kernels import cpu_attention, quantized
 from pallas_kernels.cpu_attention import paged_attention_cpu
 from pallas_kernels.reference import paged_attention_reference
 
@@ -283,6 +286,11 @@ def test_valid_tiny_batch_runs():
 def test_unsupported_pools_are_named():
     assert cpu_attention.unsupported_reason(64, 16, np.float32) is None
     assert cpu_attention.unsupported_reason(64, 16, jnp.bfloat16) is None
+    for fmt in quantized.FORMATS:  # a QuantizedPool's dtype is its storage dtype
+        assert cpu_attention.unsupported_reason(64, 16, jnp.dtype(fmt)) is None
+        assert cpu_attention.unsupported_reason(8, 1, jnp.dtype(fmt)) is None
+    assert "float8_e4m3fnuz" in cpu_attention.unsupported_reason(64, 16, jnp.float8_e4m3fnuz)
+    assert "uint8" in cpu_attention.unsupported_reason(64, 16, np.uint8)
     assert "float16" in cpu_attention.unsupported_reason(64, 16, jnp.float16)
     assert "512" in cpu_attention.unsupported_reason(512, 16, np.float32)
 
@@ -472,3 +480,177 @@ def test_kernel_is_clean_under_address_and_undefined_behaviour_sanitizers():
         pytest.skip(result.stdout.strip())
     assert result.returncode == 0, result.stdout + result.stderr[-8000:]
     assert "clean under ASan+UBSan" in result.stdout
+
+
+# ----------------------------------------------------------------------------- quantized pools
+
+QUANTIZED_FORMATS = list(quantized.FORMATS)  # int8, float8_e4m3fn, float8_e5m2
+
+
+def windowed_naive(q, keys, values, scale, window, soft_cap):
+    """float64 attention of one sequence's queries (its last tokens) over keys
+    (max(0, p - window + 1) .. p] of a query at position p, scores soft-capped."""
+    q, keys, values = (a.astype(np.float64) for a in (q, keys, values))
+    group = q.shape[1] // keys.shape[1]
+    out = np.zeros(q.shape)
+    first = keys.shape[0] - q.shape[0]
+    for i in range(q.shape[0]):
+        pos = first + i
+        seen = slice(max(0, pos - window + 1), pos + 1)
+        for h in range(q.shape[1]):
+            scores = keys[seen, h // group] @ q[i, h] * scale
+            scores = soft_cap * np.tanh(scores / soft_cap)
+            w = np.exp(scores - scores.max())
+            out[i, h] = w / w.sum() @ values[seen, h // group]
+    return out
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED_FORMATS)
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16),   # compiled sizes
+    (8, 2, 128, 32),  # compiled sizes
+    (4, 4, 8, 4),     # run-time sizes, no GQA
+    (9, 3, 8, 1),     # one-token blocks
+    (8, 1, 32, 8),    # eight query heads per KV head: decode items of 8 rows (transposed K)
+])
+def test_quantized_pools_read_as_their_dequantization(fmt, seed, num_heads, num_kv_heads,
+                                                      head_dim, block_size):
+    """Ragged batches (decode tokens and chunks) over QuantizedPools with NaN scales in every
+    unowned slot: bit for bit the kernel's output on the float32 pools they dequantize to, and
+    within 2e-5 of float64 attention of those dequantized values."""
+    rng = np.random.default_rng(seed)
+    args_q, args_f, keys, values = quantized_batch(
+        rng, fmt, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=block_size)
+    out_q = paged_attention_cpu(*args_q)
+    assert out_q.dtype == jnp.float32
+    assert_exact_and_near_oracle(out_q, paged_attention_cpu(*args_f), args_q, keys, values,
+                                 head_dim**-0.5)
+    assert not np.asarray(out_q)[args_q[5][-1]:].any(), "padding rows must be zero"
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED_FORMATS)
+def test_quantized_long_chunks_and_query_tiles(fmt):
+    """Chunks of up to 70 tokens over up to 80 cached ones cut into items of 3 tokens (partial
+    8-row tiles) and of 32, under jit as the model calls the kernel (QuantizedPools are
+    pytrees)."""
+    rng = np.random.default_rng(11)
+    args_q, args_f, keys, values = quantized_batch(
+        rng, fmt, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, max_cached=80,
+        max_new=70, num_seqs=5)
+    for query_tile in (3, 32):
+        attend = jax.jit(lambda *a, t=query_tile: paged_attention_cpu(*a, query_tile=t))
+        assert_exact_and_near_oracle(attend(*args_q), attend(*args_f), args_q, keys, values,
+                                     64**-0.5)
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED_FORMATS)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16), (8, 1, 8, 4)])
+def test_quantized_sliding_window_and_soft_cap(fmt, num_heads, num_kv_heads, head_dim,
+                                               block_size):
+    """A sliding window of 7 keys and a soft-cap of 2 (small enough to bend the scores), the
+    table entries of the blocks before each sequence's window pointing at block 0, which no
+    sequence owns (all its scales NaN): never read. Bit for bit the float32 kernel on the
+    dequantized pools, and near float64 windowed, soft-capped attention."""
+    window, soft_cap = 7, 2.0
+    rng = np.random.default_rng(4)
+    args_q, args_f, keys, values = quantized_batch(
+        rng, fmt, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=block_size, num_seqs=5)
+    tables, seq_lens, qsl = (np.array(a) for a in args_q[3:])
+    freed = 0
+    for s in range(len(seq_lens)):
+        first_query = seq_lens[s] - (qsl[s + 1] - qsl[s])
+        freed += max(0, first_query - window + 1) // block_size
+        tables[s, : max(0, first_query - window + 1) // block_size] = 0
+    assert freed > 0, "no block before a window: the case tests nothing"
+    assert np.isnan(np.asarray(args_q[1].scales)[:, 0]).all()
+    args_q, args_f = ((*args[:3], tables, *args[4:]) for args in (args_q, args_f))
+    options = dict(sliding_window=window, soft_cap=soft_cap, query_tile=8)
+    out_q = np.asarray(paged_attention_cpu(*args_q, **options))
+    out_f = np.asarray(paged_attention_cpu(*args_f, **options))
+    assert np.isfinite(out_q).all(), "an unowned slot (NaN scale) leaked into the output"
+    np.testing.assert_array_equal(out_q, out_f)
+    q = args_q[0]
+    for s in range(len(keys)):
+        rows = slice(qsl[s], qsl[s + 1])
+        np.testing.assert_allclose(
+            out_q[rows], windowed_naive(q[rows], keys[s], values[s], head_dim**-0.5, window,
+                                        soft_cap), atol=2e-5, rtol=0, err_msg=f"seq {s}")
+
+
+def test_quantized_q_dtype_round_trip():
+    """q is cast to float32 for the kernel and the float32 result back to q's dtype."""
+    rng = np.random.default_rng(2)
+    args_q, _, _, _ = quantized_batch(rng, "int8", num_heads=4, num_kv_heads=2, head_dim=8,
+                                      block_size=4)
+    q16 = jnp.asarray(args_q[0], jnp.bfloat16)
+    out = paged_attention_cpu(q16, *args_q[1:])
+    assert out.dtype == jnp.bfloat16
+    expected = paged_attention_cpu(q16.astype(jnp.float32), *args_q[1:]).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)),
+                                  np.asarray(expected.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("k_fmt,v_fmt", [("int8", "float8_e4m3fn"),
+                                         ("float8_e5m2", "float8_e4m3fn"),
+                                         ("int8", None), (None, "float8_e5m2")])
+def test_quantized_mixed_pool_dtypes_are_refused(k_fmt, v_fmt):
+    """K and V must both be QuantizedPools of one storage dtype: the error names both."""
+    pool = np.zeros((1, 6, 4, 8), np.float32)
+    k_pool, v_pool = (pool if fmt is None else quantized.quantize_pool(jnp.asarray(pool),
+                                                                       jnp.dtype(fmt))
+                      for fmt in (k_fmt, v_fmt))
+    with pytest.raises(ValueError, match="one storage dtype") as error:
+        paged_attention_cpu(np.ones((1, 1, 8), np.float32), k_pool, v_pool,
+                            np.array([[1]], np.int32), np.array([1], np.int32),
+                            np.array([0, 1], np.int32))
+    for fmt in (k_fmt, v_fmt):
+        assert (fmt or "float32") in str(error.value)
+
+
+def _call_quantized_target(q, k_values, k_scales, v_values, v_scales):
+    """The quantized FFI target called directly (one sequence of 5 tokens in blocks 1, 2)."""
+    call = jax.ffi.ffi_call(cpu_attention._TARGET_QUANTIZED,
+                            jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return jax.block_until_ready(call(
+        q, k_values, k_scales, v_values, v_scales, np.array([[1, 2]], np.int32),
+        np.array([5], np.int32), np.array([0, 1], np.int32), scale=np.float32(1.0),
+        query_tile=np.int64(32), sliding_window=np.int64(0), soft_cap=np.float32(0.0)))
+
+
+def test_quantized_handler_checks_types_and_scale_shapes():
+    """The handler itself refuses K and V values of two types, a storage type it does not
+    read, and scales whose shape is not the values' less head_dim (it would read past them)."""
+    q = np.ones((1, 2, 8), np.float32)
+    scales = np.ones((1, 6, 4), np.float32)
+    int8 = np.zeros((1, 6, 4, 8), np.int8)
+    e4m3 = jnp.zeros((1, 6, 4, 8), jnp.float8_e4m3fn)
+    np.testing.assert_array_equal(
+        np.asarray(_call_quantized_target(q, int8, scales, int8, scales)), 0.0)
+    with pytest.raises(Exception, match="K values are int8 but V values float8_e4m3fn"):
+        _call_quantized_target(q, int8, scales, e4m3, scales)
+    with pytest.raises(Exception, match="not uint8"):
+        _call_quantized_target(q, int8.view(np.uint8), scales, int8.view(np.uint8), scales)
+    with pytest.raises(Exception, match=re.escape("scales [1, 6, 3] are not the values' "
+                                                  "[1, 6, 4, 8] less head_dim")):
+        _call_quantized_target(q, int8, scales[:, :, :3], int8, scales)
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+def test_float8_tables_match_ml_dtypes(fmt):
+    """The kernel's float32 value of each of the 256 bit patterns is ml_dtypes' conversion:
+    equal where finite or infinite (signed zeros included), NaN exactly where it is NaN
+    (e4m3fn: 0x7f and 0xff, no inf; e5m2: inf at 0x7c and 0xfc, NaN above)."""
+    table = np.zeros(256, np.float32)
+    cpu_attention._loaded().JaxpageFloat8Table(
+        ctypes.c_int(0 if fmt == "float8_e4m3fn" else 1),
+        table.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))
+    expected = np.arange(256, dtype=np.uint8).view(getattr(ml_dtypes, fmt)).astype(np.float32)
+    np.testing.assert_array_equal(np.isnan(table), np.isnan(expected))
+    finite = ~np.isnan(expected)
+    np.testing.assert_array_equal(table[finite].view(np.uint32),
+                                  expected[finite].view(np.uint32))
+    assert np.isnan(table).sum() == (2 if fmt == "float8_e4m3fn" else 6)
