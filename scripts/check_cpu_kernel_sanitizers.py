@@ -14,12 +14,16 @@ ones, several query tiles, sliding windows (1 to wider than any sequence, the ta
 the blocks before a sequence's window pointing outside the pool: reading one is an error) and
 soft-capping, every pool slot no sequence owns holding NaN, +inf or -inf, with float32 pools
 and with bfloat16 pools on both bfloat16 paths (the AVX512-BF16 "dot" path where the build has
-it, and the "portable" one). Each result is compared with naive float64 NumPy
-attention (of the inputs rounded to bfloat16, for bfloat16 pools, within the bound the kernel's
-roundings allow: see `bf16_ratio`). It also feeds the kernel inputs its
+it, and the "portable" one), and with quantized pools (`quantized.QuantizedPool`, the formats
+int8, float8_e4m3fn and float8_e5m2 taking turns over the batches; the unowned slots' scales
+NaN, +inf or -inf, which make their rows NaN or infinite). Each result is compared with naive
+float64 NumPy attention (of the inputs rounded to bfloat16, for bfloat16 pools, within the
+bound the kernel's roundings allow: see `bf16_ratio`; of the dequantized values, for quantized
+pools, whose result must also equal the kernel's on the dequantized float32 pools bit for
+bit). It also feeds the kernel inputs its
 handler must reject (wrong output shape, overlapping or decreasing query ranges, too many
-queries for a sequence, block ids outside the pool, a negative window or soft-cap) and checks
-each is an error.
+queries for a sequence, block ids outside the pool, a negative window or soft-cap; quantized K
+and V of two types, scales of the wrong shape) and checks each is an error.
 
 Prints a one-line summary. Exit status: 0 clean; 1 a sanitizer finding (its report is printed)
 or a wrong result; 2 this machine cannot run the check (no C++ compiler or sanitizer runtime).
@@ -51,6 +55,7 @@ FINDING = re.compile(r"runtime error:|ERROR: AddressSanitizer|UndefinedBehaviorS
 SHAPES = [(9, 3, 64, 16), (8, 2, 128, 32), (4, 4, 64, 32), (8, 1, 128, 16),
           (4, 4, 8, 4), (6, 2, 16, 16), (9, 3, 8, 1), (8, 1, 32, 8), (2, 1, 24, 256)]
 FILLS = [float("nan"), float("inf"), float("-inf")]
+QUANTIZED_FORMATS = ["int8", "float8_e4m3fn", "float8_e5m2"]  # cycled through the batches
 # (sliding_window, soft_cap) cycled through the batches: off, windows of one token, less than a
 # block, odd sizes, longer than any sequence; soft-capping alone and with a window
 ATTENTION_OPTIONS = [(None, None), (1, None), (5, 2.0), (13, None), (None, 3.0), (100, 30.0)]
@@ -179,6 +184,42 @@ def bf16_ratio(out, args, keys, values, scale, dot, window=None, soft_cap=None) 
     return worst
 
 
+def quantize_batch(args, fmt, fill):
+    """The batch's float32 pools quantized to `fmt` (each owned row as quantized.quantize_pool
+    does), the scales of unowned slots (the rows holding `fill`) set to `fill`. Returns the
+    args with QuantizedPools, the args with the float32 pools they dequantize to (by
+    quantized.dequantize_pool, as the engine's jnp backends read them), and each sequence's
+    dequantized keys and values for the oracle (NaN at positions whose table entry was freed:
+    before the sequence's window, never seen)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels import quantized
+
+    q, k_pool, v_pool, tables, seq_lens, qsl = args
+    pools, dequantized = [], []
+    for pool in (k_pool, v_pool):
+        unowned = ~np.isfinite(pool).all(-1)
+        qp = quantized.quantize_pool(jnp.asarray(np.where(np.isfinite(pool), pool, 0.0)),
+                                     jnp.dtype(fmt))
+        scales = np.array(qp.scales)
+        scales[unowned] = fill
+        pools.append(quantized.QuantizedPool(qp.values, jnp.asarray(scales)))
+        dequantized.append(np.asarray(quantized.dequantize_pool(pools[-1])))
+    block_size, num_blocks = k_pool.shape[2], k_pool.shape[1]
+    keys, values = [], []
+    for table, length in zip(tables, seq_lens, strict=True):
+        pos = np.arange(length)
+        blocks, offsets = table[pos // block_size], pos % block_size
+        kept = (blocks >= 0) & (blocks < num_blocks)
+        for deq, out in zip(dequantized, (keys, values), strict=True):
+            x = np.full((length, deq.shape[0], deq.shape[3]), np.nan, np.float32)
+            x[kept] = deq[:, blocks[kept], offsets[kept]].transpose(1, 0, 2)
+            out.append(x)
+    return ((q, *pools, tables, seq_lens, qsl), (q, *dequantized, tables, seq_lens, qsl), keys,
+            values)
+
+
 def bad_inputs():
     """(name, call, message the error must contain) for inputs the handler must reject."""
     import jax
@@ -213,6 +254,19 @@ def bad_inputs():
                                            lens, np.array([0, 2, 4], np.int32),
                                            bf16_dot=bf16_dot)
 
+    def attend_quantized(k_values, v_values, k_scales=None, table=tables):
+        """The quantized FFI target called directly (no check by the wrapper first)."""
+        k_scales = np.ones((1, 6, 4), np.float32) if k_scales is None else k_scales
+        call = jax.ffi.ffi_call(cpu_attention._TARGET_QUANTIZED,
+                                jax.ShapeDtypeStruct((4, 2, 8), jnp.float32))
+        return lambda: call(np.ones((4, 2, 8), np.float32), k_values, k_scales, v_values,
+                            np.ones((1, 6, 4), np.float32), table, lens,
+                            np.array([0, 2, 4], np.int32), scale=np.float32(1.0),
+                            query_tile=np.int64(32), sliding_window=np.int64(0),
+                            soft_cap=np.float32(0.0))
+
+    int8 = np.zeros((1, 6, 4, 8), np.int8)
+    e5m2 = jnp.zeros((1, 6, 4, 8), jnp.float8_e5m2)
     return [
         ("smaller output", wrong_out((1, 2, 8)), "output shape [1, 2, 8]"),
         ("larger output", wrong_out((64, 2, 8)), "output shape [64, 2, 8]"),
@@ -234,6 +288,14 @@ def bad_inputs():
         *((f"bf16 {mode}: block outside the pool",
            attend_bf16(np.array([[1, 2], [3, 6]], np.int32), mode == "dot"),
            "block table entry outside the pool") for mode in ("dot", "portable")),
+        ("quantized: K and V of two types", attend_quantized(int8, e5m2),
+         "K values are int8 but V values float8_e5m2"),
+        ("quantized: scales of another shape",
+         attend_quantized(e5m2, e5m2, k_scales=np.ones((1, 6, 2), np.float32)),
+         "scales [1, 6, 2] are not the values' [1, 6, 4, 8] less head_dim"),
+        ("quantized: block outside the pool",
+         attend_quantized(e5m2, e5m2, table=np.array([[1, 2], [3, 6]], np.int32)),
+         "block table entry outside the pool"),
     ]
 
 
@@ -261,6 +323,8 @@ def child(seeds: int) -> int:
     counts = {"decode": 0, "prefill": 0}
     worst = 0.0
     worst_bf16 = {"dot": 0.0, "portable": 0.0}
+    worst_quantized = 0.0
+    quantized_counts = dict.fromkeys(QUANTIZED_FORMATS, 0)
     for seed in range(seeds):
         for shape_index, (num_heads, num_kv_heads, head_dim, block_size) in enumerate(SHAPES):
             for decode in (True, False):
@@ -281,6 +345,7 @@ def child(seeds: int) -> int:
                         f"max |error| {error} vs float64")
                 worst = max(worst, error)
                 counts["decode" if decode else "prefill"] += 1
+                float32_args = args
                 # the same batch with bfloat16 pools (NaN/inf survive the rounding)
                 args = (*(to_bf16(a) for a in args[:3]), *args[3:])
                 keys, values = [to_bf16(k) for k in keys], [to_bf16(v) for v in values]
@@ -298,6 +363,23 @@ def child(seeds: int) -> int:
                             f"window={window} soft_cap={soft_cap}: error "
                             f"{ratio:.2f} x the bound vs float64")
                     worst_bf16[mode] = max(worst_bf16[mode], ratio)
+                # the same batch with quantized pools, one format per batch in turn
+                fmt = QUANTIZED_FORMATS[(seed + shape_index + decode) % len(QUANTIZED_FORMATS)]
+                args_q, args_f, keys, values = quantize_batch(float32_args, fmt, fill)
+                out = np.asarray(paged_attention_cpu(*args_q, query_tile=query_tile, **options))
+                out_f = np.asarray(paged_attention_cpu(*args_f, query_tile=query_tile,
+                                                       **options))
+                where = (f"{fmt}: seed {seed} shape {SHAPES[shape_index]} decode={decode} "
+                         f"fill={fill} query_tile={query_tile} window={window} "
+                         f"soft_cap={soft_cap}")
+                if not np.array_equal(out, out_f):
+                    raise AssertionError(f"{where}: not bit for bit the float32 kernel on the "
+                                         f"dequantized pools")
+                error = naive_error(out, args_q, keys, values, head_dim**-0.5, window, soft_cap)
+                if not error <= 2e-5:
+                    raise AssertionError(f"{where}: max |error| {error} vs float64")
+                worst_quantized = max(worst_quantized, error)
+                quantized_counts[fmt] += 1
     rejected = 0
     for name, call, message in bad_inputs():
         try:
@@ -310,7 +392,8 @@ def child(seeds: int) -> int:
             raise AssertionError(f"{name}: no error")
     print(json.dumps({**counts, "rejected": rejected, "max_error": worst,
                       "bf16_dot_compiled": cpu_attention.bf16_dot_compiled(),
-                      "bf16_worst_ratio": worst_bf16}), flush=True)
+                      "bf16_worst_ratio": worst_bf16, "quantized": quantized_counts,
+                      "quantized_max_error": worst_quantized}), flush=True)
     return 0
 
 
@@ -387,7 +470,10 @@ def main() -> int:
           f"unowned slots) within {summary['max_error']:.1e} of float64, the same with "
           f"bfloat16 pools on the dot path (compiled: {summary['bf16_dot_compiled']}; worst "
           f"{summary['bf16_worst_ratio']['dot']:.2f} x its bound) and the portable one ("
-          f"{summary['bf16_worst_ratio']['portable']:.2f} x), "
+          f"{summary['bf16_worst_ratio']['portable']:.2f} x), quantized pools ("
+          + ", ".join(f"{n} {fmt}" for fmt, n in summary["quantized"].items())
+          + f" batches) bit for bit the float32 kernel on their dequantization and within "
+          f"{summary['quantized_max_error']:.1e} of float64, "
           f"{summary['rejected']} bad inputs rejected; {timing}")
     return 0
 
