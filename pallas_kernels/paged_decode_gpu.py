@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as pltriton  # noqa: F401 (tests read its target)
 
+from pallas_kernels import quantized
 from pallas_kernels.checks import check_decode_inputs
 from pallas_kernels.ragged_paged_gpu import (
     DEFAULT_NUM_STAGES,
@@ -91,7 +92,9 @@ def paged_decode_attention_gpu(
     group_rows = max(MIN_DOT_ROWS, next_power_of_2(group))
     padded_dim = pool_head_dim(head_dim)
     # [S, H, D] -> [S, K, G_pad, D_pad]; padded rows and lanes are zero
-    q_grouped = q.reshape(num_seqs, num_kv_heads, group, head_dim)
+    # quantized pools are read in float32 (their dequantization), whatever q's dtype
+    q_attend = q.astype(jnp.float32) if quantized.is_quantized(k_pool) else q
+    q_grouped = q_attend.reshape(num_seqs, num_kv_heads, group, head_dim)
     q_grouped = jnp.pad(
         q_grouped, ((0, 0), (0, 0), (0, group_rows - group), (0, padded_dim - head_dim)))
     # every live row's query is its sequence's last token; padded rows (and sequences of
