@@ -13,7 +13,8 @@ def check_decode_inputs(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     """Raise ValueError naming the first bad argument of a decode-attention call.
 
     q: [S, num_heads, head_dim]; k_pool, v_pool: [num_kv_heads, num_blocks, block_size,
-    head_dim] in q's dtype (float32 or bfloat16); block_tables: [S, W] int32;
+    head_dim] in q's dtype (float32 or bfloat16), or two `quantized.QuantizedPool`s of
+    one format; block_tables: [S, W] int32;
     seq_lens: [S] int32.
     """
     if block_tables.ndim != 2 or block_tables.shape[0] != q.shape[0]:
@@ -30,9 +31,9 @@ def check_ragged_inputs(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     """Raise ValueError naming the first bad argument of a ragged-attention call.
 
     q: [T, num_heads, D]; k_pool, v_pool: [num_kv_heads, num_blocks, block_size, Dp] in
-    q's dtype (float32 or bfloat16) with Dp >= D (a pool padded to the lane width holds
-    zeros past D); block_tables: [S, W] int32; seq_lens: [S] int32; query_start_loc:
-    [S + 1] int32; max_query_len >= 1.
+    q's dtype (float32 or bfloat16), or two `quantized.QuantizedPool`s of one format, with
+    Dp >= D (a pool padded to the lane width holds zeros past D); block_tables: [S, W]
+    int32; seq_lens: [S] int32; query_start_loc: [S + 1] int32; max_query_len >= 1.
     """
     if q.ndim != 3:
         raise ValueError(f"q shape {q.shape} must be [T, num_heads, head_dim]")

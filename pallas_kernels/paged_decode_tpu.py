@@ -59,8 +59,11 @@ def paged_decode_attention_tpu(
     Args:
       q: [S, num_heads, head_dim] float32 or bfloat16, one query per sequence. Query head h
         reads KV head h // (num_heads // num_kv_heads).
-      k_pool, v_pool: [num_kv_heads, num_blocks, block_size, head_dim], q's dtype. Slots
-        that no sequence owns may hold anything, NaN included.
+      k_pool, v_pool: [num_kv_heads, num_blocks, block_size, head_dim], q's dtype, or both
+        `quantized.QuantizedPool`s of one format (read as their dequantization, each page
+        dequantized in the kernel as it is copied in; q is then attended in float32; the
+        block_size must be a multiple of 32). Slots that no sequence owns may hold
+        anything, NaN included (a NaN scale too).
       block_tables: [S, max_blocks_per_seq] int32 block ids in [0, num_blocks); entries
         past a sequence's length are never read. The whole table is scalar-prefetched into
         SMEM, so S * max_blocks_per_seq must fit there.

@@ -312,7 +312,10 @@ def ragged_paged_attention_gpu(
       k_pool, v_pool: [num_kv_heads, num_blocks, block_size, pool_head_dim], q's dtype, this
         step's K/V already written. pool_head_dim >= head_dim: a pool allocated at
         `pool_head_dim(head_dim)` (zeros past head_dim) is read in place; any other is padded
-        here, which copies it. Slots no sequence owns may hold anything, NaN included.
+        here, which copies it. Or both `quantized.QuantizedPool`s of one format (values
+        padded as a float pool would be; read as their dequantization, each page
+        dequantized in the kernel as it is loaded; q is then attended in float32). Slots
+        no sequence owns may hold anything, NaN included (a NaN scale too).
       block_tables: [S, W] int32; entries past a sequence's length are never read.
       seq_lens: [S] int32 tokens of each sequence including this step's (0: padding).
       query_start_loc: [S + 1] int32 offsets of each sequence's queries in q; tokens past

@@ -29,6 +29,14 @@ on.
 The pool's head dim Dp may exceed q's D (pools allocated padded to 128 lanes, zeros past
 D): only the queries are zero-padded to Dp, and the output is cut back to D.
 
+Quantized pools (`quantized.QuantizedPool`, int8 / float8 values and a float32 scale per
+head and token): the values are copied page by page as a float pool is, each page's scales
+beside them by a second DMA (the scales are handed to the kernel block-major, [num_blocks,
+K, B], a transposed copy of 4 bytes per head and token, so that a page's scales are one
+whole array), and every page is dequantized, `float32(values) * scale`, right after its
+copy is waited for; everything after is the float32 kernel's. 8-bit pages are whole
+(32, 128) Mosaic tiles only when block_size is a multiple of 32, which the wrappers require.
+
 The oracle is `pallas_kernels.reference.paged_attention_reference`;
 tests/kernels/test_ragged_kernels.py holds the two (and a float64 NumPy one) to each other
 in the TPU interpreter. Lowering to Mosaic is tested on CPU; Mosaic's layout passes (libtpu)
@@ -508,7 +516,10 @@ def ragged_paged_attention_tpu(
         reads KV head h // (num_heads // num_kv_heads).
       k_pool, v_pool: [num_kv_heads, num_blocks, block_size, Dp], q's dtype, Dp >= D;
         lanes past D must be zero in owned slots. This step's K/V must already be written.
-        Slots that no sequence owns may hold anything, NaN included.
+        Or both `quantized.QuantizedPool`s of one format: read as their dequantization,
+        each page dequantized in the kernel as it is copied in, q attended in float32;
+        block_size must then be a multiple of 32 (8-bit tiles). Slots that no sequence
+        owns may hold anything, NaN included (a NaN scale too).
       block_tables: [S, max_blocks_per_seq] int32 block ids in [0, num_blocks); entries
         past a sequence's length are never read. The whole table is scalar-prefetched into
         SMEM, so S * max_blocks_per_seq must fit there.
