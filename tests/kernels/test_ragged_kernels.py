@@ -439,6 +439,16 @@ def test_quantized_pools_with_window_and_soft_cap(kernel):
     np.testing.assert_allclose(out_q, np.asarray(expected), atol=2e-5, rtol=0)
 
 
+def test_tpu_many_kv_heads_loop_on_quantized_pools():
+    """More KV heads than the TPU kernel unrolls: the heads loop, dequantizing the head of
+    a traced index."""
+    case = (1, MAX_UNROLLED_HEADS + 1, (64, 128), 32, 40, 20)
+    args_q, args_f, max_query_len, keys, values = ragged_quantized_batch(3, "int8", case)
+    out_q = ragged_paged_attention_tpu(*args_q, max_query_len=max_query_len, interpret=True)
+    out_f = ragged_paged_attention_tpu(*args_f, max_query_len=max_query_len, interpret=True)
+    assert_exact_and_near_oracle(out_q, out_f, args_q, keys, values, 64**-0.5)
+
+
 def test_tpu_quantized_block_rule():
     """8-bit pools on TPU: block_size must be a multiple of 32 (Mosaic's (32, 128) tile)."""
     args_q, _, max_query_len, _, _ = ragged_quantized_batch(
