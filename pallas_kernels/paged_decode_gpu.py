@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as pltriton  # noqa: F401 (tests read its target)
 
+from pallas_kernels import quantized
 from pallas_kernels.checks import check_decode_inputs
 from pallas_kernels.ragged_paged_gpu import (
     DEFAULT_NUM_STAGES,
@@ -62,8 +63,10 @@ def paged_decode_attention_gpu(
     Args:
       q: [S, num_heads, head_dim] float32 or bfloat16, one query per sequence. Query head h
         reads KV head h // (num_heads // num_kv_heads).
-      k_pool, v_pool: [num_kv_heads, num_blocks, block_size, head_dim], q's dtype. Slots
-        that no sequence owns may hold anything, NaN included.
+      k_pool, v_pool: [num_kv_heads, num_blocks, block_size, head_dim], q's dtype, or both
+        `quantized.QuantizedPool`s of one format (read as their dequantization, each page
+        dequantized in the kernel as it is loaded; q is then attended in float32). Slots
+        that no sequence owns may hold anything, NaN included (a NaN scale too).
       block_tables: [S, max_blocks_per_seq] int32 block ids in [0, num_blocks); entries past
         a sequence's length are never read.
       seq_lens: [S] int32 tokens of each sequence, this step's token included; 0 marks a
@@ -91,7 +94,9 @@ def paged_decode_attention_gpu(
     group_rows = max(MIN_DOT_ROWS, next_power_of_2(group))
     padded_dim = pool_head_dim(head_dim)
     # [S, H, D] -> [S, K, G_pad, D_pad]; padded rows and lanes are zero
-    q_grouped = q.reshape(num_seqs, num_kv_heads, group, head_dim)
+    # quantized pools are read in float32 (their dequantization), whatever q's dtype
+    q_attend = q.astype(jnp.float32) if quantized.is_quantized(k_pool) else q
+    q_grouped = q_attend.reshape(num_seqs, num_kv_heads, group, head_dim)
     q_grouped = jnp.pad(
         q_grouped, ((0, 0), (0, 0), (0, group_rows - group), (0, padded_dim - head_dim)))
     # every live row's query is its sequence's last token; padded rows (and sequences of

@@ -24,6 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import quantized
 from pallas_kernels.checks import check_decode_inputs
 from pallas_kernels.ragged_paged_tpu import (
     DEFAULT_BATCH_CHUNKS,
@@ -58,8 +59,11 @@ def paged_decode_attention_tpu(
     Args:
       q: [S, num_heads, head_dim] float32 or bfloat16, one query per sequence. Query head h
         reads KV head h // (num_heads // num_kv_heads).
-      k_pool, v_pool: [num_kv_heads, num_blocks, block_size, head_dim], q's dtype. Slots
-        that no sequence owns may hold anything, NaN included.
+      k_pool, v_pool: [num_kv_heads, num_blocks, block_size, head_dim], q's dtype, or both
+        `quantized.QuantizedPool`s of one format (read as their dequantization, each page
+        dequantized in the kernel as it is copied in; q is then attended in float32; the
+        block_size must be a multiple of 32). Slots that no sequence owns may hold
+        anything, NaN included (a NaN scale too).
       block_tables: [S, max_blocks_per_seq] int32 block ids in [0, num_blocks); entries
         past a sequence's length are never read. The whole table is scalar-prefetched into
         SMEM, so S * max_blocks_per_seq must fit there.
@@ -83,16 +87,19 @@ def paged_decode_attention_tpu(
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_pool.shape
     check_decode_inputs(q, k_pool, v_pool, block_tables, seq_lens)
-    pages_per_compute_block = check_tiling(block_size, pages_per_compute_block, batch_chunks)
+    pages_per_compute_block = check_tiling(block_size, pages_per_compute_block, batch_chunks,
+                                           k_pool)
     scale = head_dim**-0.5 if scale is None else scale
     group = num_heads // num_kv_heads
-    group_rows = round_up(group, SUBLANES * (4 // q.dtype.itemsize))  # 8 f32, 16 bf16
+    # quantized pools are read in float32 (their dequantization), whatever q's dtype
+    q_attend = q.astype(jnp.float32) if quantized.is_quantized(k_pool) else q
+    group_rows = round_up(group, SUBLANES * (4 // q_attend.dtype.itemsize))  # 8 f32, 16 bf16
     padded_dim = pool_head_dim(head_dim)
     num_chunks = min(batch_chunks, max(1, num_seqs))
     padded_seqs = round_up(num_seqs, num_chunks)
 
     # [S, H, D] -> [S_pad, K, G_pad, D_pad]; padded rows, lanes and sequences are zero
-    q_grouped = q.reshape(num_seqs, num_kv_heads, group, head_dim)
+    q_grouped = q_attend.reshape(num_seqs, num_kv_heads, group, head_dim)
     q_grouped = jnp.pad(q_grouped, ((0, padded_seqs - num_seqs), (0, 0),
                                     (0, group_rows - group), (0, padded_dim - head_dim)))
     lengths = jnp.pad(seq_lens, (0, padded_seqs - num_seqs))  # padding sequences: length 0

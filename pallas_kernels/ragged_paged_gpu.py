@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import ragged_tiles, score_mods
+from pallas_kernels import quantized, ragged_tiles, score_mods
 from pallas_kernels.checks import check_ragged_inputs
 
 # JAX 0.11 deprecated the Pallas Triton backend. In the sources read for 0.11 the warning is
@@ -69,22 +69,29 @@ def pool_head_dim(head_dim: int) -> int:
 
 def _attention_kernel(
     q_ref,  # [rows, D]: this tile's queries of one KV head's group
-    k_ref,  # [num_blocks, block_size, D]: this KV head's K pool
-    v_ref,  # [num_blocks, block_size, D]: this KV head's V pool
-    table_ref,  # [table_width]: the tile's sequence's block table (whole compute blocks)
-    kv_len_ref,  # [1]: keys the tile reads (its last query's position + 1; 0 if empty)
-    first_page_ref,  # [1]: the tile's first page (its earliest query's window start; else 0)
-    row_pos_ref,  # [rows]: position of each row's query, -1 for empty rows
-    out_ref,  # [rows, D] f32: this split's unnormalized output
-    max_ref,  # [rows] f32: this split's running max (-inf where no key was seen)
-    sum_ref,  # [rows] f32: this split's sum of exp(score - max)
-    *,
+    k_ref,  # [num_blocks, block_size, D]: this KV head's K pool (quantized: its values)
+    v_ref,  # [num_blocks, block_size, D]: this KV head's V pool (quantized: its values)
+    *refs,
+    # quantized pools only: ks_ref, vs_ref [num_blocks, block_size] f32, this KV head's K
+    # and V scales; then
+    # table_ref [table_width]: the tile's sequence's block table (whole compute blocks)
+    # kv_len_ref [1]: keys the tile reads (its last query's position + 1; 0 if empty)
+    # first_page_ref [1]: the tile's first page (its earliest query's window start; else 0)
+    # row_pos_ref [rows]: position of each row's query, -1 for empty rows
+    # out_ref [rows, D] f32: this split's unnormalized output
+    # max_ref [rows] f32: this split's running max (-inf where no key was seen)
+    # sum_ref [rows] f32: this split's sum of exp(score - max)
     scale: float,
     num_splits: int,
     pages_per_compute_block: int,
     sliding_window: int | None,
     soft_cap: float | None,
+    quantized_pools: bool = False,
 ):
+    scale_refs = refs[:2] if quantized_pools else None
+    if quantized_pools:
+        refs = refs[2:]
+    table_ref, kv_len_ref, first_page_ref, row_pos_ref, out_ref, max_ref, sum_ref = refs
     rows, head_dim = q_ref.shape
     block_size = k_ref.shape[1]
     keys = pages_per_compute_block * block_size
@@ -115,6 +122,11 @@ def _attention_kernel(
         page_ids = jnp.where(page_pos < num_pages, page_ids, 0)
         k = k_ref[page_ids].reshape(keys, head_dim)  # [P * B, D]
         v = v_ref[page_ids].reshape(keys, head_dim)
+        if quantized_pools:  # dequantized as loaded: float32(values) * scales, as
+            # quantized.dequantize; the float32 math below is the float pools'
+            ks_ref, vs_ref = scale_refs
+            k = k.astype(jnp.float32) * ks_ref[page_ids].reshape(keys)[:, None]
+            v = v.astype(jnp.float32) * vs_ref[page_ids].reshape(keys)[:, None]
         key_pos = page * block_size + jnp.arange(keys, dtype=jnp.int32)  # [Kb]
 
         # [R, D] x [Kb, D] -> [R, Kb]. Causal per row (and within its window); row_pos <
@@ -152,16 +164,19 @@ def _attention_kernel(
 
 def _build_call(*, scale, num_tiles, num_kv_heads, rows, head_dim, num_blocks, block_size,
                 table_width, num_splits, pages_per_compute_block, num_warps, num_stages,
-                sliding_window, soft_cap, interpret, name):
+                sliding_window, soft_cap, interpret, name, quantized_pools=False):
     """The pallas_call over grid (tile, KV head, split): (q tiles [N, K, R, D], k_pool,
-    v_pool, tile tables [N, W], tile kv lengths [N], tile first pages [N], row positions
-    [N, R]) -> (partial outputs [N, K, splits, R, D], running maxes and sums
-    [N, K, splits, R]), f32."""
+    v_pool, [k_scales, v_scales [K, NB, B] for quantized pools,] tile tables [N, W], tile
+    kv lengths [N], tile first pages [N], row positions [N, R]) -> (partial outputs
+    [N, K, splits, R, D], running maxes and sums [N, K, splits, R]), f32."""
     kernel = functools.partial(
         _attention_kernel, scale=scale, num_splits=num_splits,
         pages_per_compute_block=pages_per_compute_block, sliding_window=sliding_window,
-        soft_cap=soft_cap)
+        soft_cap=soft_cap, quantized_pools=quantized_pools)
     split_shape = (num_tiles, num_kv_heads, num_splits, rows)
+    # scales [K, NB, B] f32: all blocks of KV head h, beside its values
+    scale_specs = [pl.BlockSpec((None, num_blocks, block_size), lambda i, h, j: (h, 0, 0))
+                   ] * (2 if quantized_pools else 0)
     return pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads, num_splits),
@@ -171,6 +186,7 @@ def _build_call(*, scale, num_tiles, num_kv_heads, rows, head_dim, num_blocks, b
             # k_pool [K, NB, B, D]: all blocks of KV head h (pages are gathered in the body)
             pl.BlockSpec((None, num_blocks, block_size, head_dim), lambda i, h, j: (h, 0, 0, 0)),
             pl.BlockSpec((None, num_blocks, block_size, head_dim), lambda i, h, j: (h, 0, 0, 0)),
+            *scale_specs,
             # tile tables [N, W]: the block table of tile i's sequence
             pl.BlockSpec((None, table_width), lambda i, h, j: (i, 0)),
             # tile kv lengths [N] and first pages [N]
@@ -219,9 +235,14 @@ def attend_tiles(q_tiles, k_pool, v_pool, tables, kv_lens, row_pos, *, scale,
     [N, K, R, Dp] f32 attention outputs. A pool whose head dim is not Dp is padded here
     (a copy; pools allocated at pool_head_dim avoid it). With a `sliding_window`, a tile
     reads pages from the one of its earliest query's first key on
-    (`ragged_tiles.first_pages`)."""
+    (`ragged_tiles.first_pages`). Quantized pools (`quantized.QuantizedPool`) are read
+    as their dequantization, tile by tile inside the kernel; q_tiles must then be f32."""
     num_tiles, num_kv_heads, rows, head_dim = q_tiles.shape
     _, num_blocks, block_size, pool_dim = k_pool.shape
+    quantized_pools = quantized.is_quantized(k_pool)
+    scales = (k_pool.scales, v_pool.scales) if quantized_pools else ()
+    if quantized_pools:
+        k_pool, v_pool = k_pool.values, v_pool.values
     if block_size & (block_size - 1):
         raise ValueError(f"block_size {block_size} must be a power of 2")
     if pages_per_compute_block is None:
@@ -253,9 +274,9 @@ def attend_tiles(q_tiles, k_pool, v_pool, tables, kv_lens, row_pos, *, scale,
         table_width=padded_width, num_splits=num_splits,
         pages_per_compute_block=pages_per_compute_block, num_warps=num_warps,
         num_stages=num_stages, sliding_window=sliding_window, soft_cap=soft_cap,
-        interpret=interpret, name=name)
-    return combine_splits(*call(q_tiles, k_pool, v_pool, tables, kv_lens, first_pages,
-                                row_pos))
+        interpret=interpret, name=name, quantized_pools=quantized_pools)
+    return combine_splits(*call(q_tiles, k_pool, v_pool, *scales, tables, kv_lens,
+                                first_pages, row_pos))
 
 
 @functools.partial(
@@ -291,7 +312,10 @@ def ragged_paged_attention_gpu(
       k_pool, v_pool: [num_kv_heads, num_blocks, block_size, pool_head_dim], q's dtype, this
         step's K/V already written. pool_head_dim >= head_dim: a pool allocated at
         `pool_head_dim(head_dim)` (zeros past head_dim) is read in place; any other is padded
-        here, which copies it. Slots no sequence owns may hold anything, NaN included.
+        here, which copies it. Or both `quantized.QuantizedPool`s of one format (values
+        padded as a float pool would be; read as their dequantization, each page
+        dequantized in the kernel as it is loaded; q is then attended in float32). Slots
+        no sequence owns may hold anything, NaN included (a NaN scale too).
       block_tables: [S, W] int32; entries past a sequence's length are never read.
       seq_lens: [S] int32 tokens of each sequence including this step's (0: padding).
       query_start_loc: [S + 1] int32 offsets of each sequence's queries in q; tokens past
@@ -323,7 +347,9 @@ def ragged_paged_attention_gpu(
         num_tokens, num_seqs, group, max_query_len, decode_rows=DECODE_ROWS,
         prefill_rows=query_rows, round_rows=next_power_of_2)
     tiles = ragged_tiles.make_tiles(layout, seq_lens, query_start_loc, num_tokens)
-    q_tiles = ragged_tiles.gather_queries(q, tiles, layout, padded_dim)  # [N, K, R, Dp]
+    # quantized pools are read in float32 (their dequantization), whatever q's dtype
+    q_attend = q.astype(jnp.float32) if quantized.is_quantized(k_pool) else q
+    q_tiles = ragged_tiles.gather_queries(q_attend, tiles, layout, padded_dim)  # [N, K, R, Dp]
     out = attend_tiles(
         q_tiles, k_pool, v_pool, block_tables[tiles.tile_seq], tiles.tile_kv_len,
         tiles.row_pos, scale=scale, pages_per_compute_block=pages_per_compute_block,

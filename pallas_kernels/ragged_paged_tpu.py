@@ -29,6 +29,14 @@ on.
 The pool's head dim Dp may exceed q's D (pools allocated padded to 128 lanes, zeros past
 D): only the queries are zero-padded to Dp, and the output is cut back to D.
 
+Quantized pools (`quantized.QuantizedPool`, int8 / float8 values and a float32 scale per
+head and token): the values are copied page by page as a float pool is, each page's scales
+beside them by a second DMA (the scales are handed to the kernel block-major, [num_blocks,
+K, B], a transposed copy of 4 bytes per head and token, so that a page's scales are one
+whole array), and every page is dequantized, `float32(values) * scale`, right after its
+copy is waited for; everything after is the float32 kernel's. 8-bit pages are whole
+(32, 128) Mosaic tiles only when block_size is a multiple of 32, which the wrappers require.
+
 The oracle is `pallas_kernels.reference.paged_attention_reference`;
 tests/kernels/test_ragged_kernels.py holds the two (and a float64 NumPy one) to each other
 in the TPU interpreter. Lowering to Mosaic is tested on CPU; Mosaic's layout passes (libtpu)
@@ -46,11 +54,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import ragged_tiles, score_mods
+from pallas_kernels import quantized, ragged_tiles, score_mods
 from pallas_kernels.checks import check_ragged_inputs
 
 LANES = 128  # TPU vector lane count: head_dim and the compute block are padded to it
 SUBLANES = 8  # f32 rows per vreg (bf16 packs 16): block sizes and query groups align to it
+# Rows of Mosaic's native tile of an 8-bit array ((32, 128) for int8 and float8): a quantized
+# pool's page is copied and read as whole tiles, so its block_size is a multiple of this.
+QUANTIZED_SUBLANES = 32
 MAX_UNROLLED_HEADS = 8  # KV heads past this loop instead of unrolling
 # One compute block is 128 tokens (one lane-width of scores): 8 pages of 16 tokens.
 DEFAULT_TOKENS_PER_COMPUTE_BLOCK = 128
@@ -70,20 +81,24 @@ def _ragged_kernel(
     # inputs
     row_pos_ref,  # [R, 128] int32: each row's query position (-1: no query), lane-replicated
     q_ref,  # [K, R, Dp] pool dtype: this tile's queries, grouped by KV head
-    k_hbm,  # [K, num_blocks, block_size, Dp] (HBM): K pool
-    v_hbm,  # [K, num_blocks, block_size, Dp] (HBM): V pool
+    k_hbm,  # [K, num_blocks, block_size, Dp] (HBM): K pool (quantized: its values)
+    v_hbm,  # [K, num_blocks, block_size, Dp] (HBM): V pool (quantized: its values)
+    *refs,
+    # quantized pools only: ks_hbm, vs_hbm [num_blocks, K, block_size] f32 (HBM): the K and
+    # V scales, block-major (a page's scales are one whole [K, block_size] array); then
     # outputs
-    out_ref,  # [K, R, Dp] f32
+    # out_ref [K, R, Dp] f32
     # scratch
-    k_buf,  # [2, P, K, block_size, Dp] (VMEM): double buffer of K pages
-    v_buf,  # [2, P, K, block_size, Dp] (VMEM): double buffer of V pages
-    k_sems,  # [2] DMA semaphores, one per K buffer slot
-    v_sems,  # [2] DMA semaphores, one per V buffer slot
-    max_ref,  # [K, R, 128] f32: running max of the scores, replicated over lanes
-    sum_ref,  # [K, R, 128] f32: running sum of exp(score - max), replicated over lanes
-    acc_ref,  # [K, R, Dp] f32: running unnormalized output
-    state_ref,  # [2] int32 (SMEM): [slot of the next compute block, its copy already started]
-    *,
+    # k_buf [2, P, K, block_size, Dp] (VMEM): double buffer of K pages
+    # v_buf [2, P, K, block_size, Dp] (VMEM): double buffer of V pages
+    # k_sems [2] DMA semaphores, one per K buffer slot
+    # v_sems [2] DMA semaphores, one per V buffer slot
+    # max_ref [K, R, 128] f32: running max of the scores, replicated over lanes
+    # sum_ref [K, R, 128] f32: running sum of exp(score - max), replicated over lanes
+    # acc_ref [K, R, Dp] f32: running unnormalized output
+    # state_ref [2] int32 (SMEM): [slot of the next compute block, its copy already started]
+    # quantized pools only: ks_buf, vs_buf [2, P, K, block_size] f32 (VMEM), double
+    # buffers of the pages' scales, and ks_sems, vs_sems [2], their DMA semaphores
     scale: float,
     num_chunks: int,
     tiles_per_chunk: int,
@@ -91,7 +106,13 @@ def _ragged_kernel(
     pages_per_compute_block: int,
     sliding_window: int | None,
     soft_cap: float | None,
+    quantized_pools: bool = False,
 ):
+    if quantized_pools:
+        ks_hbm, vs_hbm, *refs = refs
+        *refs, ks_buf, vs_buf, ks_sems, vs_sems = refs
+    (out_ref, k_buf, v_buf, k_sems, v_sems, max_ref, sum_ref, acc_ref,
+     state_ref) = refs
     num_kv_heads, _, head_dim = q_ref.shape
     block_size = k_hbm.shape[2]
     tokens = pages_per_compute_block * block_size
@@ -105,7 +126,8 @@ def _ragged_kernel(
     num_compute_blocks = pl.cdiv(kv_len - first_key, tokens)  # 0 for empty tiles
 
     def page_copies(copy_tile, block, slot):
-        """(valid, K copy, V copy) for each page of compute block `block` of `copy_tile`."""
+        """(valid, copies: K, V[, K scales, V scales]) for each page of compute block
+        `block` of `copy_tile`."""
         copy_seq = tile_seq_ref[copy_tile]
         copies = []
         for p in range(pages_per_compute_block):
@@ -114,16 +136,23 @@ def _ragged_kernel(
             valid = page * block_size < tile_kv_len_ref[copy_tile]  # pages past it: no copy
             k_copy = pltpu.make_async_copy(k_hbm.at[:, page_id], k_buf.at[slot, p], k_sems.at[slot])
             v_copy = pltpu.make_async_copy(v_hbm.at[:, page_id], v_buf.at[slot, p], v_sems.at[slot])
-            copies.append((valid, k_copy, v_copy))
+            this_page = [k_copy, v_copy]
+            if quantized_pools:
+                this_page += [
+                    pltpu.make_async_copy(ks_hbm.at[page_id], ks_buf.at[slot, p],
+                                          ks_sems.at[slot]),
+                    pltpu.make_async_copy(vs_hbm.at[page_id], vs_buf.at[slot, p],
+                                          vs_sems.at[slot])]
+            copies.append((valid, this_page))
         return copies
 
     def start(copy_tile, block, slot):
-        for valid, k_copy, v_copy in page_copies(copy_tile, block, slot):
-            pl.when(valid)(functools.partial(_start_both, k_copy, v_copy))
+        for valid, copies in page_copies(copy_tile, block, slot):
+            pl.when(valid)(functools.partial(_start_all, copies))
 
     def wait(copy_tile, block, slot):
-        for valid, k_copy, v_copy in page_copies(copy_tile, block, slot):
-            pl.when(valid)(functools.partial(_wait_both, k_copy, v_copy))
+        for valid, copies in page_copies(copy_tile, block, slot):
+            pl.when(valid)(functools.partial(_wait_all, copies))
 
     @pl.when(step == 0)
     def _reset_pipeline():
@@ -132,8 +161,12 @@ def _ragged_kernel(
 
     def head_step(h, slot, mask, value_mask):
         q = q_ref[h]  # [R, Dp]
-        k = _rows(k_buf[slot, :, h])  # [P, B, Dp] -> [T, Dp]
-        v = _rows(v_buf[slot, :, h])  # [P, B, Dp] -> [T, Dp]
+        if quantized_pools:  # dequantized as loaded; the float32 math below is unchanged
+            k = _dequantized_rows(k_buf, ks_buf, slot, h)  # [T, Dp] f32
+            v = _dequantized_rows(v_buf, vs_buf, slot, h)  # [T, Dp] f32
+        else:
+            k = _rows(k_buf[slot, :, h])  # [P, B, Dp] -> [T, Dp]
+            v = _rows(v_buf[slot, :, h])  # [P, B, Dp] -> [T, Dp]
         # [R, Dp] x [T, Dp] -> [R, T]; bf16 products are exact in f32, f32 needs HIGHEST
         scores = jax.lax.dot_general(
             q, k, (((1,), (1,)), ((), ())), precision=precision,
@@ -234,14 +267,37 @@ def _rows(pages):
     return rows.astype(pages.dtype)
 
 
-def _start_both(k_copy, v_copy) -> None:
-    k_copy.start()
-    v_copy.start()
+def _dequantized_rows(values_buf, scales_buf, slot, h):
+    """Head h's pages of buffer slot `slot`, dequantized: [P, B, Dp] 8-bit values times
+    [P, B] scales -> [T, Dp] f32 rows, `float32(values) * scale` per element exactly as
+    `quantized.dequantize`.
+
+    A page's scales arrive as a row (tokens on lanes) and must multiply its rows (tokens on
+    sublanes): the row is broadcast over B sublanes, its diagonal selected and summed over
+    lanes into a [B, 1] column (a transpose from selects and a lane reduction, exact: the
+    sum adds zeros to the one selected scale; a NaN scale of an unowned slot stays in its
+    own row, which the kernel masks by position). B is a multiple of 32, so every page is
+    whole 8-bit tiles and the pages join along sublanes without relayout.
+    """
+    _, num_pages, _, block_size, _ = values_buf.shape
+    diagonal = (jax.lax.broadcasted_iota(jnp.int32, (block_size, block_size), 0)
+                == jax.lax.broadcasted_iota(jnp.int32, (block_size, block_size), 1))
+    pages = []
+    for p in range(num_pages):
+        scale_row = scales_buf[slot, p, pl.ds(h, 1), :]  # [1, B]
+        scale_col = jnp.sum(jnp.where(diagonal, scale_row, 0.0), axis=1, keepdims=True)
+        pages.append(values_buf[slot, p, h].astype(jnp.float32) * scale_col)  # [B, Dp]
+    return jnp.concatenate(pages, axis=0) if num_pages > 1 else pages[0]
 
 
-def _wait_both(k_copy, v_copy) -> None:
-    k_copy.wait()
-    v_copy.wait()
+def _start_all(copies) -> None:
+    for copy in copies:
+        copy.start()
+
+
+def _wait_all(copies) -> None:
+    for copy in copies:
+        copy.wait()
 
 
 def interpret_params():
@@ -269,9 +325,18 @@ def attend_tiles(tile_seq, tile_kv_len, block_tables, row_pos, q_tiles, k_pool, 
     up to 128 lanes, lanes past the queries' zero), N a multiple of num_chunks ->
     [N, K, R, Dp] f32 attention outputs. A pool whose head dim is not Dp is padded here
     (a copy; pools allocated at 128 lanes avoid it). With a `sliding_window`, a tile copies
-    pages from the one of its earliest query's first key on (`ragged_tiles.first_pages`)."""
+    pages from the one of its earliest query's first key on (`ragged_tiles.first_pages`).
+    Quantized pools (`quantized.QuantizedPool`) are read as their dequantization, page by
+    page inside the kernel; q_tiles must then be f32. Their scales are handed to the kernel
+    block-major ([num_blocks, K, B], a transposed copy of 4 bytes per head and token) so
+    that a page's scales are one whole array to copy."""
     num_tiles, num_kv_heads, rows, head_dim = q_tiles.shape
     block_size, pool_dim = k_pool.shape[2:]
+    quantized_pools = quantized.is_quantized(k_pool)
+    scales = ()
+    if quantized_pools:
+        scales = (jnp.swapaxes(k_pool.scales, 0, 1), jnp.swapaxes(v_pool.scales, 0, 1))
+        k_pool, v_pool = k_pool.values, v_pool.values
     if pool_dim != head_dim:
         pad = ((0, 0), (0, 0), (0, 0), (0, head_dim - pool_dim))
         k_pool, v_pool = jnp.pad(k_pool, pad), jnp.pad(v_pool, pad)
@@ -288,17 +353,23 @@ def attend_tiles(tile_seq, tile_kv_len, block_tables, row_pos, q_tiles, k_pool, 
         pool_dtype=k_pool.dtype, table_width=table_width,
         pages_per_compute_block=pages_per_compute_block, sliding_window=sliding_window,
         soft_cap=soft_cap, interpret=interpret_params() if interpret is True else interpret,
-        name=name)
+        name=name, quantized_pools=quantized_pools)
     return call(tile_seq, tile_kv_len, first_pages, tables.reshape(-1), row_pos, q_tiles,
-                k_pool, v_pool)
+                k_pool, v_pool, *scales)
 
 
 def check_tiling(block_size: int, pages_per_compute_block: int | None,
-                 batch_chunks: int) -> int:
+                 batch_chunks: int, pool=None) -> int:
     """The pages per compute block (default: 128 tokens' worth), after checking the
-    wrapper arguments that shape the kernel's tiles."""
+    wrapper arguments that shape the kernel's tiles (and, given the K pool, that a
+    quantized pool's pages are whole 8-bit tiles)."""
     if block_size % SUBLANES:
         raise ValueError(f"block_size {block_size} must be a multiple of {SUBLANES}")
+    if quantized.is_quantized(pool) and block_size % QUANTIZED_SUBLANES:
+        raise ValueError(
+            f"block_size {block_size} of a {pool.dtype} quantized pool must be a multiple of "
+            f"{QUANTIZED_SUBLANES} on TPU: Mosaic tiles 8-bit arrays in ({QUANTIZED_SUBLANES},"
+            f" {LANES}) tiles, and the kernel copies and reads each page as whole tiles")
     if pages_per_compute_block is None:
         pages_per_compute_block = max(1, -(-DEFAULT_TOKENS_PER_COMPUTE_BLOCK // block_size))
     if pages_per_compute_block < 1 or (pages_per_compute_block * block_size) % LANES:
@@ -336,6 +407,7 @@ def _build_call(
     soft_cap: float | None,
     interpret,
     name: str,
+    quantized_pools: bool = False,
 ):
     """The pallas_call over grid (chunk, tile within the chunk): (tile sequences [N], tile
     key counts [N], tile first pages [N], flattened block tables [S * W] (scalar prefetch),
@@ -347,17 +419,22 @@ def _build_call(
     kernel = functools.partial(
         _ragged_kernel, scale=scale, num_chunks=num_chunks, tiles_per_chunk=tiles_per_chunk,
         table_width=table_width, pages_per_compute_block=pages_per_compute_block,
-        sliding_window=sliding_window, soft_cap=soft_cap)
+        sliding_window=sliding_window, soft_cap=soft_cap, quantized_pools=quantized_pools)
     num_tiles = num_chunks * tiles_per_chunk
     itemsize = jnp.dtype(pool_dtype).itemsize
+    q_itemsize = 4 if quantized_pools else itemsize  # quantized pools: f32 queries
     buffer_shape = (2, pages_per_compute_block, num_kv_heads, block_size, head_dim)
     tile_shape = (num_kv_heads, rows, head_dim)
     vmem_bytes = (
         2 * itemsize * math.prod(buffer_shape)  # K and V page buffers
-        + 2 * (itemsize + 4) * math.prod(tile_shape)  # q and out tiles, double-buffered
+        + 2 * (q_itemsize + 4) * math.prod(tile_shape)  # q and out tiles, double-buffered
         + 4 * math.prod(tile_shape)  # accumulator
         + 4 * 2 * num_kv_heads * rows * LANES  # running max and sum
         + 2 * 4 * rows * LANES)  # row positions, double-buffered
+    scales_shape = (2, pages_per_compute_block, num_kv_heads, block_size)
+    if quantized_pools:  # K and V scale buffers, (K, B) padded to (8, 128) tiles
+        vmem_bytes += 2 * 4 * 2 * pages_per_compute_block * round_up(num_kv_heads, SUBLANES) * (
+            round_up(block_size, LANES))
     # default scoped VMEM is 16 MiB (v5e) to 32 MiB: raise it only for very large tiles
     vmem_limit = None if vmem_bytes < 8 * 2**20 else vmem_bytes + 16 * 2**20
 
@@ -380,6 +457,8 @@ def _build_call(
             pl.BlockSpec(memory_space=pl.ANY),
             # v_pool [K, num_blocks, B, Dp]: likewise
             pl.BlockSpec(memory_space=pl.ANY),
+            # quantized pools: K and V scales [num_blocks, K, B], copied page by page
+            *[pl.BlockSpec(memory_space=pl.ANY)] * (2 if quantized_pools else 0),
         ],
         # out [N, K, R, Dp] f32: one tile's outputs per step
         out_specs=pl.BlockSpec((None, num_kv_heads, rows, head_dim), tile_block),
@@ -392,6 +471,11 @@ def _build_call(
             pltpu.VMEM((num_kv_heads, rows, LANES), jnp.float32),  # running sum
             pltpu.VMEM(tile_shape, jnp.float32),  # accumulator
             pltpu.SMEM((2,), jnp.int32),  # pipeline state
+            *([pltpu.VMEM(scales_shape, jnp.float32),  # K scales of the pages, two slots
+               pltpu.VMEM(scales_shape, jnp.float32),  # V scales
+               pltpu.SemaphoreType.DMA((2,)),  # K scale copies, per slot
+               pltpu.SemaphoreType.DMA((2,))]  # V scale copies, per slot
+              if quantized_pools else []),
         ],
     )
     return pl.pallas_call(
@@ -432,7 +516,10 @@ def ragged_paged_attention_tpu(
         reads KV head h // (num_heads // num_kv_heads).
       k_pool, v_pool: [num_kv_heads, num_blocks, block_size, Dp], q's dtype, Dp >= D;
         lanes past D must be zero in owned slots. This step's K/V must already be written.
-        Slots that no sequence owns may hold anything, NaN included.
+        Or both `quantized.QuantizedPool`s of one format: read as their dequantization,
+        each page dequantized in the kernel as it is copied in, q attended in float32;
+        block_size must then be a multiple of 32 (8-bit tiles). Slots that no sequence
+        owns may hold anything, NaN included (a NaN scale too).
       block_tables: [S, max_blocks_per_seq] int32 block ids in [0, num_blocks); entries
         past a sequence's length are never read. The whole table is scalar-prefetched into
         SMEM, so S * max_blocks_per_seq must fit there.
@@ -463,10 +550,13 @@ def ragged_paged_attention_tpu(
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, _, block_size, pool_dim = k_pool.shape
     num_seqs = block_tables.shape[0]
-    pages_per_compute_block = check_tiling(block_size, pages_per_compute_block, batch_chunks)
+    pages_per_compute_block = check_tiling(block_size, pages_per_compute_block, batch_chunks,
+                                           k_pool)
     scale = head_dim**-0.5 if scale is None else scale
     group = num_heads // num_kv_heads
-    sublanes = SUBLANES * (4 // q.dtype.itemsize)  # 8 f32, 16 bf16
+    # quantized pools are read in float32 (their dequantization), whatever q's dtype
+    q_attend = q.astype(jnp.float32) if quantized.is_quantized(k_pool) else q
+    sublanes = SUBLANES * (4 // q_attend.dtype.itemsize)  # 8 f32, 16 bf16
     layout = ragged_tiles.tile_layout(
         num_tokens, num_seqs, group, max_query_len, decode_rows=sublanes,
         prefill_rows=PREFILL_ROWS, round_rows=lambda n: round_up(n, sublanes))
@@ -475,7 +565,7 @@ def ragged_paged_attention_tpu(
     layout = dataclasses.replace(layout, num_tiles=round_up(layout.num_tiles, num_chunks))
     tiles = ragged_tiles.make_tiles(layout, seq_lens, query_start_loc, num_tokens)
 
-    q_tiles = ragged_tiles.gather_queries(q, tiles, layout, pool_head_dim(pool_dim))
+    q_tiles = ragged_tiles.gather_queries(q_attend, tiles, layout, pool_head_dim(pool_dim))
     out = attend_tiles(
         tiles.tile_seq, tiles.tile_kv_len, block_tables, tiles.row_pos, q_tiles, k_pool,
         v_pool, scale=scale, num_chunks=num_chunks,

@@ -20,10 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_quantized_kv import assert_exact_and_near_oracle, quantized_batch
 
-from pallas_kernels import paged_decode_gpu
+from pallas_kernels import paged_decode_gpu, quantized
 from pallas_kernels.paged_decode_gpu import paged_decode_attention_gpu
 from pallas_kernels.paged_decode_tpu import paged_decode_attention_tpu
+from pallas_kernels.ragged_paged_gpu import pool_head_dim as gpu_pool_head_dim
+from pallas_kernels.ragged_paged_tpu import pool_head_dim as tpu_pool_head_dim
 from pallas_kernels.reference import paged_attention_reference
 
 pytestmark = [
@@ -246,16 +249,18 @@ def abstract_gpu_context(device_kind="NVIDIA H200"):
 TRITON_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call_ffi")
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_gpu_kernel_lowers_for_cuda(dtype):
-    targets = set(TRITON_TARGETS) | {getattr(paged_decode_gpu.pltriton, "CUSTOM_CALL_TARGET_NAME",
-                                             TRITON_TARGETS[0])}
-    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in sorted(targets)]
+TRITON_CALL_TARGETS = set(TRITON_TARGETS) | {
+    getattr(paged_decode_gpu.pltriton, "CUSTOM_CALL_TARGET_NAME", TRITON_TARGETS[0])}
+
+
+def export_for_cuda(fn, *args):
+    """jax.export of a Pallas Triton kernel for CUDA on this CPU machine: the module, after
+    checking that it calls a Triton kernel (skips where lowering needs the CUDA plugin)."""
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in sorted(TRITON_CALL_TARGETS)]
     try:
         with abstract_gpu_context():
             exported = jax.export.export(
-                jax.jit(paged_decode_attention_gpu), platforms=["cuda"],
-                disabled_checks=checks)(*production_shapes(dtype))
+                jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
     except RuntimeError as error:
         if "does not have a Triton compilation handler" in str(error):
             # jaxlib > 0.10.2 with the new custom call compiles Triton IR to PTX during
@@ -264,13 +269,19 @@ def test_gpu_kernel_lowers_for_cuda(dtype):
             pytest.skip("Triton->PTX compilation handler is registered by the CUDA plugin, "
                         f"absent on this CPU machine: {error}")
         raise
+    assert exported.platforms == ("cuda",)
     module = exported.mlir_module()
     called = set(re.findall(r"custom_call @([\w$.]+)", module))
-    assert called & targets, called
+    assert called & TRITON_CALL_TARGETS, called
+    return module
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_gpu_kernel_lowers_for_cuda(dtype):
+    module = export_for_cuda(paged_decode_attention_gpu, *production_shapes(dtype))
     grid = dict(re.findall(r"grid_([xyz]) = (\d+)", module))
     if grid:  # IR path: (sequence, KV head, split) = (8, 8, splits)
         assert grid["x"] == "8" and grid["y"] == "8"
-    assert exported.platforms == ("cuda",)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -282,3 +293,143 @@ def test_tpu_kernel_lowers_for_tpu(dtype):
     module = exported.mlir_module()
     assert "custom_call @tpu_custom_call" in module
     assert exported.platforms == ("tpu",)
+
+
+# --- quantized pools (pallas_kernels/quantized.py) -----------------------------------------
+
+QUANTIZED_FORMATS = list(quantized.FORMATS)
+# (query heads per KV head, KV heads, head_dim, block_size, longest cached context)
+QUANTIZED_CASES = {
+    # SmolLM2-135M's heads (head_dim 64: the TPU wrapper pads it to 128 lanes), contexts
+    # over several compute blocks
+    "gqa3_d64_b32": (3, 3, 64, 32, 300),
+    # head_dim 80, padded inside both wrappers (128 lanes; a power of 2)
+    "mha_d80_b32": (1, 2, 80, 32, 40),
+    # 16-token blocks: GPU only (the TPU kernel wants 8-bit pages of whole (32, 128) tiles)
+    "gqa4_d64_b16": (4, 2, 64, 16, 60),
+}
+
+
+def decode_quantized_batch(seed, fmt, group, num_kv_heads, head_dim, block_size, max_cached):
+    """`quantized_batch` (NaN scales in unowned slots) cut to decode: each sequence's last
+    query. Returns (decode args with QuantizedPools, with their float32 dequantization,
+    the ragged args of those queries for the oracle, keys, values)."""
+    args_q, args_f, keys, values = quantized_batch(
+        np.random.default_rng(seed), fmt, num_heads=group * num_kv_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+        max_cached=max_cached)
+    q, _, _, tables, seq_lens, qsl = args_q
+    q_last = q[qsl[1:] - 1]  # every sequence has >= 1 query; its last is at seq_len - 1
+    oracle_args = (q_last, None, None, tables, seq_lens,
+                   np.arange(len(seq_lens) + 1, dtype=np.int32))
+    return ((q_last, *args_q[1:5]), (q_last, *args_f[1:5]), oracle_args, keys, values)
+
+
+# every kernel and case but the TPU kernel on 16-token blocks (test_tpu_quantized_block_rule)
+QUANTIZED_KERNEL_CASES = [(kernel, case) for kernel in sorted(KERNELS)
+                          for case in sorted(QUANTIZED_CASES)
+                          if kernel == "gpu" or QUANTIZED_CASES[case][3] % 32 == 0]
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED_FORMATS)
+@pytest.mark.parametrize("kernel,case", QUANTIZED_KERNEL_CASES)
+def test_quantized_pools_read_as_their_dequantization(kernel, case, fmt):
+    """On QuantizedPools a kernel's output is, bit for bit, its output on the float32 pools
+    they dequantize to (the tiles are dequantized as loaded, the math after is the same),
+    NaN scales in unowned slots never reach it, and both are within float32 rounding of a
+    float64 oracle."""
+    group, num_kv_heads, head_dim, block_size, max_cached = QUANTIZED_CASES[case]
+    args_q, args_f, oracle_args, keys, values = decode_quantized_batch(
+        group + block_size, fmt, group, num_kv_heads, head_dim, block_size, max_cached)
+    out_q = KERNELS[kernel](*args_q)
+    out_f = KERNELS[kernel](*args_f)
+    assert_exact_and_near_oracle(out_q, out_f, oracle_args, keys, values, head_dim**-0.5)
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_quantized_pools_with_window_and_soft_cap(kernel):
+    """Sliding window and soft cap on int8 pools: bitwise the float32 pools' output, and
+    near the jnp reference reading the quantized pools."""
+    args_q, args_f, oracle_args, _, _ = decode_quantized_batch(11, "int8", 3, 3, 64, 32, 300)
+    options = dict(sliding_window=37, soft_cap=4.0)
+    out_q = np.asarray(KERNELS[kernel](*args_q, **options))
+    out_f = np.asarray(KERNELS[kernel](*args_f, **options))
+    assert np.isfinite(out_q).all()
+    np.testing.assert_array_equal(out_q, out_f)
+    expected = paged_attention_reference(
+        oracle_args[0], *args_q[1:], oracle_args[5], max_query_len=1, **options)
+    np.testing.assert_allclose(out_q, np.asarray(expected), atol=2e-5, rtol=0)
+
+
+def test_tpu_quantized_block_rule():
+    """8-bit pools on TPU: block_size must be a multiple of 32 (Mosaic's (32, 128) tile)."""
+    args_q, _, _, _, _ = decode_quantized_batch(0, "int8", 1, 2, 64, 16, 40)
+    with pytest.raises(ValueError, match=r"block_size 16 .*int8.*multiple of 32"):
+        paged_decode_attention_tpu(*args_q, interpret=True)
+
+
+def test_quantized_pools_raise_on_mixed_pools():
+    args_q, args_f, _, _, _ = decode_quantized_batch(0, "int8", 1, 2, 64, 32, 40)
+    q, k_pool, v_pool, tables, lens = args_q
+    with pytest.raises(ValueError, match="both"):
+        KERNELS["gpu"](q, k_pool, jnp.asarray(args_f[2]), tables, lens)
+    other = quantized.QuantizedPool(v_pool.values.astype(jnp.float8_e4m3fn), v_pool.scales)
+    with pytest.raises(ValueError, match="dtypes"):
+        KERNELS["tpu"](q, k_pool, other, tables, lens)
+
+
+# SmolLM2-135M decode: 9 query / 3 KV heads, head_dim 64, 16 sequences of up to 64 blocks
+SMOLLM2 = dict(num_seqs=16, num_heads=9, num_kv_heads=3, head_dim=64, blocks_per_seq=64)
+
+
+def smollm2_quantized_shapes(fmt, block_size, pool_dim):
+    """Abstract decode arguments at SmolLM2-135M shapes: bf16 queries at the pool's head
+    dim (the engine pads q to it) over QuantizedPools of `fmt`."""
+    p = SMOLLM2
+    num_blocks = p["num_seqs"] * p["blocks_per_seq"] + 1
+    shape = (p["num_kv_heads"], num_blocks, block_size, pool_dim)
+    pool = quantized.QuantizedPool(jax.ShapeDtypeStruct(shape, jnp.dtype(fmt)),
+                                   jax.ShapeDtypeStruct(shape[:-1], jnp.float32))
+    return (jax.ShapeDtypeStruct((p["num_seqs"], p["num_heads"], pool_dim), jnp.bfloat16),
+            pool, pool,
+            jax.ShapeDtypeStruct((p["num_seqs"], p["blocks_per_seq"]), jnp.int32),
+            jax.ShapeDtypeStruct((p["num_seqs"],), jnp.int32))
+
+
+def mlir_type(fmt) -> str:
+    return {"int8": "i8", "float8_e4m3fn": "f8E4M3FN", "float8_e5m2": "f8E5M2"}[fmt]
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn"])
+def test_gpu_kernel_lowers_for_cuda_on_quantized_pools(fmt, block_size):
+    """Values (8-bit) and scales go to the Triton call as they are: no dequantized pool."""
+    pool_dim = gpu_pool_head_dim(SMOLLM2["head_dim"])
+    args = smollm2_quantized_shapes(fmt, block_size, pool_dim)
+    module = export_for_cuda(paged_decode_attention_gpu, *args)
+    values_type = "x".join(map(str, args[1].values.shape)) + "x" + mlir_type(fmt)
+    assert f"tensor<{values_type}>" in module
+    assert f"{values_type.rsplit('x', 1)[0]}xf32" not in module  # no float32 pool
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn"])
+def test_tpu_kernel_lowers_for_tpu_on_quantized_pools(fmt, block_size):
+    """32-token blocks lower to one tpu_custom_call taking the 8-bit values as they are (and
+    the scales block-major); 16-token blocks are refused by the block-size rule."""
+    pool_dim = tpu_pool_head_dim(SMOLLM2["head_dim"])
+    args = smollm2_quantized_shapes(fmt, block_size, pool_dim)
+    export = jax.export.export(jax.jit(paged_decode_attention_tpu), platforms=["tpu"])
+    if block_size % 32:
+        with pytest.raises(ValueError, match=f"block_size {block_size} .*multiple of 32"):
+            export(*args)
+        return
+    exported = export(*args)
+    assert exported.platforms == ("tpu",)
+    calls = [line for line in exported.mlir_module().splitlines()
+             if "custom_call @tpu_custom_call" in line]
+    assert len(calls) == 1
+    values_type = "x".join(map(str, args[1].values.shape)) + "x" + mlir_type(fmt)
+    assert calls[0].count(f"tensor<{values_type}>") == 2  # K and V values, as they came
+    k, n, b = args[1].scales.shape
+    assert calls[0].count(f"tensor<{n}x{k}x{b}xf32>") == 2  # K and V scales, block-major

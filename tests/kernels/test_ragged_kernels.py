@@ -21,10 +21,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_paged_decode_kernels import (
+    QUANTIZED_FORMATS,
+    export_for_cuda,
+    mlir_type,
+)
+from test_quantized_kv import assert_exact_and_near_oracle, quantized_batch
 
-from pallas_kernels import ragged_paged_gpu
+from pallas_kernels import quantized, ragged_paged_gpu
+from pallas_kernels.ragged_paged_gpu import pool_head_dim as gpu_pool_head_dim
 from pallas_kernels.ragged_paged_gpu import ragged_paged_attention_gpu
 from pallas_kernels.ragged_paged_tpu import MAX_UNROLLED_HEADS, ragged_paged_attention_tpu
+from pallas_kernels.ragged_paged_tpu import pool_head_dim as tpu_pool_head_dim
 from pallas_kernels.reference import paged_attention_reference
 
 pytestmark = [
@@ -153,13 +161,13 @@ def dense_oracle(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, sca
 
 
 def jnp_reference(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *,
-                  max_query_len, scale=None):
+                  max_query_len, scale=None, **options):
     """`paged_attention_reference`, which wants the pool's head dim to be q's: lanes past
     q's are zero, so cutting them off changes nothing."""
     head_dim = q.shape[2]
     return paged_attention_reference(q, k_pool[..., :head_dim], v_pool[..., :head_dim],
                                      block_tables, seq_lens, query_start_loc,
-                                     max_query_len=max_query_len, scale=scale)
+                                     max_query_len=max_query_len, scale=scale, **options)
 
 
 def assert_matches(out, inputs, max_query_len, dtype, scale=None):
@@ -354,3 +362,153 @@ def test_tpu_kernel_lowers_for_tpu(name):
     assert any("stablehlo.transpose" in line for line in ops)  # the parse sees the q tiles'
     for line in ops:
         assert max(tensor_sizes(line), default=0) < pool_size, line[:300]
+
+
+# --- quantized pools (pallas_kernels/quantized.py) -----------------------------------------
+
+# (query heads per KV head, KV heads, (q head_dim, pool head_dim), block_size, longest
+# cached context, longest chunk): prefill chunks and decode tokens in every batch
+QUANTIZED_CASES = {
+    # SmolLM2-135M's heads, head_dim 64 in a pool allocated at 128 lanes (zeros past 64),
+    # contexts over several compute blocks
+    "gqa3_64in128_b32": (3, 3, (64, 128), 32, 300, 40),
+    # head_dim 80 in an 80-wide pool, padded inside both wrappers
+    "mha_80_b32": (1, 2, (80, 80), 32, 40, 20),
+    # 16-token blocks: GPU only (the TPU kernel wants 8-bit pages of whole (32, 128) tiles)
+    "gqa4_64_b16": (4, 2, (64, 64), 16, 60, 20),
+}
+QUANTIZED_KERNEL_CASES = [(kernel, case) for kernel in sorted(KERNELS)
+                          for case in sorted(QUANTIZED_CASES)
+                          if kernel == "gpu" or QUANTIZED_CASES[case][3] % 32 == 0]
+
+
+def widen_pool(pool, pool_dim):
+    """A pool zero-padded to `pool_dim` lanes, as the engine allocates them (a QuantizedPool
+    pads its values: zeros dequantize to zeros; its scales have no head dim)."""
+    pad = ((0, 0), (0, 0), (0, 0), (0, pool_dim - pool.shape[3]))
+    if quantized.is_quantized(pool):
+        return quantized.QuantizedPool(jnp.pad(pool.values, pad), pool.scales)
+    return np.pad(pool, pad)
+
+
+def ragged_quantized_batch(seed, fmt, case):
+    """`quantized_batch` (NaN scales in unowned slots) for a QUANTIZED_CASES row, its pools
+    widened to the row's pool head dim. Returns (args with QuantizedPools, args with their
+    float32 dequantization, max_query_len, keys, values). The first seed from `seed` on
+    whose batch holds both prefill chunks and decode tokens."""
+    group, num_kv_heads, (head_dim, pool_dim), block_size, max_cached, max_new = case
+    for batch_seed in itertools.count(seed):
+        args_q, args_f, keys, values = quantized_batch(
+            np.random.default_rng(batch_seed), fmt, num_heads=group * num_kv_heads,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+            max_cached=max_cached, max_new=max_new, num_seqs=5)
+        query_lens = np.diff(args_q[5])
+        if query_lens.max() > 1 and query_lens.min() == 1:
+            break
+    args_q, args_f = ((a[0], widen_pool(a[1], pool_dim), widen_pool(a[2], pool_dim), *a[3:])
+                      for a in (args_q, args_f))
+    return args_q, args_f, int(np.diff(args_q[5]).max()), keys, values
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED_FORMATS)
+@pytest.mark.parametrize("kernel,case", QUANTIZED_KERNEL_CASES)
+def test_quantized_pools_read_as_their_dequantization(kernel, case, fmt):
+    """On QuantizedPools a kernel's output is, bit for bit, its output on the float32 pools
+    they dequantize to (tiles dequantized as loaded, the same math after), NaN scales in
+    unowned slots never reach it, and both are within float32 rounding of a float64 oracle."""
+    args_q, args_f, max_query_len, keys, values = ragged_quantized_batch(
+        len(case) + len(fmt), fmt, QUANTIZED_CASES[case])
+    out_q = KERNELS[kernel](*args_q, max_query_len=max_query_len)
+    out_f = KERNELS[kernel](*args_f, max_query_len=max_query_len)
+    assert_exact_and_near_oracle(out_q, out_f, args_q, keys, values,
+                                 QUANTIZED_CASES[case][2][0]**-0.5)
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_quantized_pools_with_window_and_soft_cap(kernel):
+    """Sliding window and soft cap on float8_e4m3fn pools: bitwise the float32 pools'
+    output, and near the jnp reference on them."""
+    args_q, args_f, max_query_len, _, _ = ragged_quantized_batch(
+        12, "float8_e4m3fn", QUANTIZED_CASES["gqa3_64in128_b32"])
+    options = dict(max_query_len=max_query_len, sliding_window=37, soft_cap=4.0)
+    out_q = np.asarray(KERNELS[kernel](*args_q, **options))
+    out_f = np.asarray(KERNELS[kernel](*args_f, **options))
+    assert np.isfinite(out_q).all()
+    np.testing.assert_array_equal(out_q, out_f)
+    expected = jnp_reference(*args_f, **options)
+    np.testing.assert_allclose(out_q, np.asarray(expected), atol=2e-5, rtol=0)
+
+
+def test_tpu_many_kv_heads_loop_on_quantized_pools():
+    """More KV heads than the TPU kernel unrolls: the heads loop, dequantizing the head of
+    a traced index."""
+    case = (1, MAX_UNROLLED_HEADS + 1, (64, 128), 32, 40, 20)
+    args_q, args_f, max_query_len, keys, values = ragged_quantized_batch(3, "int8", case)
+    out_q = ragged_paged_attention_tpu(*args_q, max_query_len=max_query_len, interpret=True)
+    out_f = ragged_paged_attention_tpu(*args_f, max_query_len=max_query_len, interpret=True)
+    assert_exact_and_near_oracle(out_q, out_f, args_q, keys, values, 64**-0.5)
+
+
+def test_tpu_quantized_block_rule():
+    """8-bit pools on TPU: block_size must be a multiple of 32 (Mosaic's (32, 128) tile)."""
+    args_q, _, max_query_len, _, _ = ragged_quantized_batch(
+        0, "float8_e5m2", QUANTIZED_CASES["gqa4_64_b16"])
+    with pytest.raises(ValueError, match=r"block_size 16 .*float8_e5m2.*multiple of 32"):
+        ragged_paged_attention_tpu(*args_q, max_query_len=max_query_len, interpret=True)
+
+
+# SmolLM2-135M, a mixed step: 9 query / 3 KV heads, head_dim 64, 256 tokens of 16 sequences
+SMOLLM2_MIXED = dict(num_tokens=256, max_query_len=256, num_seqs=16, num_heads=9,
+                     num_kv_heads=3, head_dim=64, blocks_per_seq=64)
+
+
+def smollm2_quantized_shapes(fmt, block_size, pool_dim):
+    """Abstract arguments of a SmolLM2-135M mixed step: bf16 queries over QuantizedPools of
+    `fmt` allocated at `pool_dim` lanes."""
+    p = SMOLLM2_MIXED
+    num_blocks = p["num_seqs"] * p["blocks_per_seq"] + 1
+    shape = (p["num_kv_heads"], num_blocks, block_size, pool_dim)
+    pool = quantized.QuantizedPool(jax.ShapeDtypeStruct(shape, jnp.dtype(fmt)),
+                                   jax.ShapeDtypeStruct(shape[:-1], jnp.float32))
+    i32 = jnp.int32
+    return (jax.ShapeDtypeStruct((p["num_tokens"], p["num_heads"], p["head_dim"]), jnp.bfloat16),
+            pool, pool, jax.ShapeDtypeStruct((p["num_seqs"], p["blocks_per_seq"]), i32),
+            jax.ShapeDtypeStruct((p["num_seqs"],), i32),
+            jax.ShapeDtypeStruct((p["num_seqs"] + 1,), i32))
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn"])
+def test_gpu_kernel_lowers_for_cuda_on_quantized_pools(fmt, block_size):
+    """Values (8-bit) and scales go to the Triton call as they are: no dequantized pool."""
+    args = smollm2_quantized_shapes(fmt, block_size, gpu_pool_head_dim(64))
+    kernel = functools.partial(ragged_paged_attention_gpu,
+                               max_query_len=SMOLLM2_MIXED["max_query_len"])
+    module = export_for_cuda(kernel, *args)
+    values_type = "x".join(map(str, args[1].values.shape)) + "x" + mlir_type(fmt)
+    assert f"tensor<{values_type}>" in module
+    assert f"{values_type.rsplit('x', 1)[0]}xf32" not in module  # no float32 pool
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn"])
+def test_tpu_kernel_lowers_for_tpu_on_quantized_pools(fmt, block_size):
+    """32-token blocks lower to one tpu_custom_call taking the 8-bit values as they are (and
+    the scales block-major); 16-token blocks are refused by the block-size rule."""
+    args = smollm2_quantized_shapes(fmt, block_size, tpu_pool_head_dim(64))
+    kernel = functools.partial(ragged_paged_attention_tpu,
+                               max_query_len=SMOLLM2_MIXED["max_query_len"])
+    export = jax.export.export(jax.jit(kernel), platforms=["tpu"])
+    if block_size % 32:
+        with pytest.raises(ValueError, match=f"block_size {block_size} .*multiple of 32"):
+            export(*args)
+        return
+    exported = export(*args)
+    assert exported.platforms == ("tpu",)
+    calls = [line for line in exported.mlir_module().splitlines()
+             if "custom_call @tpu_custom_call" in line]
+    assert len(calls) == 1
+    values_type = "x".join(map(str, args[1].values.shape)) + "x" + mlir_type(fmt)
+    assert calls[0].count(f"tensor<{values_type}>") == 2  # K and V values, as they came
+    k, n, b = args[1].scales.shape
+    assert calls[0].count(f"tensor<{n}x{k}x{b}xf32>") == 2  # K and V scales, block-major
