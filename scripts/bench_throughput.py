@@ -331,7 +331,7 @@ def main() -> None:
     # every jaxpage dtype: (cold s, warm s, greedy tokens of the warm run)
     by_dtype = {dtypes[0]: (cold, warm, [list(o.outputs[0].token_ids) for o in outs])}
     for dtype in dtypes[1:]:
-        del llm, runner  # one engine's pool and compiled steps at a time
+        llm = runner = None  # one engine's pool and compiled steps at a time
         llm = make_llm(dtype=dtype)
         dtype_cold, _ = run_jaxpage(llm, prompts, output_lens)
         assert llm.reset_prefix_cache()
