@@ -265,6 +265,11 @@ def bad_inputs():
                             query_tile=np.int64(32), sliding_window=np.int64(0),
                             soft_cap=np.float32(0.0))
 
+    def set_rows(index, values_shape=(1, 1, 8)):
+        return lambda: cpu_attention.set_rows(jnp.zeros((1, 6, 4, 8), jnp.bfloat16),
+                                              jnp.array(index, jnp.int32),
+                                              jnp.ones(values_shape, jnp.bfloat16))
+
     int8 = np.zeros((1, 6, 4, 8), np.int8)
     e5m2 = jnp.zeros((1, 6, 4, 8), jnp.float8_e5m2)
     return [
@@ -288,6 +293,10 @@ def bad_inputs():
         *((f"bf16 {mode}: block outside the pool",
            attend_bf16(np.array([[1, 2], [3, 6]], np.int32), mode == "dot"),
            "block table entry outside the pool") for mode in ("dot", "portable")),
+        ("set_rows: index past the pool", set_rows([24]), "set_rows: index outside the pool"),
+        ("set_rows: negative index", set_rows([-1]), "set_rows: index outside the pool"),
+        ("set_rows: rows that do not tile the pool", set_rows([0], (1, 1, 5)),
+         "set_rows: rows do not tile the pool"),
         ("quantized: K and V of two types", attend_quantized(int8, e5m2),
          "K values are int8 but V values float8_e5m2"),
         ("quantized: scales of another shape",
@@ -297,6 +306,38 @@ def bad_inputs():
          attend_quantized(e5m2, e5m2, table=np.array([[1, 2], [3, 6]], np.int32)),
          "block table entry outside the pool"),
     ]
+
+
+def check_set_rows(rng) -> int:
+    """The in-place pool write (`set_rows`, pallas_kernels/bits.py) on every pool dtype it
+    serves, eagerly (the result does not alias the pool: the kernel copies it first) and
+    donated under jit (in place), slots and whole blocks, against NumPy. Returns the calls."""
+    import jax
+    import jax.numpy as jnp
+    import ml_dtypes
+    import numpy as np
+
+    from pallas_kernels import cpu_attention
+
+    calls = 0
+    donated = jax.jit(cpu_attention.set_rows, donate_argnums=0)
+    for dtype in ("bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "float32"):
+        np_dtype = np.int8 if dtype == "int8" else getattr(ml_dtypes, dtype, np.float32)
+        for heads, blocks, block_size, dim in ((3, 9, 16, 64), (1, 5, 1, 8), (2, 7, 4, 3)):
+            pool = rng.standard_normal((heads, blocks, block_size, dim)).astype(np_dtype)
+            for row_shape, count in (((dim,), 5), ((block_size, dim), 2)):
+                rows_per_head = blocks * block_size * dim // int(np.prod(row_shape))
+                index = rng.choice(rows_per_head, count, replace=False).astype(np.int32)
+                values = rng.standard_normal((heads, count, *row_shape)).astype(np_dtype)
+                expected = pool.reshape(heads, rows_per_head, *row_shape).copy()
+                expected[:, index] = values
+                for fn in (cpu_attention.set_rows, donated):
+                    out = fn(jnp.asarray(pool), jnp.asarray(index), jnp.asarray(values))
+                    got = np.asarray(out).reshape(expected.shape)
+                    if not np.array_equal(got.view(np.uint8), expected.view(np.uint8)):
+                        raise AssertionError(f"set_rows {dtype} {pool.shape} rows {row_shape}")
+                    calls += 1
+    return calls
 
 
 def child(seeds: int) -> int:
@@ -380,6 +421,7 @@ def child(seeds: int) -> int:
                     raise AssertionError(f"{where}: max |error| {error} vs float64")
                 worst_quantized = max(worst_quantized, error)
                 quantized_counts[fmt] += 1
+    set_rows_calls = check_set_rows(rng)
     rejected = 0
     for name, call, message in bad_inputs():
         try:
@@ -393,7 +435,8 @@ def child(seeds: int) -> int:
     print(json.dumps({**counts, "rejected": rejected, "max_error": worst,
                       "bf16_dot_compiled": cpu_attention.bf16_dot_compiled(),
                       "bf16_worst_ratio": worst_bf16, "quantized": quantized_counts,
-                      "quantized_max_error": worst_quantized}), flush=True)
+                      "quantized_max_error": worst_quantized, "set_rows": set_rows_calls}),
+          flush=True)
     return 0
 
 
@@ -473,8 +516,9 @@ def main() -> int:
           f"{summary['bf16_worst_ratio']['portable']:.2f} x), quantized pools ("
           + ", ".join(f"{n} {fmt}" for fmt, n in summary["quantized"].items())
           + f" batches) bit for bit the float32 kernel on their dequantization and within "
-          f"{summary['quantized_max_error']:.1e} of float64, "
-          f"{summary['rejected']} bad inputs rejected; {timing}")
+          f"{summary['quantized_max_error']:.1e} of float64, {summary['set_rows']} in-place "
+          f"pool writes (set_rows) equal to NumPy's, {summary['rejected']} bad inputs "
+          f"rejected; {timing}")
     return 0
 
 
