@@ -21,13 +21,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
-
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_throughput import decode_step_rate, make_llm  # noqa: E402
+from bench_throughput import (  # noqa: E402
+    decode_step_rate,
+    make_llm,
+    matmul_gflops,
+    median_seconds,
+)
 
 
 def read_gbps() -> float:
@@ -36,30 +38,7 @@ def read_gbps() -> float:
     import jax.numpy as jnp
 
     a = jnp.ones((128, 1 << 20), jnp.float32)
-    f = jax.jit(lambda x: jnp.sum(x, axis=1))
-    f(a).block_until_ready()
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        f(a).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return a.nbytes / np.median(times) / 1e9
-
-
-def matmul_gflops(dtype: str) -> float:
-    """2048^3 matmul rate in `dtype` (float32 accumulation), median of 5."""
-    import jax
-    import jax.numpy as jnp
-
-    a = jnp.ones((2048, 2048), dtype)
-    f = jax.jit(lambda x: jnp.dot(x, x, preferred_element_type=jnp.float32))
-    f(a).block_until_ready()
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        f(a).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return 2 * 2048**3 / np.median(times) / 1e9
+    return a.nbytes / median_seconds(jax.jit(lambda x: jnp.sum(x, axis=1)), a) / 1e9
 
 
 def main() -> None:

@@ -84,19 +84,28 @@ def make_trace(num_requests: int, seed: int, vocab_size: int):
     return prompts, output_lens.tolist()
 
 
-def matmul_gflops() -> float:
+def median_seconds(fn, *args, runs: int = 5) -> float:
+    """Median wall time of `fn(*args)` to completion, after one call that compiles it."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def matmul_gflops(dtype: str = "float32") -> float:
+    """This machine's 2048^3 matmul rate in `dtype` (accumulating in float32, as the model's
+    projections do)."""
     import jax
     import jax.numpy as jnp
 
-    a = jnp.ones((2048, 2048), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        f(a).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return 2 * 2048**3 / np.median(times) / 1e9
+    a = jnp.ones((2048, 2048), dtype)
+    f = jax.jit(lambda x: jnp.dot(x, x, preferred_element_type=jnp.float32))
+    return 2 * 2048**3 / median_seconds(f, a) / 1e9
 
 
 def forward_flops(config, num_tokens: int, context: int, with_logits: bool) -> float:

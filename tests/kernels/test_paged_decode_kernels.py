@@ -404,9 +404,14 @@ def mlir_type(fmt) -> str:
 @pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn"])
 def test_gpu_kernel_lowers_for_cuda_on_quantized_pools(fmt, block_size):
     """Values (8-bit) and scales go to the Triton call as they are: no dequantized pool."""
-    pool_dim = gpu_pool_head_dim(SMOLLM2["head_dim"])
-    args = smollm2_quantized_shapes(fmt, block_size, pool_dim)
-    module = export_for_cuda(paged_decode_attention_gpu, *args)
+    args = smollm2_quantized_shapes(fmt, block_size, gpu_pool_head_dim(SMOLLM2["head_dim"]))
+    check_cuda_quantized_lowering(paged_decode_attention_gpu, args, fmt)
+
+
+def check_cuda_quantized_lowering(kernel, args, fmt):
+    """A GPU kernel on quantized pools lowers for CUDA with the 8-bit values as they came and
+    no float32 array of the pool's shape."""
+    module = export_for_cuda(kernel, *args)
     values_type = "x".join(map(str, args[1].values.shape)) + "x" + mlir_type(fmt)
     assert f"tensor<{values_type}>" in module
     assert f"{values_type.rsplit('x', 1)[0]}xf32" not in module  # no float32 pool
@@ -417,9 +422,14 @@ def test_gpu_kernel_lowers_for_cuda_on_quantized_pools(fmt, block_size):
 def test_tpu_kernel_lowers_for_tpu_on_quantized_pools(fmt, block_size):
     """32-token blocks lower to one tpu_custom_call taking the 8-bit values as they are (and
     the scales block-major); 16-token blocks are refused by the block-size rule."""
-    pool_dim = tpu_pool_head_dim(SMOLLM2["head_dim"])
-    args = smollm2_quantized_shapes(fmt, block_size, pool_dim)
-    export = jax.export.export(jax.jit(paged_decode_attention_tpu), platforms=["tpu"])
+    args = smollm2_quantized_shapes(fmt, block_size, tpu_pool_head_dim(SMOLLM2["head_dim"]))
+    check_tpu_quantized_lowering(paged_decode_attention_tpu, args, fmt, block_size)
+
+
+def check_tpu_quantized_lowering(kernel, args, fmt, block_size):
+    """A TPU kernel on quantized pools at `block_size`: refused unless a multiple of 32, else
+    one tpu_custom_call taking the 8-bit values as they came and the scales block-major."""
+    export = jax.export.export(jax.jit(kernel), platforms=["tpu"])
     if block_size % 32:
         with pytest.raises(ValueError, match=f"block_size {block_size} .*multiple of 32"):
             export(*args)

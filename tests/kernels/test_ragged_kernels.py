@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 from test_paged_decode_kernels import (
     QUANTIZED_FORMATS,
-    export_for_cuda,
-    mlir_type,
+    check_cuda_quantized_lowering,
+    check_tpu_quantized_lowering,
 )
 from test_quantized_kv import assert_exact_and_near_oracle, quantized_batch
 
@@ -484,10 +484,7 @@ def test_gpu_kernel_lowers_for_cuda_on_quantized_pools(fmt, block_size):
     args = smollm2_quantized_shapes(fmt, block_size, gpu_pool_head_dim(64))
     kernel = functools.partial(ragged_paged_attention_gpu,
                                max_query_len=SMOLLM2_MIXED["max_query_len"])
-    module = export_for_cuda(kernel, *args)
-    values_type = "x".join(map(str, args[1].values.shape)) + "x" + mlir_type(fmt)
-    assert f"tensor<{values_type}>" in module
-    assert f"{values_type.rsplit('x', 1)[0]}xf32" not in module  # no float32 pool
+    check_cuda_quantized_lowering(kernel, args, fmt)
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -498,17 +495,4 @@ def test_tpu_kernel_lowers_for_tpu_on_quantized_pools(fmt, block_size):
     args = smollm2_quantized_shapes(fmt, block_size, tpu_pool_head_dim(64))
     kernel = functools.partial(ragged_paged_attention_tpu,
                                max_query_len=SMOLLM2_MIXED["max_query_len"])
-    export = jax.export.export(jax.jit(kernel), platforms=["tpu"])
-    if block_size % 32:
-        with pytest.raises(ValueError, match=f"block_size {block_size} .*multiple of 32"):
-            export(*args)
-        return
-    exported = export(*args)
-    assert exported.platforms == ("tpu",)
-    calls = [line for line in exported.mlir_module().splitlines()
-             if "custom_call @tpu_custom_call" in line]
-    assert len(calls) == 1
-    values_type = "x".join(map(str, args[1].values.shape)) + "x" + mlir_type(fmt)
-    assert calls[0].count(f"tensor<{values_type}>") == 2  # K and V values, as they came
-    k, n, b = args[1].scales.shape
-    assert calls[0].count(f"tensor<{n}x{k}x{b}xf32>") == 2  # K and V scales, block-major
+    check_tpu_quantized_lowering(kernel, args, fmt, block_size)
