@@ -54,6 +54,7 @@
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -1009,6 +1010,259 @@ ffi::Error SetRows(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> index, ffi::AnyBuf
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------------------------
+// Small matmuls (handler JaxpageSmallMatmul): out[M, N] float32 = x[M, K] . w, x and w of one
+// element type (float32 or bfloat16), w [K, N] (projections, transpose_w = 0) or [N, K] (a tied
+// LM head, transpose_w = 1); products and sums in float32. Made for decode steps (M <= 16
+// rows), where a matmul is a stream of the weights: each weight is read from memory once and
+// used for all M rows while it is in registers.
+// - [K, N]: N is cut into column tiles of 16 * V floats; a thread takes a tile and walks w's
+//   K rows through it, keeping the tile's accumulators for (up to 8) rows in registers
+//   (MB x V vectors of 16 floats; more rows take further passes over the tile, which is then
+//   in L2). x is transposed into float32 scratch [K, M] so each step broadcasts its M values.
+// - [N, K]: each output is a dot product of x[m] (float32 scratch [M, K], in L1) with a
+//   contiguous w row; a thread takes a range of w's rows and walks R of them at a time along K,
+//   keeping MB x R vector accumulators, then sums each across its lanes.
+// bfloat16 weights are widened to float32 as they are loaded (a 16-bit shift: exact), so the
+// only roundings are float32's; the columns and K entries past the last full vector take a
+// scalar loop. Loads are prefetched ahead (w's rows lie N apart in the [K, N] walk).
+// GCC/Clang vector extensions: AVX-512 registers where the build targets them, split into
+// narrower ones elsewhere.
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline v16f load16(const bf16* p) {
+  v16h h;
+  std::memcpy(&h, p, sizeof h);
+  const v16u u = __builtin_convertvector(h, v16u) << 16;
+  return __builtin_bit_cast(v16f, u);
+}
+inline float hsum(v16f v) {
+  float s = 0.0f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+constexpr int64_t kPrefetchRowsKN = 8;      // [K, N]: w rows ahead
+constexpr int64_t kPrefetchBytesNK = 2048;  // [N, K]: bytes ahead in each row's stream
+constexpr int kMaxRowBlock = 8;             // x rows per register tile
+
+struct MatmulProblem {
+  const float* x;  // float32 scratch: [K, M] for w [K, N], [M, K] for w [N, K]
+  const void* w;
+  float* out;      // [M, N]
+  int64_t M, K, N;
+};
+
+// [K, N]: rows m0..m0+MB of out, columns n0..n0+16V.
+template <typename T, int MB, int V>
+void kn_tile(const MatmulProblem& P, int64_t m0, int64_t n0) {
+  const T* w = static_cast<const T*>(P.w);
+  v16f acc[MB][V] = {};
+  const T* wp = w + n0;
+  constexpr int64_t kBytes = 16 * V * static_cast<int64_t>(sizeof(T));
+  for (int64_t k = 0; k < P.K; ++k, wp += P.N) {
+    if (k + kPrefetchRowsKN < P.K) {
+      const char* ahead = reinterpret_cast<const char*>(wp + kPrefetchRowsKN * P.N);
+      for (int64_t b = 0; b < kBytes; b += 64) __builtin_prefetch(ahead + b);
+      __builtin_prefetch(ahead + kBytes - 1);
+    }
+    v16f wv[V];
+    for (int v = 0; v < V; ++v) wv[v] = load16(wp + 16 * v);
+    const float* xk = P.x + k * P.M + m0;
+    for (int m = 0; m < MB; ++m) {
+      const float xm = xk[m];
+      for (int v = 0; v < V; ++v) acc[m][v] += xm * wv[v];
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int v = 0; v < V; ++v)
+      std::memcpy(P.out + (m0 + m) * P.N + n0 + 16 * v, &acc[m][v], sizeof(v16f));
+}
+
+// [K, N]: the columns n0..N (fewer than a tile), all rows, scalar.
+template <typename T>
+void kn_tail(const MatmulProblem& P, int64_t n0) {
+  const T* w = static_cast<const T*>(P.w);
+  const int64_t width = P.N - n0;
+  for (int64_t m = 0; m < P.M; ++m)
+    for (int64_t n = 0; n < width; ++n) P.out[m * P.N + n0 + n] = 0.0f;
+  for (int64_t k = 0; k < P.K; ++k) {
+    const T* wk = w + k * P.N + n0;
+    for (int64_t m = 0; m < P.M; ++m) {
+      const float xm = P.x[k * P.M + m];
+      float* o = P.out + m * P.N + n0;
+      for (int64_t n = 0; n < width; ++n) o[n] += xm * to_float(wk[n]);
+    }
+  }
+}
+
+// [N, K]: out rows m0..m0+MB, columns (w rows) n0..n0+R.
+template <typename T, int MB, int R>
+void nk_block(const MatmulProblem& P, int64_t m0, int64_t n0, const char* w_end) {
+  const T* w = static_cast<const T*>(P.w) + n0 * P.K;
+  v16f acc[MB][R] = {};
+  int64_t k = 0;
+  for (; k + 16 <= P.K; k += 16) {
+    v16f wv[R];
+    for (int r = 0; r < R; ++r) {
+      const char* ahead = reinterpret_cast<const char*>(w + r * P.K + k) + kPrefetchBytesNK;
+      if (ahead < w_end) __builtin_prefetch(ahead);
+      wv[r] = load16(w + r * P.K + k);
+    }
+    for (int m = 0; m < MB; ++m) {
+      const v16f xv = load16(P.x + (m0 + m) * P.K + k);
+      for (int r = 0; r < R; ++r) acc[m][r] += xv * wv[r];
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    const float* xm = P.x + (m0 + m) * P.K;
+    for (int r = 0; r < R; ++r) {
+      float s = hsum(acc[m][r]);
+      const T* wr = w + r * P.K;
+      for (int64_t j = k; j < P.K; ++j) s += xm[j] * to_float(wr[j]);
+      P.out[(m0 + m) * P.N + n0 + r] = s;
+    }
+  }
+}
+
+using KnTileFn = void (*)(const MatmulProblem&, int64_t, int64_t);
+using NkBlockFn = void (*)(const MatmulProblem&, int64_t, int64_t, const char*);
+
+// [K, N] tiles: V = 4 (64 columns) for up to 4 rows, else V = 2 (32 columns) for 8 rows a pass.
+template <typename T, int V, int... MB>
+KnTileFn kn_pick(int mb, std::integer_sequence<int, MB...>) {
+  KnTileFn fns[] = {kn_tile<T, MB + 1, V>...};
+  return fns[mb - 1];
+}
+// [N, K]: R = 4 w rows at a time for up to 4 x rows, else R = 2 for 8 x rows a pass.
+template <typename T, int R, int... MB>
+NkBlockFn nk_pick(int mb, std::integer_sequence<int, MB...>) {
+  NkBlockFn fns[] = {nk_block<T, MB + 1, R>...};
+  return fns[mb - 1];
+}
+
+struct MatmulWork {
+  MatmulProblem problem;
+  std::vector<float> x_scratch;
+  bool transpose_w = false, is_bf16 = false;
+  int64_t units = 0, unit_width = 0;  // [K, N]: tiles (+ the tail); [N, K]: w row ranges
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  template <typename T>
+  void unit_kn(int64_t u) {
+    const MatmulProblem& P = problem;
+    const int64_t n0 = u * unit_width;
+    if (n0 + unit_width > P.N) return kn_tail<T>(P, n0);
+    for (int64_t m0 = 0; m0 < P.M; m0 += kMaxRowBlock) {
+      const int mb = static_cast<int>(std::min<int64_t>(kMaxRowBlock, P.M - m0));
+      const KnTileFn fn = unit_width == 64
+                              ? kn_pick<T, 4>(mb, std::make_integer_sequence<int, 4>())
+                              : kn_pick<T, 2>(mb, std::make_integer_sequence<int, 8>());
+      fn(P, m0, n0);
+    }
+  }
+
+  template <typename T>
+  void unit_nk(int64_t u) {
+    const MatmulProblem& P = problem;
+    const int64_t first = u * unit_width, last = std::min(P.N, first + unit_width);
+    const char* w_end = static_cast<const char*>(P.w) + P.N * P.K * sizeof(T);
+    const int R = P.M <= 4 ? 4 : 2;
+    int64_t n = first;
+    for (; n + R <= last; n += R) {
+      for (int64_t m0 = 0; m0 < P.M; m0 += kMaxRowBlock) {  // w's R rows stay in L1
+        const int mb = static_cast<int>(std::min<int64_t>(kMaxRowBlock, P.M - m0));
+        const NkBlockFn fn = R == 4 ? nk_pick<T, 4>(mb, std::make_integer_sequence<int, 4>())
+                                    : nk_pick<T, 2>(mb, std::make_integer_sequence<int, 8>());
+        fn(P, m0, n, w_end);
+      }
+    }
+    for (; n < last; ++n)
+      for (int64_t m0 = 0; m0 < P.M; m0 += kMaxRowBlock) {
+        const int mb = static_cast<int>(std::min<int64_t>(kMaxRowBlock, P.M - m0));
+        nk_pick<T, 1>(mb, std::make_integer_sequence<int, 8>())(P, m0, n, w_end);
+      }
+  }
+
+  void run() {
+    for (int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) {
+      if (transpose_w) {
+        if (is_bf16) unit_nk<bf16>(u); else unit_nk<float>(u);
+      } else {
+        if (is_bf16) unit_kn<bf16>(u); else unit_kn<float>(u);
+      }
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error InvalidMatmul(const std::string& what) {
+  return ffi::Error::InvalidArgument("small matmul: " + what);
+}
+
+ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                       int64_t transpose_w, ffi::ResultBuffer<ffi::F32> out) {
+  const ffi::DataType type = x.element_type();
+  if (type != ffi::DataType::F32 && type != ffi::DataType::BF16)
+    return InvalidMatmul("x is " + type_name(type) + ", not float32 or bfloat16");
+  if (w.element_type() != type)
+    return InvalidMatmul("x is " + type_name(type) + " but w " + type_name(w.element_type()) +
+                         " (one dtype for both)");
+  if (transpose_w != 0 && transpose_w != 1)
+    return InvalidMatmul("transpose_w must be 0 or 1, got " + std::to_string(transpose_w));
+  const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || wd.size() != 2)
+    return InvalidMatmul("x " + shape_string(xd) + " and w " + shape_string(wd) +
+                         " must both be matrices");
+  const int64_t M = xd[0], K = xd[1];
+  const int64_t wk = transpose_w ? wd[1] : wd[0], N = transpose_w ? wd[0] : wd[1];
+  if (wk != K)
+    return InvalidMatmul("x " + shape_string(xd) + " does not contract with w " +
+                         shape_string(wd) + (transpose_w ? " ([N, K])" : " ([K, N])"));
+  if (od.size() != 2 || od[0] != M || od[1] != N)
+    return InvalidMatmul("output " + shape_string(od) + " is not [" + std::to_string(M) + ", " +
+                         std::to_string(N) + "]");
+  if (M == 0 || N == 0) return ffi::Error::Success();
+
+  auto work = std::make_shared<MatmulWork>();
+  work->transpose_w = transpose_w != 0;
+  work->is_bf16 = type == ffi::DataType::BF16;
+  // x in float32 (bfloat16 widened, exact): [K, M] for the [K, N] walk, [M, K] for [N, K]
+  work->x_scratch.resize(static_cast<size_t>(std::max<int64_t>(M * K, 1)));
+  float* xs = work->x_scratch.data();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) {
+      const float value = work->is_bf16 ? widen(static_cast<const bf16*>(x.untyped_data())[m * K + k])
+                                     : static_cast<const float*>(x.untyped_data())[m * K + k];
+      xs[work->transpose_w ? m * K + k : k * M + m] = value;
+    }
+  work->problem = MatmulProblem{xs, w.untyped_data(), out->typed_data(), M, K, N};
+  if (work->transpose_w) {
+    // ranges of 64 w rows (fewer for small N, so that every thread has some)
+    const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+    work->unit_width = std::max<int64_t>(4, std::min<int64_t>(64, (N / threads + 3) / 4 * 4));
+    work->units = (N + work->unit_width - 1) / work->unit_width;
+  } else {
+    work->unit_width = M <= 4 ? 64 : 32;
+    work->units = (N + work->unit_width - 1) / work->unit_width;  // the last may be the tail
+  }
+  const int64_t total = work->units;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
+  work->run();
+  while (work->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // The arguments and attributes both handlers take, for pools (q, out) of element type kType.
@@ -1070,3 +1324,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageSetRows, SetRows,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // index
                                   .Arg<ffi::AnyBuffer>()          // values
                                   .Ret<ffi::AnyBuffer>());        // the pool, written
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageSmallMatmul, SmallMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // x [M, K]
+                                  .Arg<ffi::AnyBuffer>()          // w [K, N] or [N, K]
+                                  .Attr<int64_t>("transpose_w")   // 1: w is [N, K]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // [M, N]

@@ -24,6 +24,10 @@ each K/V tile is dequantized into float32 scratch (`float32(value) * scale`, exa
 `quantized.dequantize`) and run through the float32 code, so the output (float32, then cast to
 q's dtype) is bit for bit the float32 kernel's on `quantized.dequantize_pool` of the pools.
 
+The same library holds `small_matmul`: x [M, K] times weights [K, N] (or [N, K]) with few rows
+(decode steps), streaming the weights once at about the memory's read bandwidth; XLA:CPU's
+own matmuls stream them at about half of it with 8 rows.
+
 Environment: `JAXPAGE_NO_CPU_KERNEL` (any value) turns the kernel off; `JAXPAGE_CACHE_DIR`
 (or the older `JAXPAGE_CACHE`) moves the build cache; `JAXPAGE_CPU_KERNEL_LIB` names a
 prebuilt shared library of `cpu_attention.cc` to register instead of building one (for
@@ -56,6 +60,7 @@ _TARGET = "jaxpage_paged_attention"
 _TARGET_BF16 = "jaxpage_paged_attention_bf16"
 _TARGET_SET_ROWS = "jaxpage_set_rows"
 _TARGET_QUANTIZED = "jaxpage_paged_attention_quantized"
+_TARGET_SMALL_MATMUL = "jaxpage_small_matmul"
 # Query tokens per work item in prefill (x the GQA group = rows contracted against each
 # K/V tile while it is in cache). Decode items have one token.
 QUERY_TILE = 32
@@ -138,6 +143,8 @@ def _loaded() -> ctypes.CDLL | None:
         jax.ffi.register_ffi_target(
             _TARGET_QUANTIZED, jax.ffi.pycapsule(library.JaxpagePagedAttentionQuantized),
             platform="cpu")
+        jax.ffi.register_ffi_target(
+            _TARGET_SMALL_MATMUL, jax.ffi.pycapsule(library.JaxpageSmallMatmul), platform="cpu")
     except Exception as e:  # noqa: BLE001 - any failure means: use the jnp path
         warnings.warn(f"jaxpage: CPU attention kernel unavailable, using the jnp path ({e})",
                       stacklevel=3)
@@ -264,3 +271,29 @@ def set_rows(pool: jax.Array, index: jax.Array, values: jax.Array) -> jax.Array:
     return jax.ffi.ffi_call(_TARGET_SET_ROWS, jax.ShapeDtypeStruct(pool.shape, pool.dtype),
                             input_output_aliases={0: 0})(
         pool, index.astype(jnp.int32), values.astype(pool.dtype))
+
+
+SMALL_MATMUL_DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+def small_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False) -> jax.Array:
+    """x [M, K] @ w [K, N] (or @ w.T for w [N, K] with `transpose_w`, a tied LM head) as
+    float32 [M, N]: x and w of one dtype, float32 or bfloat16, products and sums in float32
+    (bfloat16 widened exactly), as `jnp.dot(x, w, preferred_element_type=jnp.float32)`. Made
+    for few rows (M <= 16): each weight is read once and used for all rows while in
+    registers; any M is correct. The kernel must be `available()`."""
+    if not available():
+        raise RuntimeError("the CPU kernel library is not available")
+    if x.ndim != 2 or w.ndim != 2:
+        raise ValueError(f"small_matmul takes matrices, got x {x.shape} and w {w.shape}")
+    if jnp.dtype(x.dtype) != jnp.dtype(w.dtype) or jnp.dtype(x.dtype) not in SMALL_MATMUL_DTYPES:
+        raise ValueError(f"small_matmul takes x and w of one dtype, float32 or bfloat16, got "
+                         f"{jnp.dtype(x.dtype).name} and {jnp.dtype(w.dtype).name}")
+    k = w.shape[1] if transpose_w else w.shape[0]
+    if x.shape[1] != k:
+        layout = "[N, K]" if transpose_w else "[K, N]"
+        raise ValueError(f"x {x.shape} does not contract with w {w.shape} ({layout})")
+    n = w.shape[0] if transpose_w else w.shape[1]
+    return jax.ffi.ffi_call(_TARGET_SMALL_MATMUL,
+                            jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
+        x, w, transpose_w=np.int64(bool(transpose_w)))
