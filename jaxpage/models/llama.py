@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from jaxpage.attention import AttentionMetadata, LayerKV, paged_attention
 from jaxpage.models.config import ModelConfig, RopeConfig, rope_inv_freq
-from pallas_kernels import bits
+from pallas_kernels import bits, cpu_attention
 
 Params = dict[str, Any]
 
@@ -43,7 +43,35 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     matmuls do). For bfloat16 this is also XLA:CPU's fast path: a bfloat16 dot with a
     bfloat16 result runs ~4x slower there than one with a float32 result (SmolLM2's [16, 576]
     x [576, 1536] projection: 1.10 ms vs 0.28 ms; float32 inputs: 0.21 ms)."""
-    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    return _matmul_f32(x, w).astype(x.dtype)
+
+
+# rows up to which a CPU matmul takes the kernel library's small_matmul (decode steps)
+SMALL_MATMUL_ROWS = 16
+
+
+def _matmul_f32(x: jax.Array, w: jax.Array, *, transpose_w: bool = False) -> jax.Array:
+    """x [M, K] @ w ([K, N], or [N, K] with `transpose_w`) -> float32 [M, N]. On CPU, for
+    M <= SMALL_MATMUL_ROWS and float32/bfloat16 operands of one dtype, through
+    `cpu_attention.small_matmul` (XLA:CPU's matmuls stream the weights at about half the read
+    bandwidth with so few rows); elsewhere, and on every other platform, jnp's dot."""
+    def dot(x, w):
+        if transpose_w:
+            return jnp.einsum("mk,nk->mn", x, w, preferred_element_type=jnp.float32)
+        return jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+    dtype = jnp.dtype(x.dtype)
+    if (x.ndim != 2 or w.ndim != 2 or x.shape[0] > SMALL_MATMUL_ROWS
+            or dtype != jnp.dtype(w.dtype)
+            or dtype not in cpu_attention.SMALL_MATMUL_DTYPES
+            or not cpu_attention.available()):
+        return dot(x, w)
+
+    def kernel(x, w):
+        return cpu_attention.small_matmul(x, w, transpose_w=transpose_w)
+
+    # only XLA:CPU takes the kernel; accelerators lower the dot as before
+    return jax.lax.platform_dependent(x, w, cpu=kernel, default=dot)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, unit_offset: bool = False
@@ -159,10 +187,9 @@ class LlamaModel:
         config says so: Gemma 2)."""
         if "lm_head" in params:
             # [R, H] x [H, V] -> [R, V]
-            logits = jnp.dot(hidden, params["lm_head"], preferred_element_type=jnp.float32)
+            logits = _matmul_f32(hidden, params["lm_head"])
         else:  # tied: [R, H] x [V, H]^T -> [R, V]
-            logits = jnp.einsum("rh,vh->rv", hidden, params["embed"],
-                                preferred_element_type=jnp.float32)
+            logits = _matmul_f32(hidden, params["embed"], transpose_w=True)
         if self.tp_axis is not None:
             # each device has its vocabulary range: gather them, drop the padding
             logits = jax.lax.all_gather(logits, self.tp_axis, axis=1, tiled=True)
