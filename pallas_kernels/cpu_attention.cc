@@ -1149,10 +1149,121 @@ NkBlockFn nk_pick(int mb, std::integer_sequence<int, MB...>) {
   return fns[mb - 1];
 }
 
+#ifdef __AVX512BF16__
+// bfloat16 on vdpbf16ps (AVX512-BF16): each instruction multiplies 32 bf16 pairs exactly and
+// adds each pair's two products into a float32 lane (rounded, as float32 sums are), so half the
+// multiply-adds of the widened path (which is bound by them for 8 or more rows on a CPU with
+// one 512-bit FMA a cycle). Subnormal inputs and results are flushed to zero (below 1.2e-38).
+// [N, K]: x and w rows are both contiguous along K: pairs (k, k + 1) as they lie.
+template <int MB, int R>
+void nk_block_dot(const MatmulProblem& P, const bf16* x, int64_t m0, int64_t n0,
+                  const char* w_end) {
+  const bf16* w = static_cast<const bf16*>(P.w) + n0 * P.K;
+  __m512 acc[MB][R];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= P.K; k += 32) {
+    __m512bh wv[R];
+    for (int r = 0; r < R; ++r) {
+      const char* ahead = reinterpret_cast<const char*>(w + r * P.K + k) + kPrefetchBytesNK;
+      if (ahead < w_end) __builtin_prefetch(ahead);
+      wv[r] = as_bh(_mm512_loadu_si512(w + r * P.K + k));
+    }
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xv = as_bh(_mm512_loadu_si512(x + (m0 + m) * P.K + k));
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    const bf16* xm = x + (m0 + m) * P.K;
+    for (int r = 0; r < R; ++r) {
+      float s = hsum(__builtin_bit_cast(v16f, acc[m][r]));
+      const bf16* wr = w + r * P.K;
+      for (int64_t j = k; j < P.K; ++j) s += widen(xm[j]) * widen(wr[j]);
+      P.out[(m0 + m) * P.N + n0 + r] = s;
+    }
+  }
+}
+
+// [K, N]: rows k and k + 1 of a 32-column group are interleaved into bf16 pairs (unpack lo/hi:
+// lane j of lo holds columns 8j..8j+3, of hi 8j+4..8j+7) against x's pairs, packed beforehand
+// as 32-bit words [ceil(K / 2), M] (an odd K's last pair is (x, 0) against (w, 0)). G groups of
+// 32 columns, MB rows: MB x 2G accumulators.
+template <int MB, int G>
+void kn_tile_dot(const MatmulProblem& P, const uint32_t* xpairs, int64_t m0, int64_t n0) {
+  const bf16* w = static_cast<const bf16*>(P.w) + n0;
+  __m512 acc[MB][2 * G];
+  for (int m = 0; m < MB; ++m)
+    for (int g = 0; g < 2 * G; ++g) acc[m][g] = _mm512_setzero_ps();
+  constexpr int64_t kBytes = 64 * G;
+  for (int64_t k = 0; k < P.K; k += 2) {
+    const bf16* w0 = w + k * P.N;
+    const bool pair = k + 1 < P.K;
+    if (k + kPrefetchRowsKN + 1 < P.K) {
+      const char* ahead = reinterpret_cast<const char*>(w0 + kPrefetchRowsKN * P.N);
+      for (int64_t b = 0; b < kBytes; b += 64) {
+        __builtin_prefetch(ahead + b);
+        __builtin_prefetch(ahead + P.N * sizeof(bf16) + b);
+      }
+      __builtin_prefetch(ahead + kBytes - 1);
+      __builtin_prefetch(ahead + P.N * sizeof(bf16) + kBytes - 1);
+    }
+    __m512bh lo[G], hi[G];
+    for (int g = 0; g < G; ++g) {
+      const __m512i a = _mm512_loadu_si512(w0 + 32 * g);
+      const __m512i b = pair ? _mm512_loadu_si512(w0 + P.N + 32 * g) : _mm512_setzero_si512();
+      lo[g] = as_bh(_mm512_unpacklo_epi16(a, b));
+      hi[g] = as_bh(_mm512_unpackhi_epi16(a, b));
+    }
+    const uint32_t* xk = xpairs + (k / 2) * P.M + m0;
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xv = as_bh(_mm512_set1_epi32(static_cast<int32_t>(xk[m])));
+      for (int g = 0; g < G; ++g) {
+        acc[m][2 * g] = _mm512_dpbf16_ps(acc[m][2 * g], xv, lo[g]);
+        acc[m][2 * g + 1] = _mm512_dpbf16_ps(acc[m][2 * g + 1], xv, hi[g]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    float* o = P.out + (m0 + m) * P.N + n0;
+    for (int g = 0; g < G; ++g) {
+      alignas(64) float l[16], h[16];
+      _mm512_store_ps(l, acc[m][2 * g]);
+      _mm512_store_ps(h, acc[m][2 * g + 1]);
+      for (int j = 0; j < 4; ++j)
+        for (int i = 0; i < 4; ++i) {
+          o[32 * g + 8 * j + i] = l[4 * j + i];
+          o[32 * g + 8 * j + 4 + i] = h[4 * j + i];
+        }
+    }
+  }
+}
+
+template <int G, int... MB>
+void (*kn_pick_dot(int mb, std::integer_sequence<int, MB...>))(const MatmulProblem&,
+                                                                 const uint32_t*, int64_t,
+                                                                 int64_t) {
+  void (*fns[])(const MatmulProblem&, const uint32_t*, int64_t, int64_t) = {
+      kn_tile_dot<MB + 1, G>...};
+  return fns[mb - 1];
+}
+template <int R, int... MB>
+void (*nk_pick_dot(int mb, std::integer_sequence<int, MB...>))(const MatmulProblem&,
+                                                                 const bf16*, int64_t, int64_t,
+                                                                 const char*) {
+  void (*fns[])(const MatmulProblem&, const bf16*, int64_t, int64_t, const char*) = {
+      nk_block_dot<MB + 1, R>...};
+  return fns[mb - 1];
+}
+#endif  // __AVX512BF16__
+
 struct MatmulWork {
   MatmulProblem problem;
   std::vector<float> x_scratch;
-  bool transpose_w = false, is_bf16 = false;
+  bool transpose_w = false, is_bf16 = false, dot = false;  // dot: the vdpbf16ps path
+  const bf16* x_bf16 = nullptr;     // [N, K] dot path: x as it lies
+  std::vector<uint32_t> x_pairs;    // [K, N] dot path: x's bf16 pairs [ceil(K / 2), M]
   int64_t units = 0, unit_width = 0;  // [K, N]: tiles (+ the tail); [N, K]: w row ranges
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -1164,6 +1275,15 @@ struct MatmulWork {
     if (n0 + unit_width > P.N) return kn_tail<T>(P, n0);
     for (int64_t m0 = 0; m0 < P.M; m0 += kMaxRowBlock) {
       const int mb = static_cast<int>(std::min<int64_t>(kMaxRowBlock, P.M - m0));
+#ifdef __AVX512BF16__
+      if (std::is_same_v<T, bf16> && dot) {
+        const auto fn = unit_width == 64
+                            ? kn_pick_dot<2>(mb, std::make_integer_sequence<int, 4>())
+                            : kn_pick_dot<1>(mb, std::make_integer_sequence<int, 8>());
+        fn(P, x_pairs.data(), m0, n0);
+        continue;
+      }
+#endif
       const KnTileFn fn = unit_width == 64
                               ? kn_pick<T, 4>(mb, std::make_integer_sequence<int, 4>())
                               : kn_pick<T, 2>(mb, std::make_integer_sequence<int, 8>());
@@ -1181,6 +1301,14 @@ struct MatmulWork {
     for (; n + R <= last; n += R) {
       for (int64_t m0 = 0; m0 < P.M; m0 += kMaxRowBlock) {  // w's R rows stay in L1
         const int mb = static_cast<int>(std::min<int64_t>(kMaxRowBlock, P.M - m0));
+#ifdef __AVX512BF16__
+        if (std::is_same_v<T, bf16> && dot) {
+          const auto fn = R == 4 ? nk_pick_dot<4>(mb, std::make_integer_sequence<int, 4>())
+                                 : nk_pick_dot<2>(mb, std::make_integer_sequence<int, 8>());
+          fn(P, x_bf16, m0, n, w_end);
+          continue;
+        }
+#endif
         const NkBlockFn fn = R == 4 ? nk_pick<T, 4>(mb, std::make_integer_sequence<int, 4>())
                                     : nk_pick<T, 2>(mb, std::make_integer_sequence<int, 8>());
         fn(P, m0, n, w_end);
@@ -1210,7 +1338,8 @@ ffi::Error InvalidMatmul(const std::string& what) {
 }
 
 ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                       int64_t transpose_w, ffi::ResultBuffer<ffi::F32> out) {
+                       int64_t transpose_w, int64_t bf16_dot,
+                       ffi::ResultBuffer<ffi::F32> out) {
   const ffi::DataType type = x.element_type();
   if (type != ffi::DataType::F32 && type != ffi::DataType::BF16)
     return InvalidMatmul("x is " + type_name(type) + ", not float32 or bfloat16");
@@ -1246,6 +1375,21 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
       xs[work->transpose_w ? m * K + k : k * M + m] = value;
     }
   work->problem = MatmulProblem{xs, w.untyped_data(), out->typed_data(), M, K, N};
+  work->dot = work->is_bf16 && bf16_dot != 0 && kHaveBf16Dot;
+  if (work->dot) {
+    const bf16* xb = static_cast<const bf16*>(x.untyped_data());
+    work->x_bf16 = xb;  // read by the [N, K] items, all done before this call returns
+    if (!work->transpose_w) {  // (x[m, k], x[m, k + 1]) as one 32-bit word, low half first
+      const int64_t pairs = (K + 1) / 2;
+      work->x_pairs.resize(static_cast<size_t>(std::max<int64_t>(pairs * M, 1)));
+      for (int64_t p = 0; p < pairs; ++p)
+        for (int64_t m = 0; m < M; ++m) {
+          const uint32_t lo = xb[m * K + 2 * p];
+          const uint32_t hi = 2 * p + 1 < K ? xb[m * K + 2 * p + 1] : 0u;
+          work->x_pairs[p * M + m] = lo | (hi << 16);
+        }
+    }
+  }
   if (work->transpose_w) {
     // ranges of 64 w rows (fewer for small N, so that every thread has some)
     const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
@@ -1331,4 +1475,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageSmallMatmul, SmallMatmul,
                                   .Arg<ffi::AnyBuffer>()          // x [M, K]
                                   .Arg<ffi::AnyBuffer>()          // w [K, N] or [N, K]
                                   .Attr<int64_t>("transpose_w")   // 1: w is [N, K]
+                                  .Attr<int64_t>("bf16_dot")      // 1: vdpbf16ps if built
                                   .Ret<ffi::Buffer<ffi::F32>>());  // [M, N]

@@ -276,12 +276,18 @@ def set_rows(pool: jax.Array, index: jax.Array, values: jax.Array) -> jax.Array:
 SMALL_MATMUL_DTYPES = (jnp.float32, jnp.bfloat16)
 
 
-def small_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False) -> jax.Array:
+def small_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
+                 bf16_dot: bool | None = None) -> jax.Array:
     """x [M, K] @ w [K, N] (or @ w.T for w [N, K] with `transpose_w`, a tied LM head) as
     float32 [M, N]: x and w of one dtype, float32 or bfloat16, products and sums in float32
     (bfloat16 widened exactly), as `jnp.dot(x, w, preferred_element_type=jnp.float32)`. Made
     for few rows (M <= 16): each weight is read once and used for all rows while in
-    registers; any M is correct. The kernel must be `available()`."""
+    registers; any M is correct. The kernel must be `available()`.
+
+    `bf16_dot` (bfloat16 only), as `paged_attention_cpu`'s: True takes the AVX512-BF16
+    `vdpbf16ps` path where the build has it (products exact, float32 sums, subnormal inputs
+    and results flushed to zero), False widens to float32 (exact, then float32 FMAs); None
+    reads `JAXPAGE_CPU_KERNEL_BF16`."""
     if not available():
         raise RuntimeError("the CPU kernel library is not available")
     if x.ndim != 2 or w.ndim != 2:
@@ -296,4 +302,5 @@ def small_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False) -> ja
     n = w.shape[0] if transpose_w else w.shape[1]
     return jax.ffi.ffi_call(_TARGET_SMALL_MATMUL,
                             jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
-        x, w, transpose_w=np.int64(bool(transpose_w)))
+        x, w, transpose_w=np.int64(bool(transpose_w)),
+        bf16_dot=np.int64(_default_bf16_dot() if bf16_dot is None else bool(bf16_dot)))

@@ -21,6 +21,10 @@ pytestmark = [pytest.mark.kernels,
                                  reason="the CPU kernel library is not available")]
 
 DTYPES = [jnp.float32, jnp.bfloat16]
+# (dtype, bf16_dot): bfloat16 on both paths (the dot one is the portable one where the build
+# has no AVX512-BF16)
+MODES = [(jnp.float32, None), (jnp.bfloat16, True), (jnp.bfloat16, False)]
+MODE_IDS = ["float32", "bfloat16-dot", "bfloat16-portable"]
 # (K, N): odd sizes (no full vector, a vector and a tail, tile tails) and SmolLM2-135M's
 # projections qkv, o, gate_up, down
 SHAPES = [(7, 7), (33, 33), (1, 5), (16, 16), (17, 100), (40, 65), (576, 960), (576, 576),
@@ -59,39 +63,41 @@ def check(out, x, w, transpose_w):
     assert np.all(err <= bound(x.shape[1], magnitude[finite])), err.max()
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dtype,bf16_dot", MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("transpose_w", [False, True], ids=["KN", "NK"])
 @pytest.mark.parametrize("k,n", SHAPES)
-def test_small_matmul_matches_float64(dtype, transpose_w, k, n):
+def test_small_matmul_matches_float64(dtype, bf16_dot, transpose_w, k, n):
     rng = np.random.default_rng(k * 1000 + n)
     for m in range(1, 17):
         if k * n > 100_000 and m not in (1, 4, 5, 8, 9, 16):  # keep the big shapes quick
             continue
         x, w = operands(rng, m, k, n, dtype, transpose_w)
-        check(cpu_attention.small_matmul(x, w, transpose_w=transpose_w), x, w, transpose_w)
+        out = cpu_attention.small_matmul(x, w, transpose_w=transpose_w, bf16_dot=bf16_dot)
+        check(out, x, w, transpose_w)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-def test_tied_lm_head_shape(dtype):
+@pytest.mark.parametrize("dtype,bf16_dot", MODES, ids=MODE_IDS)
+def test_tied_lm_head_shape(dtype, bf16_dot):
     """SmolLM2's tied head: [8, 576] x [49152, 576]^T, under jit."""
     rng = np.random.default_rng(1)
     x, w = operands(rng, 8, 576, 49152, dtype, True)
-    out = jax.jit(lambda x, w: cpu_attention.small_matmul(x, w, transpose_w=True))(x, w)
+    out = jax.jit(lambda x, w: cpu_attention.small_matmul(x, w, transpose_w=True,
+                                                          bf16_dot=bf16_dot))(x, w)
     check(out, x, w, True)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dtype,bf16_dot", MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("transpose_w", [False, True], ids=["KN", "NK"])
-def test_nan_and_inf_propagate(dtype, transpose_w):
+def test_nan_and_inf_propagate(dtype, bf16_dot, transpose_w):
     rng = np.random.default_rng(2)
-    m, k, n = 9, 37, 70  # vector parts and tails in both K and N
+    m, k, n = 9, 69, 70  # vector parts and tails in both K and N, an odd K
     x, w = operands(rng, m, k, n, dtype, transpose_w)
-    x = x.at[2, 5].set(jnp.nan).at[4, 36].set(jnp.inf)  # a vector lane and the K tail
+    x = x.at[2, 5].set(jnp.nan).at[4, 68].set(jnp.inf)  # a vector lane and the K tail
     if transpose_w:
         w = w.at[3, 1].set(jnp.inf).at[69, 20].set(-jnp.inf).at[40, 33].set(jnp.nan)
     else:
         w = w.at[1, 3].set(jnp.inf).at[20, 69].set(-jnp.inf).at[33, 40].set(jnp.nan)
-    out = cpu_attention.small_matmul(x, w, transpose_w=transpose_w)
+    out = cpu_attention.small_matmul(x, w, transpose_w=transpose_w, bf16_dot=bf16_dot)
     check(out, x, w, transpose_w)
     assert np.isnan(np.asarray(out)[2]).all()
 
@@ -131,7 +137,7 @@ def test_the_handler_rejects_what_the_wrapper_would(operands_, out_shape, messag
     call = jax.ffi.ffi_call(cpu_attention._TARGET_SMALL_MATMUL,
                             jax.ShapeDtypeStruct(out_shape, jnp.float32))
     with pytest.raises(Exception, match=message):
-        jax.block_until_ready(call(*operands_, transpose_w=np.int64(0)))
+        jax.block_until_ready(call(*operands_, transpose_w=np.int64(0), bf16_dot=np.int64(1)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
