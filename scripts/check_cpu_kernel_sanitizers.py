@@ -23,7 +23,9 @@ pools, whose result must also equal the kernel's on the dequantized float32 pool
 bit). It also feeds the kernel inputs its
 handler must reject (wrong output shape, overlapping or decreasing query ranges, too many
 queries for a sequence, block ids outside the pool, a negative window or soft-cap; quantized K
-and V of two types, scales of the wrong shape) and checks each is an error.
+and V of two types, scales of the wrong shape; a small matmul's wrong output shape or mixed
+dtypes) and checks each is an error. It also runs `small_matmul` (both weight layouts,
+float32 and bfloat16 on both bfloat16 paths, odd sizes) against float64 NumPy.
 
 Prints a one-line summary. Exit status: 0 clean; 1 a sanitizer finding (its report is printed)
 or a wrong result; 2 this machine cannot run the check (no C++ compiler or sanitizer runtime).
@@ -265,6 +267,12 @@ def bad_inputs():
                             query_tile=np.int64(32), sliding_window=np.int64(0),
                             soft_cap=np.float32(0.0))
 
+    def small_matmul(out_shape, w_dtype=jnp.float32):
+        call = jax.ffi.ffi_call(cpu_attention._TARGET_SMALL_MATMUL,
+                                jax.ShapeDtypeStruct(out_shape, jnp.float32))
+        return lambda: call(jnp.ones((2, 8), jnp.float32), jnp.ones((8, 3), w_dtype),
+                            transpose_w=np.int64(0), bf16_dot=np.int64(1))
+
     def set_rows(index, values_shape=(1, 1, 8)):
         return lambda: cpu_attention.set_rows(jnp.zeros((1, 6, 4, 8), jnp.bfloat16),
                                               jnp.array(index, jnp.int32),
@@ -297,6 +305,9 @@ def bad_inputs():
         ("set_rows: negative index", set_rows([-1]), "set_rows: index outside the pool"),
         ("set_rows: rows that do not tile the pool", set_rows([0], (1, 1, 5)),
          "set_rows: rows do not tile the pool"),
+        ("small_matmul: output of another shape", small_matmul((2, 4)), "small matmul: output"),
+        ("small_matmul: x and w of two dtypes", small_matmul((2, 3), jnp.bfloat16),
+         "small matmul: x is float32 but w bfloat16"),
         ("quantized: K and V of two types", attend_quantized(int8, e5m2),
          "K values are int8 but V values float8_e5m2"),
         ("quantized: scales of another shape",
@@ -336,6 +347,40 @@ def check_set_rows(rng) -> int:
                     got = np.asarray(out).reshape(expected.shape)
                     if not np.array_equal(got.view(np.uint8), expected.view(np.uint8)):
                         raise AssertionError(f"set_rows {dtype} {pool.shape} rows {row_shape}")
+                    calls += 1
+    return calls
+
+
+def check_small_matmul(rng) -> int:
+    """`small_matmul` (x [M, K] times w [K, N] or [N, K], float32 out) on both layouts and both
+    dtypes (bfloat16 on the dot path, where built, and the portable one), odd sizes (vector
+    tails in K and N, an odd K, more rows than a register tile) and a SmolLM2-sized one,
+    eagerly and under jit, against float64 NumPy within the float32 bound
+    (K + 2) * 2^-24 * sum |x| |w|. Returns the calls."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels import cpu_attention
+
+    calls = 0
+    jitted = jax.jit(cpu_attention.small_matmul, static_argnames=("transpose_w", "bf16_dot"))
+    for dtype, bf16_dot in ((jnp.float32, False), (jnp.bfloat16, True), (jnp.bfloat16, False)):
+        for m, k, n in ((1, 7, 7), (5, 33, 70), (9, 17, 33), (16, 41, 65), (3, 1, 1),
+                        (8, 576, 200), (2, 64, 96)):
+            for transpose_w in (False, True):
+                x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+                w = jnp.asarray(rng.standard_normal((n, k) if transpose_w else (k, n)), dtype)
+                x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+                w64 = w64.T if transpose_w else w64
+                expected, magnitude = x64 @ w64, np.abs(x64) @ np.abs(w64)
+                for fn in (cpu_attention.small_matmul, jitted):
+                    out = np.asarray(fn(x, w, transpose_w=transpose_w, bf16_dot=bf16_dot))
+                    if out.shape != (m, n) or not np.all(
+                            np.abs(out - expected) <= (k + 2) * 2.0**-24 * magnitude + 1e-30):
+                        raise AssertionError(f"small_matmul {jnp.dtype(dtype).name} "
+                                             f"{(m, k, n)} transpose_w={transpose_w} "
+                                             f"bf16_dot={bf16_dot}")
                     calls += 1
     return calls
 
@@ -422,6 +467,7 @@ def child(seeds: int) -> int:
                 worst_quantized = max(worst_quantized, error)
                 quantized_counts[fmt] += 1
     set_rows_calls = check_set_rows(rng)
+    small_matmul_calls = check_small_matmul(rng)
     rejected = 0
     for name, call, message in bad_inputs():
         try:
@@ -435,7 +481,8 @@ def child(seeds: int) -> int:
     print(json.dumps({**counts, "rejected": rejected, "max_error": worst,
                       "bf16_dot_compiled": cpu_attention.bf16_dot_compiled(),
                       "bf16_worst_ratio": worst_bf16, "quantized": quantized_counts,
-                      "quantized_max_error": worst_quantized, "set_rows": set_rows_calls}),
+                      "quantized_max_error": worst_quantized, "set_rows": set_rows_calls,
+                      "small_matmul": small_matmul_calls}),
           flush=True)
     return 0
 
@@ -517,7 +564,8 @@ def main() -> int:
           + ", ".join(f"{n} {fmt}" for fmt, n in summary["quantized"].items())
           + f" batches) bit for bit the float32 kernel on their dequantization and within "
           f"{summary['quantized_max_error']:.1e} of float64, {summary['set_rows']} in-place "
-          f"pool writes (set_rows) equal to NumPy's, {summary['rejected']} bad inputs "
+          f"pool writes (set_rows) equal to NumPy's, {summary['small_matmul']} small matmuls "
+          f"within float32's bound of float64, {summary['rejected']} bad inputs "
           f"rejected; {timing}")
     return 0
 
