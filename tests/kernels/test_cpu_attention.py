@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from test_quantized_kv import assert_exact_and_near_oracle, quantized_batch
+from test_quantized_kv import assert_exact_and_near_oracle, one_format_each, quantized_batch
 from test_reference import assert_matches_naive, random_batch
 
 from pallas_kernels import cpu_attention, quantized
@@ -506,17 +506,16 @@ def windowed_naive(q, keys, values, scale, window, soft_cap):
     return out
 
 
-@pytest.mark.parametrize("fmt", QUANTIZED_FORMATS)
-@pytest.mark.parametrize("seed", range(2))
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
-    (9, 3, 64, 16),   # compiled sizes
-    (8, 2, 128, 32),  # compiled sizes
-    (4, 4, 8, 4),     # run-time sizes, no GQA
-    (9, 3, 8, 1),     # one-token blocks
-    (8, 1, 32, 8),    # eight query heads per KV head: decode items of 8 rows (transposed K)
-])
-def test_quantized_pools_read_as_their_dequantization(fmt, seed, num_heads, num_kv_heads,
-                                                      head_dim, block_size):
+@pytest.mark.parametrize("seed,num_heads,num_kv_heads,head_dim,block_size,fmt", one_format_each(
+    [(seed, *shape) for seed in range(2) for shape in [
+        (9, 3, 64, 16),   # compiled sizes
+        (8, 2, 128, 32),  # compiled sizes
+        (4, 4, 8, 4),     # run-time sizes, no GQA
+        (9, 3, 8, 1),     # one-token blocks
+        (8, 1, 32, 8),    # eight query heads per KV head: decode items of 8 rows (transposed K)
+    ]]))
+def test_quantized_pools_read_as_their_dequantization(seed, num_heads, num_kv_heads, head_dim,
+                                                      block_size, fmt):
     """Ragged batches (decode tokens and chunks) over QuantizedPools with NaN scales in every
     unowned slot: bit for bit the kernel's output on the float32 pools they dequantize to, and
     within 2e-5 of float64 attention of those dequantized values."""

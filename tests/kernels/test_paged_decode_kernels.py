@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_quantized_kv import assert_exact_and_near_oracle, quantized_batch
+from test_quantized_kv import assert_exact_and_near_oracle, one_format_each, quantized_batch
 
 from pallas_kernels import paged_decode_gpu, quantized
 from pallas_kernels.paged_decode_gpu import paged_decode_attention_gpu
@@ -331,8 +331,7 @@ QUANTIZED_KERNEL_CASES = [(kernel, case) for kernel in sorted(KERNELS)
                           if kernel == "gpu" or QUANTIZED_CASES[case][3] % 32 == 0]
 
 
-@pytest.mark.parametrize("fmt", QUANTIZED_FORMATS)
-@pytest.mark.parametrize("kernel,case", QUANTIZED_KERNEL_CASES)
+@pytest.mark.parametrize("kernel,case,fmt", one_format_each(QUANTIZED_KERNEL_CASES))
 def test_quantized_pools_read_as_their_dequantization(kernel, case, fmt):
     """On QuantizedPools a kernel's output is, bit for bit, its output on the float32 pools
     they dequantize to (the tiles are dequantized as loaded, the math after is the same),

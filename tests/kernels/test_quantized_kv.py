@@ -21,6 +21,13 @@ pytestmark = pytest.mark.kernels
 FORMATS = list(quantized.FORMATS)
 
 
+def one_format_each(cases, formats=FORMATS) -> list:
+    """pytest params (*case, fmt) of every case with every format; in the default suite each
+    case runs one format (taking turns, so every format is covered), the rest are slow."""
+    return [pytest.param(*case, fmt, marks=() if j == i % len(formats) else pytest.mark.slow)
+            for i, case in enumerate(cases) for j, fmt in enumerate(formats)]
+
+
 def owned_mask(tables, seq_lens, num_blocks, block_size):
     owned = np.zeros((num_blocks, block_size), bool)
     for table, length in zip(tables, seq_lens, strict=True):
@@ -115,11 +122,10 @@ def test_write_kv_quantizes_each_row_at_its_slot(fmt):
         np.testing.assert_array_equal(scales[:, untouched], 1.0)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("num_heads,num_kv_heads,block_size", [(4, 4, 4), (6, 2, 16), (9, 3, 1)])
-def test_jnp_backends_read_quantized_pools_as_their_dequantization(fmt, seed, num_heads,
-                                                                   num_kv_heads, block_size):
+@pytest.mark.parametrize("seed,num_heads,num_kv_heads,block_size,fmt", one_format_each(
+    [(seed, *shape) for seed in range(3) for shape in [(4, 4, 4), (6, 2, 16), (9, 3, 1)]]))
+def test_jnp_backends_read_quantized_pools_as_their_dequantization(seed, num_heads,
+                                                                   num_kv_heads, block_size, fmt):
     rng = np.random.default_rng(seed)
     args_q, args_f, keys, values = quantized_batch(
         rng, fmt, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=8,

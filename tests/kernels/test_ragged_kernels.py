@@ -22,11 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_paged_decode_kernels import (
-    QUANTIZED_FORMATS,
     check_cuda_quantized_lowering,
     check_tpu_quantized_lowering,
 )
-from test_quantized_kv import assert_exact_and_near_oracle, quantized_batch
+from test_quantized_kv import assert_exact_and_near_oracle, one_format_each, quantized_batch
 
 from pallas_kernels import quantized, ragged_paged_gpu
 from pallas_kernels.ragged_paged_gpu import pool_head_dim as gpu_pool_head_dim
@@ -410,8 +409,7 @@ def ragged_quantized_batch(seed, fmt, case):
     return args_q, args_f, int(np.diff(args_q[5]).max()), keys, values
 
 
-@pytest.mark.parametrize("fmt", QUANTIZED_FORMATS)
-@pytest.mark.parametrize("kernel,case", QUANTIZED_KERNEL_CASES)
+@pytest.mark.parametrize("kernel,case,fmt", one_format_each(QUANTIZED_KERNEL_CASES))
 def test_quantized_pools_read_as_their_dequantization(kernel, case, fmt):
     """On QuantizedPools a kernel's output is, bit for bit, its output on the float32 pools
     they dequantize to (tiles dequantized as loaded, the same math after), NaN scales in
