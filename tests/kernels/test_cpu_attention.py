@@ -469,6 +469,9 @@ SANITIZER_SCRIPT = (Path(__file__).resolve().parents[2] / "scripts"
                     / "check_cpu_kernel_sanitizers.py")
 
 
+# slow: a sanitized build (~35-90 s) and the checks under ASan (~95-140 s) on 2 cores, more than
+# the rest of this file together; .ci/run runs it with the slow tests
+@pytest.mark.slow
 def test_kernel_is_clean_under_address_and_undefined_behaviour_sanitizers():
     """scripts/check_cpu_kernel_sanitizers.py: the kernel built with ASan and UBSan runs random
     ragged batches (NaN/+inf/-inf in unowned slots; float32 pools, bfloat16 pools on both
