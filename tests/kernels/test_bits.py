@@ -90,3 +90,19 @@ def test_the_compiled_kv_write_never_converts_the_pool(dtype):
     for op in ("copy", "fusion"):  # a pool-shaped copy or loop fusion rewrites the whole pool
         assert not re.search(rf"= \S+\[(3,64,16,64|3,1024,64)\]\S* {op}\(", text), op
     assert "jaxpage_set_rows" in text
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e5m2"])
+def test_the_fallback_without_the_library_writes_as_numpy_does(dtype):
+    """Without the kernel library (no compiler) set_rows scatters the bits as uint16 / uint8:
+    slower (XLA copies the pool), exact. Here called directly, NaN among the values."""
+    rng = np.random.default_rng(2)
+    rows = random_values(rng, (2, 6, 4), dtype)
+    values = random_values(rng, (2, 2, 4), dtype)
+    values[0, 1, 2] = np.nan
+    index = np.array([5, 1], np.int32)
+    expected = rows.copy()
+    expected[:, index] = values
+    out = jax.jit(lambda r, i, v: bits._set_as_bits(r, (slice(None), i), v))(
+        jnp.asarray(rows), jnp.asarray(index), jnp.asarray(values))
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint8), expected.view(np.uint8))
