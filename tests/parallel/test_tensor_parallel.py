@@ -35,6 +35,7 @@ def assert_same_tokens(results: dict) -> None:
     ("llama8", "cpp", "4", "swap"),  # the host pool holds every KV head of a block
     ("llama8", "jnp", "4", "recompute"),
     ("gemma2", "cpp", "2", "recompute"),  # a window group beside the full one
+    ("llama8", "cpp", "4", "recompute:int8"),  # quantized pools: values and scales by head
     pytest.param("llama8", "jnp", "2,8", "recompute", marks=pytest.mark.slow),
     pytest.param("llama8", "pallas_tpu", "2,4", "recompute",
                  marks=[pytest.mark.slow, pytest.mark.kernels]),
@@ -42,8 +43,8 @@ def assert_same_tokens(results: dict) -> None:
 def test_tokens_equal_one_device(model, backend, sizes, preemption):
     """A mixed workload (chunked prefill, preemption, n=2 seeded samples, a prefix-cache
     hit, beam search) gives every token one device gives, with the same preemptions and
-    hits (one block table serves every shard)."""
-    results = run_worker("tokens", model, backend, sizes, preemption)
+    hits (one block table serves every shard). "MODE:KV" also sets kv_cache_dtype."""
+    results = run_worker("tokens", model, backend, sizes, *preemption.split(":"))
     if preemption == "swap":
         assert all(r["swapped"] > 0 for r in results.values())
     assert_same_tokens(results)

@@ -75,10 +75,11 @@ ENGINE_FOR_TOKENS = dict(block_size=4, num_blocks=30, max_num_batched_tokens=32,
                          max_num_seqs=6, debug_nan_pool=True)
 
 
-def tokens(kind: str, backend: str, sizes: str, preemption: str = "recompute") -> dict:
+def tokens(kind: str, backend: str, sizes: str, preemption: str = "recompute",
+           kv_cache_dtype: str = "auto") -> dict:
     path = model_dir(kind)
     engine = dict(ENGINE_FOR_TOKENS, attention_backend=backend,
-                  kernel_interpret=backend.startswith("pallas"))
+                  kernel_interpret=backend.startswith("pallas"), kv_cache_dtype=kv_cache_dtype)
     if backend.startswith("pallas"):  # the TPU kernel's tiles: 8 tokens a block
         engine.update(block_size=8, num_blocks=15)
     if preemption != "recompute":
