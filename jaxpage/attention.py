@@ -233,13 +233,10 @@ def init_kv_pool(
     if num_blocks < 2:
         raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
     shape = (num_kv_heads, num_blocks, block_size, head_dim)
-    if jnp.dtype(dtype).name in quantized.FORMATS:
-        scale_fill = 1.0 if fill_value == 0 else fill_value
-
+    if quantized.is_format(dtype):
         def new():
-            return quantized.QuantizedPool(
-                jnp.zeros(shape, dtype, device=sharding),
-                jnp.full(shape[:-1], scale_fill, jnp.float32, device=sharding))
+            return quantized.empty_pool(shape, dtype, device=sharding,
+                                        scale_fill=1.0 if fill_value == 0 else fill_value)
     else:
         def new():
             return jnp.full(shape, fill_value, dtype, device=sharding)
@@ -252,7 +249,7 @@ def kv_bytes_per_block(
     """Bytes one block occupies across all layers, K and V (with a quantized dtype's
     float32 scale per head and token)."""
     row = head_dim * jnp.dtype(dtype).itemsize
-    if jnp.dtype(dtype).name in quantized.FORMATS:
+    if quantized.is_format(dtype):
         row += 4
     return 2 * num_layers * block_size * num_kv_heads * row
 

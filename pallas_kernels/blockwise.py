@@ -133,18 +133,12 @@ def _as_rows(pool) -> tuple:
     returns them [n, B * D], dequantized to float32 for a QuantizedPool; head_row [K] is each
     head's first row."""
     num_kv_heads, num_blocks, block_size, head_dim = pool.shape
-    head_row = jnp.arange(num_kv_heads, dtype=jnp.int32) * num_blocks
-    if quantized.is_quantized(pool):
-        values = pool.values.reshape(num_kv_heads * num_blocks, block_size, head_dim)
-        scales = pool.scales.reshape(num_kv_heads * num_blocks, block_size)
+    rows = jax.tree.map(lambda x: x.reshape(num_kv_heads * num_blocks, *x.shape[2:]), pool)
 
-        def read(rows):
-            tiles = quantized.dequantize(bits.take(values, rows), bits.take(scales, rows))
-            return tiles.reshape(rows.shape[0], block_size * head_dim)
+    def read(index):
+        return quantized.take(rows, index).reshape(index.shape[0], block_size * head_dim)
 
-        return read, head_row
-    flat = pool.reshape(num_kv_heads * num_blocks, block_size * head_dim)
-    return (lambda rows: bits.take(flat, rows)), head_row
+    return read, jnp.arange(num_kv_heads, dtype=jnp.int32) * num_blocks
 
 
 def _pad_to_chunks(tables: jax.Array, blocks_per_chunk: int) -> tuple[jax.Array, int]:

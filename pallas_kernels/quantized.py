@@ -64,6 +64,11 @@ def is_quantized(pool) -> bool:
     return isinstance(pool, QuantizedPool)
 
 
+def is_format(dtype) -> bool:
+    """Whether `dtype` is a quantized KV format (one of FORMATS)."""
+    return jnp.dtype(dtype).name in FORMATS
+
+
 def format_max(dtype) -> float:
     name = jnp.dtype(dtype).name
     if name not in FORMATS:
@@ -99,11 +104,24 @@ def dequantize_pool(pool) -> jax.Array:
     return pool
 
 
-def empty_pool(shape: tuple[int, ...], dtype, device=None) -> QuantizedPool:
-    """A zero quantized pool of [K, N, block_size, D] (scales 1)."""
+def empty_pool(shape: tuple[int, ...], dtype, *, scale_fill: float = 1.0,
+               device=None) -> QuantizedPool:
+    """A quantized pool of [K, N, block_size, D]: zero values, scales `scale_fill` (NaN makes
+    every slot read NaN whatever the format)."""
     values = jnp.zeros(shape, dtype, device=device)
-    scales = jnp.ones(shape[:-1], jnp.float32, device=device)
+    scales = jnp.full(shape[:-1], scale_fill, jnp.float32, device=device)
     return QuantizedPool(values, scales)
+
+
+def take(pool, index) -> jax.Array:
+    """`pool[index]` (numpy indexing of the leading [K, N, ...] axes) as kernels read it:
+    a QuantizedPool's values and scales gathered and dequantized to float32, a float pool as
+    it is; narrow floats gathered as bits (`bits.take`)."""
+    from pallas_kernels import bits  # bits -> cpu_attention -> quantized: import on use
+
+    if is_quantized(pool):
+        return dequantize(bits.take(pool.values, index), bits.take(pool.scales, index))
+    return bits.take(pool, index)
 
 
 def quantize_pool(pool: jax.Array, dtype) -> QuantizedPool:

@@ -17,18 +17,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import bits, quantized
+from pallas_kernels import quantized
 
 _NEG_INF = float("-inf")
-
-
-def _gather(pool, block_tables):
-    """pool[:, block_tables]: [K, S, max_blocks, block_size, D], dequantized to float32 for
-    a QuantizedPool."""
-    index = (slice(None), block_tables)
-    if quantized.is_quantized(pool):
-        return quantized.dequantize(bits.take(pool.values, index), bits.take(pool.scales, index))
-    return bits.take(pool, index)
 
 
 @functools.partial(jax.jit, static_argnames=("max_query_len", "scale", "sliding_window",
@@ -90,9 +81,9 @@ def paged_attention_reference(
     query_pos = seq_lens[:, None] - query_lens[:, None] + offsets[None, :]  # [S, Qm]
 
     # K/V of each sequence gathered through its block table.
-    k = _gather(k_pool, block_tables)
+    k = quantized.take(k_pool, (slice(None), block_tables))
     k = k.reshape(num_kv_heads, num_seqs, max_len, head_dim)  # [K, S, L, D]
-    v = _gather(v_pool, block_tables)
+    v = quantized.take(v_pool, (slice(None), block_tables))
     v = v.reshape(num_kv_heads, num_seqs, max_len, head_dim)  # [K, S, L, D]
     key_pos = jnp.arange(max_len, dtype=jnp.int32)  # [L]
     key_valid = key_pos[None, :] < seq_lens[:, None]  # [S, L]

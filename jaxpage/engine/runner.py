@@ -194,7 +194,7 @@ class ModelRunner:
         if config.swap_space and self.window is not None:
             raise ValueError("swap_space > 0 (a host pool) is not supported for models with "
                              "sliding-window layers; use swap_space=0")
-        if config.swap_space and kv_dtype.name in quantized.FORMATS:
+        if config.swap_space and quantized.is_format(kv_dtype):
             raise ValueError(f"swap_space > 0 (a host pool) is not supported with "
                              f"kv_cache_dtype={config.kv_cache_dtype!r}; use swap_space=0")
         self.num_host_blocks = num_host_blocks = _num_host_blocks(config, self.block_bytes)
