@@ -1016,16 +1016,23 @@ ffi::Error SetRows(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> index, ffi::AnyBuf
 // LM head, transpose_w = 1); products and sums in float32. Made for decode steps (M <= 16
 // rows), where a matmul is a stream of the weights: each weight is read from memory once and
 // used for all M rows while it is in registers.
-// - [K, N]: N is cut into column tiles of 16 * V floats; a thread takes a tile and walks w's
-//   K rows through it, keeping the tile's accumulators for (up to 8) rows in registers
-//   (MB x V vectors of 16 floats; more rows take further passes over the tile, which is then
-//   in L2). x is transposed into float32 scratch [K, M] so each step broadcasts its M values.
+// - [K, N]: N is cut into column tiles of 16 * V floats, and the tiles into units of up to
+//   kMaxUnitTiles adjacent tiles, shared among the threads. A unit walks K in chunks of
+//   kKChunk rows, and each chunk across its tiles: a tile's accumulators for (up to 8) rows
+//   (MB x V vectors of 16 floats) live in registers for one chunk, in an L1 scratch between
+//   chunks. So w is read as kKChunk streams of contiguous row segments, not one 64-byte piece
+//   of each of K rows 2N bytes apart (which the memory system serves at a third of its
+//   bandwidth); more than 8 rows take a second pass over each chunk's tile, then in L1. x is
+//   transposed into float32 scratch [K, M] so each step broadcasts its M values.
 // - [N, K]: each output is a dot product of x[m] (float32 scratch [M, K], in L1) with a
 //   contiguous w row; a thread takes a range of w's rows and walks R of them at a time along K,
 //   keeping MB x R vector accumulators, then sums each across its lanes.
 // bfloat16 weights are widened to float32 as they are loaded (a 16-bit shift: exact), so the
 // only roundings are float32's; the columns and K entries past the last full vector take a
-// scalar loop. Loads are prefetched ahead (w's rows lie N apart in the [K, N] walk).
+// scalar loop. w is prefetched into L2 far ahead of its loads (a chunk ahead, row by row, in
+// the [K, N] walk, kPrefetchBytesNK in the [N, K] one): memory latency is then hidden behind the
+// multiply-adds, where loads that miss every cache would fill the load queue and stall them
+// (measured on a 2-core Zen 4: the [N, K] walk 8.9 -> 14 GB/s a core, its bound ~17).
 // GCC/Clang vector extensions: AVX-512 registers where the build targets them, split into
 // narrower ones elsewhere.
 
@@ -1078,9 +1085,22 @@ inline void hsum16(const Vec* v, float* sums) {
 #endif
 }
 
-constexpr int64_t kPrefetchRowsKN = 8;      // [K, N]: w rows ahead
-constexpr int64_t kPrefetchBytesNK = 2048;  // [N, K]: bytes ahead in each row's stream
+constexpr int64_t kKChunk = 32;             // [K, N]: w rows per chunk (even: bf16 pairs)
+constexpr int64_t kMaxUnitTiles = 16;       // [K, N]: column tiles per work unit
+constexpr int64_t kPrefetchBytesNK = 8192;  // [N, K]: bytes ahead in each row's stream
 constexpr int kMaxRowBlock = 8;             // x rows per register tile
+constexpr int kTileFloats = 16 * 16;        // one tile's accumulators: up to 16 vectors
+constexpr int kL2 = 2;                      // __builtin_prefetch locality: into L2
+
+// Prefetches rows [r0, r1) of w (row_bytes apart from `w` on), `bytes` of each from byte
+// `offset` on, into L2, row by row: so memory serves each row's segment as one run.
+inline void prefetch_rows(const char* w, int64_t row_bytes, int64_t r0, int64_t r1,
+                          int64_t offset, int64_t bytes) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const char* row = w + r * row_bytes + offset;
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, kL2);
+  }
+}
 
 struct MatmulProblem {
   const float* x;  // float32 scratch: [K, M] for w [K, N], [M, K] for w [N, K]
@@ -1089,19 +1109,16 @@ struct MatmulProblem {
   int64_t M, K, N;
 };
 
-// [K, N]: rows m0..m0+MB of out, columns n0..n0+16V.
+// [K, N]: rows m0..m0+MB of out, columns n0..n0+16V, w rows k0..k1: the accumulators start
+// at zero (`first`) or from `acc` [MB][V][16], and are left there.
 template <typename T, int MB, int V>
-void kn_tile(const MatmulProblem& P, int64_t m0, int64_t n0) {
+void kn_tile(const MatmulProblem& P, int64_t m0, int64_t n0, int64_t k0, int64_t k1,
+             float* acc_store, bool first) {
   const T* w = static_cast<const T*>(P.w);
   v16f acc[MB][V] = {};
-  const T* wp = w + n0;
-  constexpr int64_t kBytes = 16 * V * static_cast<int64_t>(sizeof(T));
-  for (int64_t k = 0; k < P.K; ++k, wp += P.N) {
-    if (k + kPrefetchRowsKN < P.K) {
-      const char* ahead = reinterpret_cast<const char*>(wp + kPrefetchRowsKN * P.N);
-      for (int64_t b = 0; b < kBytes; b += 64) __builtin_prefetch(ahead + b);
-      __builtin_prefetch(ahead + kBytes - 1);
-    }
+  if (!first) std::memcpy(acc, acc_store, sizeof acc);
+  const T* wp = w + k0 * P.N + n0;
+  for (int64_t k = k0; k < k1; ++k, wp += P.N) {
     v16f wv[V];
     for (int v = 0; v < V; ++v) wv[v] = load16(wp + 16 * v);
     const float* xk = P.x + k * P.M + m0;
@@ -1110,9 +1127,14 @@ void kn_tile(const MatmulProblem& P, int64_t m0, int64_t n0) {
       for (int v = 0; v < V; ++v) acc[m][v] += xm * wv[v];
     }
   }
-  for (int m = 0; m < MB; ++m)
-    for (int v = 0; v < V; ++v)
-      std::memcpy(P.out + (m0 + m) * P.N + n0 + 16 * v, &acc[m][v], sizeof(v16f));
+  std::memcpy(acc_store, acc, sizeof acc);
+}
+
+// [K, N]: kn_tile's accumulators (rows m0..m0+mb, V vectors) into out.
+void kn_store(const MatmulProblem& P, int64_t m0, int64_t n0, int mb, int V,
+              const float* acc) {
+  for (int m = 0; m < mb; ++m)
+    std::memcpy(P.out + (m0 + m) * P.N + n0, acc + m * V * 16, V * 16 * sizeof(float));
 }
 
 // [K, N]: the columns n0..N (fewer than a tile), all rows, scalar.
@@ -1142,7 +1164,7 @@ void nk_block(const MatmulProblem& P, int64_t m0, int64_t n0, const char* w_end)
     v16f wv[R];
     for (int r = 0; r < R; ++r) {
       const char* ahead = reinterpret_cast<const char*>(w + r * P.K + k) + kPrefetchBytesNK;
-      if (ahead < w_end) __builtin_prefetch(ahead);
+      if (ahead < w_end) __builtin_prefetch(ahead, 0, kL2);
       wv[r] = load16(w + r * P.K + k);
     }
     for (int m = 0; m < MB; ++m) {
@@ -1165,7 +1187,8 @@ void nk_block(const MatmulProblem& P, int64_t m0, int64_t n0, const char* w_end)
   }
 }
 
-using KnTileFn = void (*)(const MatmulProblem&, int64_t, int64_t);
+using KnTileFn = void (*)(const MatmulProblem&, int64_t, int64_t, int64_t, int64_t, float*,
+                          bool);
 using NkBlockFn = void (*)(const MatmulProblem&, int64_t, int64_t, const char*);
 
 // [K, N] tiles: V = 4 (64 columns) for up to 4 rows, else V = 2 (32 columns) for 8 rows a pass.
@@ -1199,7 +1222,7 @@ void nk_block_dot(const MatmulProblem& P, const bf16* x, int64_t m0, int64_t n0,
     __m512bh wv[R];
     for (int r = 0; r < R; ++r) {
       const char* ahead = reinterpret_cast<const char*>(w + r * P.K + k) + kPrefetchBytesNK;
-      if (ahead < w_end) __builtin_prefetch(ahead);
+      if (ahead < w_end) __builtin_prefetch(ahead, 0, kL2);
       wv[r] = as_bh(_mm512_loadu_si512(w + r * P.K + k));
     }
     for (int m = 0; m < MB; ++m) {
@@ -1225,26 +1248,19 @@ void nk_block_dot(const MatmulProblem& P, const bf16* x, int64_t m0, int64_t n0,
 // [K, N]: rows k and k + 1 of a 32-column group are interleaved into bf16 pairs (unpack lo/hi:
 // lane j of lo holds columns 8j..8j+3, of hi 8j+4..8j+7) against x's pairs, packed beforehand
 // as 32-bit words [ceil(K / 2), M] (an odd K's last pair is (x, 0) against (w, 0)). G groups of
-// 32 columns, MB rows: MB x 2G accumulators.
+// 32 columns, MB rows: MB x 2G accumulators, kept in `acc` [MB][2G][16] between chunks (k0
+// even); kn_store_dot puts them in column order.
 template <int MB, int G>
-void kn_tile_dot(const MatmulProblem& P, const uint32_t* xpairs, int64_t m0, int64_t n0) {
+void kn_tile_dot(const MatmulProblem& P, const uint32_t* xpairs, int64_t m0, int64_t n0,
+                 int64_t k0, int64_t k1, float* acc_store, bool first) {
   const bf16* w = static_cast<const bf16*>(P.w) + n0;
   __m512 acc[MB][2 * G];
   for (int m = 0; m < MB; ++m)
-    for (int g = 0; g < 2 * G; ++g) acc[m][g] = _mm512_setzero_ps();
-  constexpr int64_t kBytes = 64 * G;
-  for (int64_t k = 0; k < P.K; k += 2) {
+    for (int g = 0; g < 2 * G; ++g)
+      acc[m][g] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_store + (m * 2 * G + g) * 16);
+  for (int64_t k = k0; k < k1; k += 2) {
     const bf16* w0 = w + k * P.N;
     const bool pair = k + 1 < P.K;
-    if (k + kPrefetchRowsKN + 1 < P.K) {
-      const char* ahead = reinterpret_cast<const char*>(w0 + kPrefetchRowsKN * P.N);
-      for (int64_t b = 0; b < kBytes; b += 64) {
-        __builtin_prefetch(ahead + b);
-        __builtin_prefetch(ahead + P.N * sizeof(bf16) + b);
-      }
-      __builtin_prefetch(ahead + kBytes - 1);
-      __builtin_prefetch(ahead + P.N * sizeof(bf16) + kBytes - 1);
-    }
     __m512bh lo[G], hi[G];
     for (int g = 0; g < G; ++g) {
       const __m512i a = _mm512_loadu_si512(w0 + 32 * g);
@@ -1261,12 +1277,17 @@ void kn_tile_dot(const MatmulProblem& P, const uint32_t* xpairs, int64_t m0, int
       }
     }
   }
-  for (int m = 0; m < MB; ++m) {
+  for (int m = 0; m < MB; ++m)
+    for (int g = 0; g < 2 * G; ++g) _mm512_storeu_ps(acc_store + (m * 2 * G + g) * 16, acc[m][g]);
+}
+
+void kn_store_dot(const MatmulProblem& P, int64_t m0, int64_t n0, int mb, int G,
+                  const float* acc) {
+  for (int m = 0; m < mb; ++m) {
     float* o = P.out + (m0 + m) * P.N + n0;
     for (int g = 0; g < G; ++g) {
-      alignas(64) float l[16], h[16];
-      _mm512_store_ps(l, acc[m][2 * g]);
-      _mm512_store_ps(h, acc[m][2 * g + 1]);
+      const float* l = acc + (m * 2 * G + 2 * g) * 16;
+      const float* h = l + 16;
       for (int j = 0; j < 4; ++j)
         for (int i = 0; i < 4; ++i) {
           o[32 * g + 8 * j + i] = l[4 * j + i];
@@ -1279,9 +1300,10 @@ void kn_tile_dot(const MatmulProblem& P, const uint32_t* xpairs, int64_t m0, int
 template <int G, int... MB>
 void (*kn_pick_dot(int mb, std::integer_sequence<int, MB...>))(const MatmulProblem&,
                                                                  const uint32_t*, int64_t,
-                                                                 int64_t) {
-  void (*fns[])(const MatmulProblem&, const uint32_t*, int64_t, int64_t) = {
-      kn_tile_dot<MB + 1, G>...};
+                                                                 int64_t, int64_t, int64_t,
+                                                                 float*, bool) {
+  void (*fns[])(const MatmulProblem&, const uint32_t*, int64_t, int64_t, int64_t, int64_t,
+                float*, bool) = {kn_tile_dot<MB + 1, G>...};
   return fns[mb - 1];
 }
 template <int R, int... MB>
@@ -1300,31 +1322,64 @@ struct MatmulWork {
   bool transpose_w = false, is_bf16 = false, dot = false;  // dot: the vdpbf16ps path
   const bf16* x_bf16 = nullptr;     // [N, K] dot path: x as it lies
   std::vector<uint32_t> x_pairs;    // [K, N] dot path: x's bf16 pairs [ceil(K / 2), M]
-  int64_t units = 0, unit_width = 0;  // [K, N]: tiles (+ the tail); [N, K]: w row ranges
+  int64_t units = 0;
+  int64_t unit_width = 0;                       // [N, K]: w rows per unit
+  int64_t tile_width = 0, full_tiles = 0, unit_tiles = 0;  // [K, N] (and the tail's unit)
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
+  // [K, N] unit u: column tiles u * unit_tiles.. (of tile_width columns), or the columns past
+  // the last full tile (the last unit when N is not a multiple of tile_width), chunk by chunk.
   template <typename T>
-  void unit_kn(int64_t u) {
+  void unit_kn(int64_t u, float* scratch) {
     const MatmulProblem& P = problem;
-    const int64_t n0 = u * unit_width;
-    if (n0 + unit_width > P.N) return kn_tail<T>(P, n0);
-    for (int64_t m0 = 0; m0 < P.M; m0 += kMaxRowBlock) {
-      const int mb = static_cast<int>(std::min<int64_t>(kMaxRowBlock, P.M - m0));
+    const int64_t first = u * unit_tiles;
+    if (first >= full_tiles) return kn_tail<T>(P, full_tiles * tile_width);
+    const int64_t count = std::min(unit_tiles, full_tiles - first);
+    const int64_t blocks = (P.M + kMaxRowBlock - 1) / kMaxRowBlock;
+    const bool wide = tile_width == 64;  // up to 4 rows
+    const char* w = static_cast<const char*>(P.w);
+    const int64_t row_bytes = P.N * sizeof(T), offset = first * tile_width * sizeof(T);
+    const int64_t segment = count * tile_width * sizeof(T);  // the unit's bytes of a row
+    const int64_t rows_a_tile = (kKChunk + count - 1) / count;
+    for (int64_t k0 = 0; k0 < P.K; k0 += kKChunk) {
+      const int64_t k1 = std::min(P.K, k0 + kKChunk);
+      for (int64_t t = 0; t < count; ++t) {
+        const int64_t n0 = (first + t) * tile_width;
+        // the next chunk's rows, a share before each tile, so they arrive a chunk ahead
+        const int64_t r0 = std::min(P.K, k1 + t * rows_a_tile);
+        prefetch_rows(w, row_bytes, r0, std::min(P.K, r0 + rows_a_tile), offset, segment);
+        for (int64_t b = 0; b < blocks; ++b) {  // the chunk's tile stays in L1 for the next
+          const int64_t m0 = b * kMaxRowBlock;
+          const int mb = static_cast<int>(std::min<int64_t>(kMaxRowBlock, P.M - m0));
+          float* acc = scratch + (t * blocks + b) * kTileFloats;
 #ifdef __AVX512BF16__
-      if (std::is_same_v<T, bf16> && dot) {
-        const auto fn = unit_width == 64
-                            ? kn_pick_dot<2>(mb, std::make_integer_sequence<int, 4>())
-                            : kn_pick_dot<1>(mb, std::make_integer_sequence<int, 8>());
-        fn(P, x_pairs.data(), m0, n0);
-        continue;
-      }
+          if (std::is_same_v<T, bf16> && dot) {
+            const auto fn = wide ? kn_pick_dot<2>(mb, std::make_integer_sequence<int, 4>())
+                                 : kn_pick_dot<1>(mb, std::make_integer_sequence<int, 8>());
+            fn(P, x_pairs.data(), m0, n0, k0, k1, acc, k0 == 0);
+            continue;
+          }
 #endif
-      const KnTileFn fn = unit_width == 64
-                              ? kn_pick<T, 4>(mb, std::make_integer_sequence<int, 4>())
-                              : kn_pick<T, 2>(mb, std::make_integer_sequence<int, 8>());
-      fn(P, m0, n0);
+          const KnTileFn fn = wide ? kn_pick<T, 4>(mb, std::make_integer_sequence<int, 4>())
+                                   : kn_pick<T, 2>(mb, std::make_integer_sequence<int, 8>());
+          fn(P, m0, n0, k0, k1, acc, k0 == 0);
+        }
+      }
     }
+    for (int64_t t = 0; t < count; ++t)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t m0 = b * kMaxRowBlock, n0 = (first + t) * tile_width;
+        const int mb = static_cast<int>(std::min<int64_t>(kMaxRowBlock, P.M - m0));
+        const float* acc = scratch + (t * blocks + b) * kTileFloats;
+#ifdef __AVX512BF16__
+        if (std::is_same_v<T, bf16> && dot) {
+          kn_store_dot(P, m0, n0, mb, wide ? 2 : 1, acc);
+          continue;
+        }
+#endif
+        kn_store(P, m0, n0, mb, wide ? 4 : 2, acc);
+      }
   }
 
   template <typename T>
@@ -1358,11 +1413,14 @@ struct MatmulWork {
   }
 
   void run() {
+    std::vector<float> scratch;  // [K, N]: a unit's accumulators between chunks
+    if (!transpose_w)
+      scratch.resize(unit_tiles * ((problem.M + kMaxRowBlock - 1) / kMaxRowBlock) * kTileFloats);
     for (int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) {
       if (transpose_w) {
         if (is_bf16) unit_nk<bf16>(u); else unit_nk<float>(u);
       } else {
-        if (is_bf16) unit_kn<bf16>(u); else unit_kn<float>(u);
+        if (is_bf16) unit_kn<bf16>(u, scratch.data()); else unit_kn<float>(u, scratch.data());
       }
       done.fetch_add(1, std::memory_order_release);
     }
@@ -1426,14 +1484,22 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
         }
     }
   }
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   if (work->transpose_w) {
     // ranges of 64 w rows (fewer for small N, so that every thread has some)
-    const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
     work->unit_width = std::max<int64_t>(4, std::min<int64_t>(64, (N / threads + 3) / 4 * 4));
     work->units = (N + work->unit_width - 1) / work->unit_width;
   } else {
-    work->unit_width = M <= 4 ? 64 : 32;
-    work->units = (N + work->unit_width - 1) / work->unit_width;  // the last may be the tail
+    // tiles shared evenly among a multiple of the threads' count of units (so that each
+    // thread has as many), of at most kMaxUnitTiles tiles where there are enough
+    work->tile_width = M <= 4 ? 64 : 32;
+    work->full_tiles = N / work->tile_width;
+    const int64_t wanted = (work->full_tiles + kMaxUnitTiles - 1) / kMaxUnitTiles;
+    const int64_t spread = std::max<int64_t>(
+        1, std::min(work->full_tiles, (wanted + threads - 1) / threads * threads));
+    work->unit_tiles = std::max<int64_t>(1, (work->full_tiles + spread - 1) / spread);
+    work->units = (work->full_tiles + work->unit_tiles - 1) / work->unit_tiles +
+                  (N % work->tile_width != 0);  // the tail's unit
   }
   const int64_t total = work->units;
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;

@@ -354,7 +354,8 @@ def check_set_rows(rng) -> int:
 def check_small_matmul(rng) -> int:
     """`small_matmul` (x [M, K] times w [K, N] or [N, K], float32 out) on both layouts and both
     dtypes (bfloat16 on the dot path, where built, and the portable one), odd sizes (vector
-    tails in K and N, an odd K, more rows than a register tile) and a SmolLM2-sized one,
+    tails in K and N, an odd K, more rows than a register tile, K in several chunks and N in
+    several units of tiles plus a tail) and a SmolLM2-sized one,
     eagerly and under jit, against float64 NumPy within the float32 bound
     (K + 2) * 2^-24 * sum |x| |w|. Returns the calls."""
     import jax
@@ -367,7 +368,7 @@ def check_small_matmul(rng) -> int:
     jitted = jax.jit(cpu_attention.small_matmul, static_argnames=("transpose_w", "bf16_dot"))
     for dtype, bf16_dot in ((jnp.float32, False), (jnp.bfloat16, True), (jnp.bfloat16, False)):
         for m, k, n in ((1, 7, 7), (5, 33, 70), (9, 17, 33), (16, 41, 65), (3, 1, 1),
-                        (8, 576, 200), (2, 64, 96)):
+                        (8, 576, 200), (2, 64, 96), (12, 99, 1100)):
             for transpose_w in (False, True):
                 x = jnp.asarray(rng.standard_normal((m, k)), dtype)
                 w = jnp.asarray(rng.standard_normal((n, k) if transpose_w else (k, n)), dtype)

@@ -25,10 +25,11 @@ DTYPES = [jnp.float32, jnp.bfloat16]
 # has no AVX512-BF16)
 MODES = [(jnp.float32, None), (jnp.bfloat16, True), (jnp.bfloat16, False)]
 MODE_IDS = ["float32", "bfloat16-dot", "bfloat16-portable"]
-# (K, N): odd sizes (no full vector, a vector and a tail, tile tails) and SmolLM2-135M's
+# (K, N): odd sizes (no full vector, a vector and a tail, tile tails), K over several chunks
+# of rows with N over several units of tiles and a tail (99, 1100), and SmolLM2-135M's
 # projections qkv, o, gate_up, down
-SHAPES = [(7, 7), (33, 33), (1, 5), (16, 16), (17, 100), (40, 65), (576, 960), (576, 576),
-          (576, 3072), (1536, 576)]
+SHAPES = [(7, 7), (33, 33), (1, 5), (16, 16), (17, 100), (40, 65), (99, 1100), (576, 960),
+          (576, 576), (576, 3072), (1536, 576)]
 
 
 def operands(rng, m, k, n, dtype, transpose_w):
