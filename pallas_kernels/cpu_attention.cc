@@ -1413,14 +1413,16 @@ struct MatmulWork {
   }
 
   void run() {
-    std::vector<float> scratch;  // [K, N]: a unit's accumulators between chunks
+    // [K, N]: a unit's accumulators between chunks (the first chunk writes them: no fill)
+    std::unique_ptr<float[]> scratch;
     if (!transpose_w)
-      scratch.resize(unit_tiles * ((problem.M + kMaxRowBlock - 1) / kMaxRowBlock) * kTileFloats);
+      scratch.reset(new float[unit_tiles * ((problem.M + kMaxRowBlock - 1) / kMaxRowBlock) *
+                              kTileFloats]);
     for (int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) {
       if (transpose_w) {
         if (is_bf16) unit_nk<bf16>(u); else unit_nk<float>(u);
       } else {
-        if (is_bf16) unit_kn<bf16>(u, scratch.data()); else unit_kn<float>(u, scratch.data());
+        if (is_bf16) unit_kn<bf16>(u, scratch.get()); else unit_kn<float>(u, scratch.get());
       }
       done.fetch_add(1, std::memory_order_release);
     }
@@ -1455,6 +1457,10 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
     return InvalidMatmul("output " + shape_string(od) + " is not [" + std::to_string(M) + ", " +
                          std::to_string(N) + "]");
   if (M == 0 || N == 0) return ffi::Error::Success();
+  if (K == 0) {  // empty sums: no chunk runs
+    std::fill_n(out->typed_data(), M * N, 0.0f);
+    return ffi::Error::Success();
+  }
 
   auto work = std::make_shared<MatmulWork>();
   work->transpose_w = transpose_w != 0;
