@@ -1032,7 +1032,8 @@ ffi::Error SetRows(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> index, ffi::AnyBuf
 // scalar loop. w is prefetched into L2 far ahead of its loads (a chunk ahead, row by row, in
 // the [K, N] walk, kPrefetchBytesNK in the [N, K] one): memory latency is then hidden behind the
 // multiply-adds, where loads that miss every cache would fill the load queue and stall them
-// (measured on a 2-core Zen 4: the [N, K] walk 8.9 -> 14 GB/s a core, its bound ~17).
+// (measured on a 2-core Zen 4 reading 34 GB/s: the [N, K] walk 8.9 -> 14-16 GB/s on one
+// core, 11 -> 26 on both).
 // GCC/Clang vector extensions: AVX-512 registers where the build targets them, split into
 // narrower ones elsewhere.
 
