@@ -1,0 +1,88 @@
+"""The kernel library's few-row matmul (`cpu_attention.small_matmul`) on a decode step's
+weights, against the machine's read bandwidth, in one process.
+
+A decode step of few rows is a stream of the weights: each projection and the LM head reads
+every weight once. This runs SmolLM2-135M's shapes (30 layers of qkv [576, 960], o
+[576, 576], gate_up [576, 3072], down [1536, 576], each layer its own random weights, and the
+tied head [49152, 576] read as [N, K]) at a given row count, jitted as chains of one kind
+(30 calls) and all together (121), and prints each chain's milliseconds, the GB/s it streams
+the weights at and its share of the read bandwidth (`bench_decode_step.read_gbps`: NumPy sums
+on one thread per core). The weights total 256 MiB in bfloat16, 513 MiB in float32, far
+beyond the caches, as in a real step.
+
+    python scripts/bench_small_matmul.py                    # 8 rows, bfloat16 and float32
+    python scripts/bench_small_matmul.py --rows 1,8,16 --dtypes bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_decode_step import read_gbps  # noqa: E402
+from bench_throughput import median_seconds  # noqa: E402
+
+LAYERS, HIDDEN, QKV, INTERMEDIATE, VOCAB = 30, 576, 960, 1536, 49152
+# the projections as [K, N]
+KINDS = {"qkv": (HIDDEN, QKV), "o": (HIDDEN, HIDDEN), "gate_up": (HIDDEN, 2 * INTERMEDIATE),
+         "down": (INTERMEDIATE, HIDDEN)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", default="8")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    args = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels import cpu_attention
+
+    if not cpu_attention.available():
+        raise SystemExit("the CPU kernel library is not available")
+    bandwidth = read_gbps()
+    print(f"read bandwidth {bandwidth:.1f} GB/s")
+    print(f"{'dtype':>9}{'rows':>5}  {'chain':<24}{'ms':>8}{'GB/s':>7}{'of read':>9}")
+    rng = np.random.default_rng(0)
+    for dtype in [jnp.dtype(d) for d in args.dtypes.split(",") if d]:
+        def weights(*shape):
+            return jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02, dtype)
+
+        layers = [{kind: weights(*shape) for kind, shape in KINDS.items()}
+                  for _ in range(LAYERS)]
+        head = weights(VOCAB, HIDDEN)
+        for rows in [int(r) for r in args.rows.split(",")]:
+            x = jnp.asarray(rng.standard_normal((rows, INTERMEDIATE), np.float32), dtype)
+
+            def chain(kinds, with_head):
+                def run(x, layers, head):
+                    total = jnp.zeros((rows,), jnp.float32)  # keeps every call's result live
+                    for layer in layers:
+                        for kind in kinds:
+                            w = layer[kind]
+                            total += cpu_attention.small_matmul(x[:, : w.shape[0]], w)[:, 0]
+                    if with_head:
+                        total += cpu_attention.small_matmul(x[:, :HIDDEN], head,
+                                                            transpose_w=True)[:, 0]
+                    return total
+                return jax.jit(run)
+
+            cases = [(f"{kind} x{LAYERS}", [kind], False) for kind in KINDS]
+            cases += [(f"head {VOCAB}x{HIDDEN}", [], True),
+                      (f"all {LAYERS * len(KINDS) + 1} (a step's)", list(KINDS), True)]
+            for name, kinds, with_head in cases:
+                seconds = median_seconds(chain(kinds, with_head), x, layers, head, runs=15)
+                nbytes = sum(layer[kind].nbytes for layer in layers for kind in kinds)
+                nbytes += head.nbytes if with_head else 0
+                rate = nbytes / seconds / 1e9
+                print(f"{dtype.name:>9}{rows:>5}  {name:<24}{seconds * 1e3:>8.2f}{rate:>7.1f}"
+                      f"{rate / bandwidth:>9.0%}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
