@@ -1345,11 +1345,23 @@ struct MatmulWork {
     const int64_t rows_a_tile = (kKChunk + count - 1) / count;
     for (int64_t k0 = 0; k0 < P.K; k0 += kKChunk) {
       const int64_t k1 = std::min(P.K, k0 + kKChunk);
+      // the rows to prefetch during this chunk: the next chunk's, or in the last chunk the
+      // first chunk of the unit a thread claims next (whichever thread does, it then reads
+      // them from this core's L2 rather than from memory)
+      int64_t ahead_row = k1, ahead_offset = offset, ahead_segment = segment;
+      if (k1 == P.K) {
+        const int64_t next_first = next.load(std::memory_order_relaxed) * unit_tiles;
+        ahead_row = 0;
+        ahead_offset = next_first * tile_width * sizeof(T);
+        ahead_segment = std::min(unit_tiles, full_tiles - next_first) * tile_width * sizeof(T);
+      }
       for (int64_t t = 0; t < count; ++t) {
         const int64_t n0 = (first + t) * tile_width;
-        // the next chunk's rows, a share before each tile, so they arrive a chunk ahead
-        const int64_t r0 = std::min(P.K, k1 + t * rows_a_tile);
-        prefetch_rows(w, row_bytes, r0, std::min(P.K, r0 + rows_a_tile), offset, segment);
+        // a share of those rows before each tile, so that they arrive a chunk ahead
+        const int64_t r0 = std::min(P.K, ahead_row + t * rows_a_tile);
+        const int64_t r1 = std::min({P.K, r0 + rows_a_tile, ahead_row + kKChunk});
+        if (ahead_segment > 0)
+          prefetch_rows(w, row_bytes, r0, r1, ahead_offset, ahead_segment);
         for (int64_t b = 0; b < blocks; ++b) {  // the chunk's tile stays in L1 for the next
           const int64_t m0 = b * kMaxRowBlock;
           const int mb = static_cast<int>(std::min<int64_t>(kMaxRowBlock, P.M - m0));
