@@ -1103,6 +1103,13 @@ inline void prefetch_rows(const char* w, int64_t row_bytes, int64_t r0, int64_t 
   }
 }
 
+// [N, K]: prefetches kPrefetchBytesNK past `at` (a point in a w row's stream) into L2, unless
+// that lies past w's end `w_end`.
+inline void prefetch_nk(const void* at, const char* w_end) {
+  const char* ahead = static_cast<const char*>(at) + kPrefetchBytesNK;
+  if (ahead < w_end) __builtin_prefetch(ahead, 0, kL2);
+}
+
 struct MatmulProblem {
   const float* x;  // float32 scratch: [K, M] for w [K, N], [M, K] for w [N, K]
   const void* w;
@@ -1164,8 +1171,7 @@ void nk_block(const MatmulProblem& P, int64_t m0, int64_t n0, const char* w_end)
   for (; k + 16 <= P.K; k += 16) {
     v16f wv[R];
     for (int r = 0; r < R; ++r) {
-      const char* ahead = reinterpret_cast<const char*>(w + r * P.K + k) + kPrefetchBytesNK;
-      if (ahead < w_end) __builtin_prefetch(ahead, 0, kL2);
+      prefetch_nk(w + r * P.K + k, w_end);
       wv[r] = load16(w + r * P.K + k);
     }
     for (int m = 0; m < MB; ++m) {
@@ -1222,8 +1228,7 @@ void nk_block_dot(const MatmulProblem& P, const bf16* x, int64_t m0, int64_t n0,
   for (; k + 32 <= P.K; k += 32) {
     __m512bh wv[R];
     for (int r = 0; r < R; ++r) {
-      const char* ahead = reinterpret_cast<const char*>(w + r * P.K + k) + kPrefetchBytesNK;
-      if (ahead < w_end) __builtin_prefetch(ahead, 0, kL2);
+      prefetch_nk(w + r * P.K + k, w_end);
       wv[r] = as_bh(_mm512_loadu_si512(w + r * P.K + k));
     }
     for (int m = 0; m < MB; ++m) {
