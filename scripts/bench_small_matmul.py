@@ -12,6 +12,11 @@ beyond the caches, as in a real step.
 
     python scripts/bench_small_matmul.py                    # 8 rows, bfloat16 and float32
     python scripts/bench_small_matmul.py --rows 1,8,16 --dtypes bfloat16
+    python scripts/bench_small_matmul.py --rows 16,24,32,48,64 --vs-xla   # where the kernel pays
+
+With --vs-xla each chain also runs XLA:CPU's dot (`jnp.dot` / einsum with a float32 result,
+what the model runs above `jaxpage.models.llama.SMALL_MATMUL_ROWS`) and prints the kernel's
+speedup over it.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="8")
     ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--vs-xla", action="store_true", help="also time XLA:CPU's dot")
     args = ap.parse_args()
 
     import jax
@@ -47,7 +53,8 @@ def main() -> None:
         raise SystemExit("the CPU kernel library is not available")
     bandwidth = read_gbps()
     print(f"read bandwidth {bandwidth:.1f} GB/s")
-    print(f"{'dtype':>9}{'rows':>5}  {'chain':<24}{'ms':>8}{'GB/s':>7}{'of read':>9}")
+    print(f"{'dtype':>9}{'rows':>5}  {'chain':<24}{'ms':>8}{'GB/s':>7}{'of read':>9}"
+          + (f"{'XLA ms':>9}{'speedup':>9}" if args.vs_xla else ""))
     rng = np.random.default_rng(0)
     for dtype in [jnp.dtype(d) for d in args.dtypes.split(",") if d]:
         def weights(*shape):
@@ -59,16 +66,22 @@ def main() -> None:
         for rows in [int(r) for r in args.rows.split(",")]:
             x = jnp.asarray(rng.standard_normal((rows, INTERMEDIATE), np.float32), dtype)
 
-            def chain(kinds, with_head):
+            def kernel(x, w, transpose_w=False):
+                return cpu_attention.small_matmul(x, w, transpose_w=transpose_w)
+
+            def xla(x, w, transpose_w=False):
+                return jnp.einsum("mk,nk->mn" if transpose_w else "mk,kn->mn", x, w,
+                                  preferred_element_type=jnp.float32)
+
+            def chain(kinds, with_head, matmul=kernel):
                 def run(x, layers, head):
                     total = jnp.zeros((rows,), jnp.float32)  # keeps every call's result live
                     for layer in layers:
                         for kind in kinds:
                             w = layer[kind]
-                            total += cpu_attention.small_matmul(x[:, : w.shape[0]], w)[:, 0]
+                            total += matmul(x[:, : w.shape[0]], w)[:, 0]
                     if with_head:
-                        total += cpu_attention.small_matmul(x[:, :HIDDEN], head,
-                                                            transpose_w=True)[:, 0]
+                        total += matmul(x[:, :HIDDEN], head, transpose_w=True)[:, 0]
                     return total
                 return jax.jit(run)
 
@@ -80,8 +93,13 @@ def main() -> None:
                 nbytes = sum(layer[kind].nbytes for layer in layers for kind in kinds)
                 nbytes += head.nbytes if with_head else 0
                 rate = nbytes / seconds / 1e9
+                versus = ""
+                if args.vs_xla:
+                    xla_seconds = median_seconds(chain(kinds, with_head, xla), x, layers, head,
+                                                 runs=15)
+                    versus = f"{xla_seconds * 1e3:>9.2f}{xla_seconds / seconds:>8.2f}x"
                 print(f"{dtype.name:>9}{rows:>5}  {name:<24}{seconds * 1e3:>8.2f}{rate:>7.1f}"
-                      f"{rate / bandwidth:>9.0%}", flush=True)
+                      f"{rate / bandwidth:>9.0%}{versus}", flush=True)
 
 
 if __name__ == "__main__":

@@ -46,13 +46,20 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return _matmul_f32(x, w).astype(x.dtype)
 
 
-# rows up to which a CPU matmul takes the kernel library's small_matmul (decode steps)
-SMALL_MATMUL_ROWS = 16
+# rows up to which a CPU matmul takes the kernel library's small_matmul (decode steps and
+# short chunks), by dtype and weight layout ([K, N]: the projections; [N, K]: a tied LM head).
+# Measured on SmolLM2's shapes against XLA:CPU's dot, a step's 120 projections / the head
+# (scripts/bench_small_matmul.py --vs-xla): bfloat16 projections 8 rows 10.7 vs 17.0 ms,
+# 24: 20.1 vs 25.5, 48: 38.0 vs 42.1, 64: even; bfloat16 head 24: 6.2 vs 6.3, 32: 9.0 vs 8.1;
+# float32 projections 32: 53.9 vs 57.5, 48: 74.4 vs 69.8; float32 head 16: 9.2 vs 10.8,
+# 24: 14.8 vs 14.4.
+SMALL_MATMUL_ROWS = {("bfloat16", False): 48, ("bfloat16", True): 24,
+                     ("float32", False): 32, ("float32", True): 16}
 
 
 def _matmul_f32(x: jax.Array, w: jax.Array, *, transpose_w: bool = False) -> jax.Array:
     """x [M, K] @ w ([K, N], or [N, K] with `transpose_w`) -> float32 [M, N]. On CPU, for
-    M <= SMALL_MATMUL_ROWS and float32/bfloat16 operands of one dtype, through
+    float32/bfloat16 operands of one dtype and M up to its SMALL_MATMUL_ROWS, through
     `cpu_attention.small_matmul` (XLA:CPU's matmuls stream the weights at about half the read
     bandwidth with so few rows); elsewhere, and on every other platform, jnp's dot."""
     def dot(x, w):
@@ -61,9 +68,8 @@ def _matmul_f32(x: jax.Array, w: jax.Array, *, transpose_w: bool = False) -> jax
         return jnp.dot(x, w, preferred_element_type=jnp.float32)
 
     dtype = jnp.dtype(x.dtype)
-    if (x.ndim != 2 or w.ndim != 2 or x.shape[0] > SMALL_MATMUL_ROWS
-            or dtype != jnp.dtype(w.dtype)
-            or dtype not in cpu_attention.SMALL_MATMUL_DTYPES
+    if (x.ndim != 2 or w.ndim != 2 or dtype != jnp.dtype(w.dtype)
+            or x.shape[0] > SMALL_MATMUL_ROWS.get((dtype.name, transpose_w), 0)
             or not cpu_attention.available()):
         return dot(x, w)
 

@@ -169,9 +169,14 @@ def test_tied_head_and_many_rows_and_other_platforms():
     head = jax.jit(lambda x, w: llama._matmul_f32(x, w, transpose_w=True))
     assert "jaxpage_small_matmul" in head.lower(x, w).as_text()
     check(head(x, w), x, w, True)
-    # more rows than SMALL_MATMUL_ROWS: the jnp dot
-    x17, w17 = operands(rng, llama.SMALL_MATMUL_ROWS + 1, 64, 32, jnp.float32, False)
-    assert "jaxpage_small_matmul" not in jax.jit(llama.linear).lower(x17, w17).as_text()
+    # up to SMALL_MATMUL_ROWS of the dtype and layout the kernel, one row more the jnp dot
+    for (dtype_name, transpose_w), rows in llama.SMALL_MATMUL_ROWS.items():
+        for m, kernel in ((rows, True), (rows + 1, False)):
+            xm, wm = operands(rng, m, 64, 32, jnp.dtype(dtype_name), transpose_w)
+            step = jax.jit(lambda x, w, t=transpose_w: llama._matmul_f32(x, w, transpose_w=t))
+            assert ("jaxpage_small_matmul" in step.lower(xm, wm).as_text()) == kernel
+            if kernel:
+                check(step(xm, wm), xm, wm, transpose_w)
     # exported for an accelerator, the CPU branch is gone
     x8, w8 = operands(rng, 8, 64, 32, jnp.float32, False)
     exported = jax.export.export(jax.jit(llama.linear), platforms=["cuda"])(x8, w8)
