@@ -269,6 +269,48 @@ inline void prefetch_blocks(const Problem& P, const int32_t* table, int64_t j, i
   }
 }
 
+// Decode items (few rows, little arithmetic a block) prefetch differently: issued all at once,
+// a block's 64 or more prefetches fill the core's queue of misses and stall it until most have
+// arrived, so the block after next is prefetched a share at a time between the rows' dot
+// products (`step`), and the next block at once only at an item's first block. Measured on 30
+// layers of 32 decode sequences (bfloat16, 9 scattered blocks each): 13.3 -> 8.8 ms.
+struct TilePump {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t lines = 0, issued = 0;  // of each tile; issued counts K's lines, then V's
+
+  // at block j of an item's blocks [first, n) of the tables' row `table`
+  template <typename T>
+  void aim(const Problem& P, const int32_t* table, int64_t j, int64_t first, int64_t n,
+           const T* k_head, const T* v_head, int64_t tile) {
+    if (j == first && j + 1 < n) {
+      const int32_t next = table[j + 1];
+      if (next >= 0 && next < P.num_blocks) {
+        prefetch_tile(k_head + next * tile, tile);
+        prefetch_tile(v_head + next * tile, tile);
+      }
+    }
+    const int32_t far = j + 2 < n ? table[j + 2] : -1;
+    issued = lines = 0;
+    if (far >= 0 && far < P.num_blocks) {
+      lines = tile * int64_t{sizeof(T)} / 64;
+      k = reinterpret_cast<const char*>(k_head + far * tile);
+      v = reinterpret_cast<const char*>(v_head + far * tile);
+    }
+  }
+
+  // the share before each of `rows` rows' two steps (dot products, then P.V)
+  static int64_t share(int64_t tile_bytes, int64_t rows) {
+    return (2 * tile_bytes / 64 + 2 * rows - 1) / (2 * rows);
+  }
+
+  void step(int64_t count) {
+    for (; count > 0 && issued < 2 * lines; --count, ++issued)
+      __builtin_prefetch(issued < lines ? k + issued * 64 : v + (issued - lines) * 64, 0, 1);
+  }
+  void finish() { step(2 * lines); }
+};
+
 // Write an item's rows (accumulator over denominator; rows that saw no key are 0) to their
 // tokens' places in the output, rounded to T.
 template <typename T>
@@ -362,11 +404,17 @@ bool attend(const Problem& P, const Item& it, Scratch& s) {
     s.kf.resize(B * D);
     s.vf.resize(B * D);
   }
+  TilePump pump;
+  const int64_t share = TilePump::share(B * D * int64_t{sizeof(T)}, rows);
   for (int64_t j = first_block; j < num_key_blocks; ++j) {
     const int32_t block = table[j];
     if (block < 0 || block >= P.num_blocks) return false;
-    prefetch_blocks(P, table, j, first_block, num_key_blocks, k_pool + head_offset * B * D,
-                    v_pool + head_offset * B * D, B * D);
+    if (rows < 8)
+      pump.aim(P, table, j, first_block, num_key_blocks, k_pool + head_offset * B * D,
+               v_pool + head_offset * B * D, B * D);
+    else
+      prefetch_blocks(P, table, j, first_block, num_key_blocks, k_pool + head_offset * B * D,
+                      v_pool + head_offset * B * D, B * D);
     const float* __restrict kb;
     const float* __restrict vb;
     if constexpr (std::is_same_v<T, float>) {
@@ -390,6 +438,7 @@ bool attend(const Problem& P, const Item& it, Scratch& s) {
 
     if (rows < 8) {
       for (int64_t r = 0; r < rows; ++r) {
+        pump.step(share);
         const Span keys = visible(P, s.pos[r], key0, valid);  // the slots row r sees
         if (keys.empty()) continue;
         const float* __restrict qr = s.q.data() + r * D;
@@ -402,6 +451,7 @@ bool attend(const Problem& P, const Item& it, Scratch& s) {
         const float correction =
             softmax_step<kB>(scores, keys.begin, keys.end, B, P.soft_cap, probs, &s.row_max[r],
                              &s.denom[r]);
+        pump.step(share);
         float* __restrict acc = s.acc.data() + r * D;
         alignas(64) float out[kDMax];
 #pragma omp simd
@@ -414,6 +464,7 @@ bool attend(const Problem& P, const Item& it, Scratch& s) {
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) acc[d] = out[d];
       }
+      pump.finish();
       continue;
     }
 
@@ -549,11 +600,17 @@ bool attend_dot(const Problem& P, const Item& it, Scratch& s) {
   float* __restrict probs = s.probs.data();
   uint32_t* __restrict kpairs = s.kpairs.data();
   uint32_t* __restrict vpairs = s.vpairs.data();
+  TilePump pump;
+  const int64_t share = TilePump::share(B * D * int64_t{sizeof(bf16)}, rows);
   for (int64_t j = first_block; j < num_key_blocks; ++j) {
     const int32_t block = table[j];
     if (block < 0 || block >= P.num_blocks) return false;
-    prefetch_blocks(P, table, j, first_block, num_key_blocks, k_pool + head_offset * B * D,
-                    v_pool + head_offset * B * D, B * D);
+    if (rows < 8)
+      pump.aim(P, table, j, first_block, num_key_blocks, k_pool + head_offset * B * D,
+               v_pool + head_offset * B * D, B * D);
+    else
+      prefetch_blocks(P, table, j, first_block, num_key_blocks, k_pool + head_offset * B * D,
+                      v_pool + head_offset * B * D, B * D);
     const bf16* __restrict kb = k_pool + (head_offset + block) * B * D;
     const bf16* __restrict vb = v_pool + (head_offset + block) * B * D;
     const int64_t key0 = j * B;
@@ -572,6 +629,7 @@ bool attend_dot(const Problem& P, const Item& it, Scratch& s) {
 
     if (rows < 8) {
       for (int64_t r = 0; r < rows; ++r) {
+        pump.step(share);
         const Span keys = visible(P, s.pos[r], key0, valid);  // the slots row r sees
         if (keys.empty()) continue;
         __m512i qv[D / 32];
@@ -592,6 +650,7 @@ bool attend_dot(const Problem& P, const Item& it, Scratch& s) {
         const float correction =
             softmax_step<kB>(scores, keys.begin, keys.end, B, P.soft_cap, probs, &s.row_max[r],
                              &s.denom[r]);
+        pump.step(share);
         float* acc = s.acc.data() + r * D;
         __m512 out[DV];
         const __m512 c = _mm512_set1_ps(correction);
@@ -606,6 +665,7 @@ bool attend_dot(const Problem& P, const Item& it, Scratch& s) {
         }
         for (int64_t v = 0; v < DV; ++v) _mm512_storeu_ps(acc + 16 * v, out[v]);
       }
+      pump.finish();
       continue;
     }
 

@@ -15,10 +15,15 @@ pools (read only) and an elementwise copy of them (read + write, the traffic of
 materializing gathered K/V).
 
     python scripts/bench_attention.py
+    python scripts/bench_attention.py --cpp-only --dtype bfloat16   # the kernel alone
+
+To compare two builds of the kernel, run it twice with JAXPAGE_CPU_KERNEL_LIB naming each
+(`cpu_attention._build()` writes the current source's under ~/.cache/jaxpage).
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import jax
@@ -50,7 +55,7 @@ def cases(rng):
     ]
 
 
-def make_step(rng, lens, new):
+def make_step(rng, lens, new, dtype=np.float32):
     num_seqs = len(lens)
     width = max(4, 1 << (-(-max(lens) // BLOCK) - 1).bit_length())
     tables = np.zeros((num_seqs, width), np.int32)
@@ -63,8 +68,8 @@ def make_step(rng, lens, new):
     query_start_loc = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
     num_tokens = max(int(query_start_loc[-1]), num_seqs)
     num_tokens = 1 << (num_tokens - 1).bit_length()
-    q = rng.standard_normal((num_tokens, KV_HEADS * GROUP, HEAD_DIM)).astype(np.float32)
-    kv_bytes = 2 * sum(lens) * KV_HEADS * HEAD_DIM * 4 * LAYERS
+    q = jnp.asarray(rng.standard_normal((num_tokens, KV_HEADS * GROUP, HEAD_DIM)), dtype)
+    kv_bytes = 2 * sum(lens) * KV_HEADS * HEAD_DIM * jnp.dtype(dtype).itemsize * LAYERS
     return q, tables, np.asarray(lens, np.int32), query_start_loc, kv_bytes
 
 
@@ -79,23 +84,36 @@ def timed(fn, *args, repeats=5) -> float:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the pools' and queries' dtype")
+    ap.add_argument("--cpp-only", action="store_true",
+                    help="time the C++ kernel only (the max diff is then against float32's "
+                         "dense path on the same inputs)")
+    args = ap.parse_args()
+    dtype = jnp.dtype(args.dtype)
     rng, pool_rng = np.random.default_rng(0), np.random.default_rng(1)
     shape = (KV_HEADS, POOL_BLOCKS, BLOCK, HEAD_DIM)
-    k_pools = [jnp.asarray(pool_rng.standard_normal(shape, np.float32)) for _ in range(LAYERS)]
-    v_pools = [jnp.asarray(pool_rng.standard_normal(shape, np.float32)) for _ in range(LAYERS)]
+    k_pools = [jnp.asarray(pool_rng.standard_normal(shape, np.float32), dtype)
+               for _ in range(LAYERS)]
+    v_pools = [jnp.asarray(pool_rng.standard_normal(shape, np.float32), dtype)
+               for _ in range(LAYERS)]
     pool_bytes = LAYERS * k_pools[0].nbytes
     read_s = timed(jax.jit(lambda pools: sum(p.sum() for p in pools)), k_pools)
     copy_s = timed(jax.jit(lambda pools: [p + 1.0 for p in pools]), k_pools)
     print(f"memory ceilings over {pool_bytes / 1e6:.0f} MB of K pools: jnp.sum reads "
           f"{pool_bytes / read_s / 1e9:.1f} GB/s; a copy moves "
           f"{pool_bytes / copy_s / 1e9:.1f} GB/s each way")
-    paths = {"dense": paged_attention_reference, "blockwise": paged_attention_blockwise}
+    paths = {} if args.cpp_only else {"dense": paged_attention_reference,
+                                       "blockwise": paged_attention_blockwise}
     if cpu_attention.available():
         paths["cpp"] = lambda *args, max_query_len: cpu_attention.paged_attention_cpu(*args)
+    elif args.cpp_only:
+        raise SystemExit("the CPU kernel library is not available")
     print(f"{'case':<34}{'dense ms':>10}{'blockwise ms':>14}{'cpp ms':>8}{'blockw/cpp':>11}"
           f"{'KV MB':>7}{'cpp GB/s':>9}{'max diff':>10}")
     for name, lens, new, max_query_len in cases(rng):
-        q, tables, seq_lens, qsl, kv_bytes = make_step(rng, lens, new)
+        q, tables, seq_lens, qsl, kv_bytes = make_step(rng, lens, new, dtype)
         seconds, outs = {}, {}
         for label, attend in paths.items():
             def layers(q, ks, vs, t, n, s, attend=attend, qm=max_query_len):  # 30 layers
@@ -105,12 +123,14 @@ def main() -> None:
             fn = jax.jit(layers)
             seconds[label] = timed(fn, q, k_pools, v_pools, tables, seq_lens, qsl)
             outs[label] = fn(q, k_pools, v_pools, tables, seq_lens, qsl)
-        diff = max(float(jnp.abs(outs["dense"] - out).max()) / LAYERS for out in outs.values())
-        cpp = seconds.get("cpp", float("nan"))
-        print(f"{name:<34}{seconds['dense'] * 1e3:>10.1f}{seconds['blockwise'] * 1e3:>14.1f}"
-              f"{cpp * 1e3:>8.1f}{seconds['blockwise'] / cpp:>10.2f}x{kv_bytes / 1e6:>7.0f}"
-              f"{kv_bytes / cpp / 1e9:>9.1f}{diff:>10.1e}", flush=True)
-
+        nan = float("nan")
+        diff = nan if "dense" not in outs else max(
+            float(jnp.abs(outs["dense"] - out).max()) / LAYERS for out in outs.values())
+        cpp = seconds.get("cpp", nan)
+        print(f"{name:<34}{seconds.get('dense', nan) * 1e3:>10.1f}"
+              f"{seconds.get('blockwise', nan) * 1e3:>14.1f}"
+              f"{cpp * 1e3:>8.1f}{seconds.get('blockwise', nan) / cpp:>10.2f}x"
+              f"{kv_bytes / 1e6:>7.0f}{kv_bytes / cpp / 1e9:>9.1f}{diff:>10.1e}", flush=True)
 
 if __name__ == "__main__":
     main()
