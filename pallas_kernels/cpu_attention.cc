@@ -553,6 +553,84 @@ inline __m512 sum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], 0x88), _mm512_shuffle_ps(g[0], g[1], 0xDD));
 }
 
+// exp_nonpositive on 16 lanes, step for step (NaN -> -87 as there: vmaxps returns its second
+// operand when either is NaN).
+inline __m512 exp16_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i n_bits = _mm512_castps_si512(_mm512_add_ps(n, _mm512_set1_ps(12582912.0f)));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(n_bits, _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+}
+
+// The lanes i of a 16-slot group (slots t0 + i) with m <= t0 + i < n.
+inline __mmask16 slot_mask(int64_t m, int64_t n, int64_t t0) {
+  const int64_t lo = std::clamp<int64_t>(m - t0, 0, 16), hi = std::clamp<int64_t>(n - t0, 0, 16);
+  const uint32_t below_hi = (1u << hi) - 1u, below_lo = (1u << lo) - 1u;
+  return static_cast<__mmask16>(below_hi & ~below_lo);
+}
+
+// softmax_step without a soft cap, on 16 lanes at a time, for kB a multiple of 16; also leaves
+// the probabilities rounded to bfloat16 in consecutive pairs (pairs[tp] = (p[2 tp], p[2 tp + 1]),
+// as `pair(narrow(.), narrow(.))`: vcvtneps2bf16 rounds to nearest even, and the probabilities
+// are 0 or normal numbers, which it does not flush).
+template <int kB>
+inline float softmax_step16(const float* scores, int64_t m, int64_t n, uint32_t* pairs,
+                            float* row_max, float* denom) {
+  constexpr int kV = kB / 16;
+  __m512 sc[kV];
+  __mmask16 mask[kV];
+  __m512 block_max = _mm512_set1_ps(kNegInf);
+  for (int v = 0; v < kV; ++v) {
+    sc[v] = _mm512_loadu_ps(scores + 16 * v);
+    mask[v] = slot_mask(m, n, 16 * v);
+    // max(scores, running): a NaN score leaves the running max (as std::max does)
+    block_max = _mm512_mask_max_ps(block_max, mask[v], sc[v], block_max);
+  }
+  const float old_max = *row_max;
+  const float new_max = std::max(old_max, _mm512_reduce_max_ps(block_max));
+  const float correction = old_max == kNegInf ? 0.0f : exp_nonpositive(old_max - new_max);
+  __m512 sum = _mm512_setzero_ps();
+  const __m512 shift = _mm512_set1_ps(new_max);
+  for (int v = 0; v < kV; ++v) {
+    const __m512 p = _mm512_maskz_mov_ps(mask[v], exp16_nonpositive(_mm512_sub_ps(sc[v], shift)));
+    sum = _mm512_add_ps(sum, p);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + 8 * v),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(p)));
+  }
+  *row_max = new_max;
+  *denom = *denom * correction + _mm512_reduce_add_ps(sum);
+  return correction;
+}
+
+// V tile rows 2 tp and 2 tp + 1 (kD bf16 each, zeroed where `keep_a` / `keep_b` is false) as
+// kD pairs (v[2 tp][d], v[2 tp + 1][d]) in d order: one two-source word shuffle per 16 pairs.
+template <int kD>
+inline void v_pairs(const bf16* va, const bf16* vb, bool keep_a, bool keep_b, uint32_t* out) {
+  alignas(64) static constexpr uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37,
+                                                  6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43,
+                                                  12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i lo = _mm512_load_si512(kLo);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int c = 0; c < kD / 32; ++c) {
+    const __m512i a = keep_a ? _mm512_loadu_si512(va + 32 * c) : _mm512_setzero_si512();
+    const __m512i b = keep_b ? _mm512_loadu_si512(vb + 32 * c) : _mm512_setzero_si512();
+    _mm512_storeu_si512(out + 32 * c, _mm512_permutex2var_epi16(a, lo, b));
+    _mm512_storeu_si512(out + 32 * c + 16, _mm512_permutex2var_epi16(a, hi, b));
+  }
+}
+
 // `attend` for bfloat16 pools on AVX512-BF16 (the compiled sizes: head_dim a multiple of 32,
 // block_size of 16). Scores: q (as given) . K on vdpbf16ps, times the scale in float32. The
 // online softmax is `softmax_step`'s, in float32. P.V: the probabilities rounded to bfloat16
@@ -618,14 +696,9 @@ bool attend_dot(const Problem& P, const Item& it, Scratch& s) {
 
     // V as pairs of consecutive key slots: vpairs[tp * D + d] = (v[2 tp][d], v[2 tp + 1][d]);
     // slots past `valid` zeroed (they may hold NaN or inf, and 0 * NaN is NaN)
-    for (int64_t tp = 0; tp < (valid + 1) / 2; ++tp) {
-      const bf16 keep_a = 2 * tp < valid ? 0xffff : 0, keep_b = 2 * tp + 1 < valid ? 0xffff : 0;
-      const bf16* va = vb + 2 * tp * D;
-      const bf16* vb1 = keep_b ? va + D : va;  // never read past the tile
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d)
-        vpairs[tp * D + d] = pair(va[d] & keep_a, vb1[d] & keep_b);
-    }
+    for (int64_t tp = 0; tp < (valid + 1) / 2; ++tp)
+      v_pairs<kD>(vb + 2 * tp * D, vb + (2 * tp + 1) * D, 2 * tp < valid, 2 * tp + 1 < valid,
+                  vpairs + tp * D);
 
     if (rows < 8) {
       for (int64_t r = 0; r < rows; ++r) {
@@ -647,9 +720,17 @@ bool attend_dot(const Problem& P, const Item& it, Scratch& s) {
           }
           _mm512_storeu_ps(scores + t0, _mm512_mul_ps(sum16(dots), sv));
         }
-        const float correction =
-            softmax_step<kB>(scores, keys.begin, keys.end, B, P.soft_cap, probs, &s.row_max[r],
-                             &s.denom[r]);
+        alignas(32) uint32_t p2[kB / 2];  // the probabilities rounded to bf16, in pairs
+        float correction;
+        if (P.soft_cap > 0.0f) {
+          correction = softmax_step<kB>(scores, keys.begin, keys.end, B, P.soft_cap, probs,
+                                        &s.row_max[r], &s.denom[r]);
+          for (int64_t tp = 0; tp < B / 2; ++tp)
+            p2[tp] = pair(narrow(probs[2 * tp]), narrow(probs[2 * tp + 1]));
+        } else {
+          correction = softmax_step16<kB>(scores, keys.begin, keys.end, p2, &s.row_max[r],
+                                          &s.denom[r]);
+        }
         pump.step(share);
         float* acc = s.acc.data() + r * D;
         __m512 out[DV];
@@ -657,8 +738,7 @@ bool attend_dot(const Problem& P, const Item& it, Scratch& s) {
         for (int64_t v = 0; v < DV; ++v) out[v] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * v), c);
         // probs outside [begin, end) are 0: pairs straddling an end are whole
         for (int64_t tp = keys.begin / 2; tp < (keys.end + 1) / 2; ++tp) {
-          const __m512bh p = as_bh(_mm512_set1_epi32(
-              static_cast<int32_t>(pair(narrow(probs[2 * tp]), narrow(probs[2 * tp + 1])))));
+          const __m512bh p = as_bh(_mm512_set1_epi32(static_cast<int32_t>(p2[tp])));
           for (int64_t v = 0; v < DV; ++v)
             out[v] = _mm512_dpbf16_ps(out[v], p,
                                       as_bh(_mm512_loadu_si512(vpairs + tp * D + 16 * v)));

@@ -127,10 +127,16 @@ def main() -> None:
         diff = nan if "dense" not in outs else max(
             float(jnp.abs(outs["dense"] - out).max()) / LAYERS for out in outs.values())
         cpp = seconds.get("cpp", nan)
-        print(f"{name:<34}{seconds.get('dense', nan) * 1e3:>10.1f}"
-              f"{seconds.get('blockwise', nan) * 1e3:>14.1f}"
-              f"{cpp * 1e3:>8.1f}{seconds.get('blockwise', nan) / cpp:>10.2f}x"
-              f"{kv_bytes / 1e6:>7.0f}{kv_bytes / cpp / 1e9:>9.1f}{diff:>10.1e}", flush=True)
+        def column(value, width, spec):  # "-" for a path not run
+            return f"{'-' if value != value else format(value, spec):>{width}}"
+
+        print(f"{name:<34}{column(seconds.get('dense', nan) * 1e3, 10, '.1f')}"
+              f"{column(seconds.get('blockwise', nan) * 1e3, 14, '.1f')}"
+              f"{column(cpp * 1e3, 8, '.1f')}"
+              f"{column(seconds.get('blockwise', nan) / cpp, 10, '.2f')}"
+              f"{'x' if 'blockwise' in seconds else ' '}"
+              f"{kv_bytes / 1e6:>7.0f}{column(kv_bytes / cpp / 1e9, 9, '.1f')}"
+              f"{column(diff, 10, '.1e')}", flush=True)
 
 if __name__ == "__main__":
     main()
