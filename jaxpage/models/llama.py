@@ -48,12 +48,12 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
 
 # rows up to which a CPU matmul takes the kernel library's small_matmul (decode steps and
 # short chunks), by dtype and weight layout ([K, N]: the projections; [N, K]: a tied LM head):
-# where it beat XLA:CPU's dot in every run of SmolLM2's shapes, a step's 120 projections / the
-# head (scripts/bench_small_matmul.py --vs-xla): bfloat16 projections 8 rows 10.0-10.7 vs
-# 16.3-17.2 ms, 24: 20.1 vs 25.5, 32: 25.7-28.6 vs 29.8-31.4, 48: 37.8-38.4 vs 35.9-42.1 (a
-# toss-up); bfloat16 head 24: 6.2 vs 6.3, 32: 9.0 vs 8.1; float32 projections 32: 53.9 vs 57.5,
-# 48: 74.4 vs 69.8; float32 head 16: 9.2 vs 10.8, 24: 14.8 vs 14.4.
-SMALL_MATMUL_ROWS = {("bfloat16", False): 32, ("bfloat16", True): 24,
+# where it beat XLA:CPU's dot in every run on SmolLM2's shapes (scripts/bench_small_matmul.py
+# --vs-xla; docs/bench/cpu_small_matmul_vs_xla_2026-12-01.log). bfloat16, a step's 120
+# projections: 8 rows 10.0-11.5 vs 16.3-21.2 ms, 32: 25.7-34.1 vs 29.8-38.7, 48: even (0.9-1.1x
+# across runs); the head: 16 rows 1.02-1.17x, 24: 0.93-1.03x. float32 projections 32: 53.9 vs
+# 57.5, 48: 74.4 vs 69.8; float32 head 16: 9.2 vs 10.8, 24: 14.8 vs 14.4.
+SMALL_MATMUL_ROWS = {("bfloat16", False): 32, ("bfloat16", True): 16,
                      ("float32", False): 32, ("float32", True): 16}
 
 
