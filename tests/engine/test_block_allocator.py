@@ -662,7 +662,11 @@ class TieredMachine(RuleBasedStateMachine):
     def reset(self) -> None:
         self.end_step()
         ok = self.alloc.reset_prefix_cache()
-        assert ok == (not self.tokens and not self.swapped)
+        # refused while any block is held: by a swapped-out sequence, or by a live one's table
+        # (a live sequence may hold none: swapped out and back in before it had a token);
+        # the tables' lengths are checked against the tokens where they are made
+        held = self.swapped or any(self.alloc.block_table(seq) for seq in self.tokens)
+        assert ok == (not held)
         if ok:
             assert self.alloc.usage()["cached_free"] == self.alloc.usage()["host_cached"] == 0
 
