@@ -281,8 +281,9 @@ def small_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
     """x [M, K] @ w [K, N] (or @ w.T for w [N, K] with `transpose_w`, a tied LM head) as
     float32 [M, N]: x and w of one dtype, float32 or bfloat16, products and sums in float32
     (bfloat16 widened exactly), as `jnp.dot(x, w, preferred_element_type=jnp.float32)`. Made
-    for few rows (M <= 16): each weight is read once and used for all rows while in
-    registers; any M is correct. The kernel must be `available()`.
+    for few rows (a decode step's; `jaxpage.models.llama.SMALL_MATMUL_ROWS` says up to where it
+    beats XLA's dot): each weight is read once and used for all rows while in registers; any
+    M is correct. The kernel must be `available()`.
 
     `bf16_dot` (bfloat16 only), as `paged_attention_cpu`'s: True takes the AVX512-BF16
     `vdpbf16ps` path where the build has it (products exact, float32 sums, subnormal inputs

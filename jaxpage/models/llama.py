@@ -49,10 +49,11 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
 # rows up to which a CPU matmul takes the kernel library's small_matmul (decode steps and
 # short chunks), by dtype and weight layout ([K, N]: the projections; [N, K]: a tied LM head):
 # where it beat XLA:CPU's dot in every run on SmolLM2's shapes (scripts/bench_small_matmul.py
-# --vs-xla; docs/bench/cpu_small_matmul_vs_xla_2026-12-01.log). bfloat16, a step's 120
-# projections: 8 rows 10.0-11.5 vs 16.3-21.2 ms, 32: 25.7-34.1 vs 29.8-38.7, 48: even (0.9-1.1x
-# across runs); the head: 16 rows 1.02-1.17x, 24: 0.93-1.03x. float32 projections 32: 53.9 vs
-# 57.5, 48: 74.4 vs 69.8; float32 head 16: 9.2 vs 10.8, 24: 14.8 vs 14.4.
+# --vs-xla; docs/bench/cpu_small_matmul_vs_xla_2026-12-01.log). bfloat16, a step's 121
+# matmuls: 8 rows 1.85x, 32 rows 1.14x, 48 rows 0.9-1.1x across runs (the projections 0.9x in
+# that log); the head alone 16 rows 1.02-1.17x, 24 rows 0.93-1.03x. float32 projections 32
+# rows 53.9 vs 57.5 ms, 48 rows 74.4 vs 69.8; float32 head 16 rows 9.2 vs 10.8, 24 rows 14.8
+# vs 14.4.
 SMALL_MATMUL_ROWS = {("bfloat16", False): 32, ("bfloat16", True): 16,
                      ("float32", False): 32, ("float32", True): 16}
 
