@@ -135,8 +135,9 @@ def word_tokenizer():
 
 
 @pytest.mark.parametrize("policy, num_requests, max_model_len, swap", [
-    ("paged", 400, 128, False), ("oracle", 200, 128, False), ("max", 160, 48, False),
-    ("paged", 300, 128, True)])
+    # the longest soak runs with the slow tests (20 s here; paged is soaked by default with swap)
+    pytest.param("paged", 400, 128, False, marks=pytest.mark.slow),
+    ("oracle", 200, 128, False), ("max", 160, 48, False), ("paged", 300, 128, True)])
 def test_soak(path, policy, num_requests, max_model_len, swap):
     """Random requests (sampling settings, n > 1, beams, stop strings and stop tokens) and
     aborts of live requests (running, waiting and preempted ones, and swapped-out ones when
