@@ -254,6 +254,16 @@ inline void prefetch_tile(const T* tile, int64_t elements) {
   for (int64_t i = 0; i < elements * int64_t{sizeof(T)}; i += 64) __builtin_prefetch(p + i, 0, 1);
 }
 
+// Prefetch pool block `block`'s K and V tiles (none for an entry outside the pool).
+template <typename T>
+inline void prefetch_block(const Problem& P, int32_t block, const T* k_head, const T* v_head,
+                           int64_t tile) {
+  if (block >= 0 && block < P.num_blocks) {
+    prefetch_tile(k_head + block * tile, tile);
+    prefetch_tile(v_head + block * tile, tile);
+  }
+}
+
 // Prefetch the tiles of the next blocks of a sequence's table (after block j of the item's
 // blocks [first, n)), where k_head and v_head are the pools of the item's KV head and a tile
 // holds `tile` elements.
@@ -262,11 +272,7 @@ inline void prefetch_blocks(const Problem& P, const int32_t* table, int64_t j, i
                             int64_t n, const T* k_head, const T* v_head, int64_t tile) {
   for (int64_t ahead = j == first ? 1 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead) {
     if (j + ahead >= n) break;
-    const int32_t next = table[j + ahead];
-    if (next >= 0 && next < P.num_blocks) {
-      prefetch_tile(k_head + next * tile, tile);
-      prefetch_tile(v_head + next * tile, tile);
-    }
+    prefetch_block(P, table[j + ahead], k_head, v_head, tile);
   }
 }
 
@@ -284,13 +290,7 @@ struct TilePump {
   template <typename T>
   void aim(const Problem& P, const int32_t* table, int64_t j, int64_t first, int64_t n,
            const T* k_head, const T* v_head, int64_t tile) {
-    if (j == first && j + 1 < n) {
-      const int32_t next = table[j + 1];
-      if (next >= 0 && next < P.num_blocks) {
-        prefetch_tile(k_head + next * tile, tile);
-        prefetch_tile(v_head + next * tile, tile);
-      }
-    }
+    if (j == first && j + 1 < n) prefetch_block(P, table[j + 1], k_head, v_head, tile);
     const int32_t far = j + 2 < n ? table[j + 2] : -1;
     issued = lines = 0;
     if (far >= 0 && far < P.num_blocks) {
