@@ -1678,6 +1678,165 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------------------------
+// Packed bfloat16 matmuls (handler JaxpagePackedMatmul): out[M, N] float32 = x[M, K] . w, with w
+// packed once (pallas_kernels.cpu_attention.pack_weight) as [P][KP][32][2]: P = N / 32 panels
+// of 32 columns, each KP = ceil(K / 2) pairs of rows long, a pair's two rows (k, k + 1)
+// interleaved column by column. So a panel is one sequential stream of K * 64 bytes, read once
+// for up to 8 x rows whose accumulators (2 vectors a row) stay in registers along all of K:
+// where the [K, N] walk above reads kKChunk short row segments at a time (2N bytes apart, each
+// in its own page), this reads memory in order, as fast as a plain sequential read (measured
+// on the 2-core Zen box: the 120 projections of a SmolLM2 step at 1 row, 19-25 -> 33 GB/s;
+// 8 rows 18-23 -> 29). Each 32-bit lane of a panel row is the pair vdpbf16ps multiplies by a
+// broadcast pair (x[m, k], x[m, k + 1]), and x's rows as they lie are exactly those pairs, so
+// x needs no transposing (an odd K's x is copied once with a zero appended). More than 8 rows
+// read each panel again per 8-row block, from L2. Products and sums as in the [K, N] paths:
+// vdpbf16ps (products exact, pair sums and accumulation in float32, subnormals flushed), or
+// widened to float32 (exact) and fused multiply-adds, k by k: bit for bit small_matmul's
+// result for the same bf16_dot.
+
+constexpr int64_t kPanel = 32;                  // columns a panel
+constexpr int64_t kPackedPrefetchBytes = 4096;  // how far ahead in a panel's stream
+constexpr int64_t kPackedUnitsPerThread = 4;    // panels shared in about this many units each
+
+// A panel's rows m0..m0+MB of out (columns n0..n0+32) from x's pairs (x32 + m * KP: row m's
+// KP pairs); w: the panel, KP * 64 bf16. `Dot`: vdpbf16ps, else widened FMAs.
+template <int MB, bool Dot>
+void packed_panel(const uint32_t* x32, int64_t KP, int64_t m0, const bf16* w, const char* w_end,
+                  float* out, int64_t N, int64_t n0) {
+  v16f acc[MB][2] = {};
+  const uint32_t* xm[MB];
+  for (int m = 0; m < MB; ++m) xm[m] = x32 + (m0 + m) * KP;
+  for (int64_t kp = 0; kp < KP; ++kp, w += 2 * kPanel) {
+    const char* ahead = reinterpret_cast<const char*>(w) + kPackedPrefetchBytes;
+    if (ahead < w_end) {
+      __builtin_prefetch(ahead, 0, kL2);
+      __builtin_prefetch(ahead + 64, 0, kL2);
+    }
+#ifdef __AVX512BF16__
+    if constexpr (Dot) {
+      const __m512bh w0 = as_bh(_mm512_loadu_si512(w)), w1 = as_bh(_mm512_loadu_si512(w + 32));
+      for (int m = 0; m < MB; ++m) {
+        const __m512bh xv = as_bh(_mm512_set1_epi32(static_cast<int32_t>(xm[m][kp])));
+        acc[m][0] = __builtin_bit_cast(
+            v16f, _mm512_dpbf16_ps(__builtin_bit_cast(__m512, acc[m][0]), xv, w0));
+        acc[m][1] = __builtin_bit_cast(
+            v16f, _mm512_dpbf16_ps(__builtin_bit_cast(__m512, acc[m][1]), xv, w1));
+      }
+      continue;
+    }
+#endif
+    // lane c of a pair vector: (w[k, c] low, w[k + 1, c] high); each widened by its bits
+    v16u u[2];
+    std::memcpy(u, w, sizeof u);
+    v16f lo[2], hi[2];
+    for (int h = 0; h < 2; ++h) {
+      lo[h] = __builtin_bit_cast(v16f, u[h] << 16);
+      hi[h] = __builtin_bit_cast(v16f, u[h] & 0xFFFF0000u);
+    }
+    for (int m = 0; m < MB; ++m) {
+      const uint32_t p = xm[m][kp];
+      const float x0 = __builtin_bit_cast(float, p << 16);
+      const float x1 = __builtin_bit_cast(float, p & 0xFFFF0000u);
+      for (int h = 0; h < 2; ++h) {  // k, then k + 1: two roundings, as the [K, N] walk's
+#ifdef __AVX512F__
+        // (explicit: -fassociative-math could otherwise sum the two products first)
+        const __m512 a = _mm512_fmadd_ps(_mm512_set1_ps(x0), __builtin_bit_cast(__m512, lo[h]),
+                                         __builtin_bit_cast(__m512, acc[m][h]));
+        acc[m][h] = __builtin_bit_cast(
+            v16f, _mm512_fmadd_ps(_mm512_set1_ps(x1), __builtin_bit_cast(__m512, hi[h]), a));
+#else
+        acc[m][h] += x0 * lo[h];
+        acc[m][h] += x1 * hi[h];
+#endif
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) std::memcpy(out + (m0 + m) * N + n0, acc[m], sizeof acc[m]);
+}
+
+using PackedPanelFn = void (*)(const uint32_t*, int64_t, int64_t, const bf16*, const char*,
+                               float*, int64_t, int64_t);
+
+template <bool Dot, int... MB>
+PackedPanelFn packed_pick(int mb, std::integer_sequence<int, MB...>) {
+  PackedPanelFn fns[] = {packed_panel<MB + 1, Dot>...};
+  return fns[mb - 1];
+}
+
+struct PackedWork {
+  const uint32_t* x32 = nullptr;  // x as pairs, [M][KP]
+  std::vector<uint32_t> x_padded;  // an odd K's x, a zero appended to each row
+  const bf16* w = nullptr;
+  const char* w_end = nullptr;
+  float* out = nullptr;
+  int64_t M = 0, KP = 0, N = 0, panels = 0, unit_panels = 0, units = 0;
+  bool dot = false;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void run() {
+    for (int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) {
+      const int64_t last = std::min(panels, (u + 1) * unit_panels);
+      for (int64_t p = u * unit_panels; p < last; ++p)
+        for (int64_t m0 = 0; m0 < M; m0 += kMaxRowBlock) {  // the panel from L2 after the first
+          const int mb = static_cast<int>(std::min<int64_t>(kMaxRowBlock, M - m0));
+          const PackedPanelFn fn =
+              dot ? packed_pick<true>(mb, std::make_integer_sequence<int, kMaxRowBlock>())
+                  : packed_pick<false>(mb, std::make_integer_sequence<int, kMaxRowBlock>());
+          fn(x32, KP, m0, w + p * KP * 2 * kPanel, w_end, out, N, p * kPanel);
+        }
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                        int64_t bf16_dot, ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || wd[2] != kPanel || wd[3] != 2)
+    return InvalidMatmul("packed: x " + shape_string(xd) + " must be a matrix and w " +
+                         shape_string(wd) + " [panels, K pairs, 32, 2]");
+  const int64_t M = xd[0], K = xd[1], P = wd[0], KP = wd[1], N = P * kPanel;
+  if ((K + 1) / 2 != KP)
+    return InvalidMatmul("packed: x " + shape_string(xd) + " does not contract with w " +
+                         shape_string(wd) + " (K pairs)");
+  if (od.size() != 2 || od[0] != M || od[1] != N)
+    return InvalidMatmul("packed: output " + shape_string(od) + " is not [" +
+                         std::to_string(M) + ", " + std::to_string(N) + "]");
+  if (bf16_dot != 0 && bf16_dot != 1)
+    return InvalidMatmul("bf16_dot must be 0 or 1, got " + std::to_string(bf16_dot));
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  if (K == 0) {
+    std::fill_n(out->typed_data(), M * N, 0.0f);
+    return ffi::Error::Success();
+  }
+  auto work = std::make_shared<PackedWork>();
+  const bf16* xb = x.typed_data();
+  if (K % 2 == 0) {
+    work->x32 = reinterpret_cast<const uint32_t*>(xb);  // read by helpers done before we return
+  } else {
+    work->x_padded.assign(static_cast<size_t>(M * KP), 0u);
+    for (int64_t m = 0; m < M; ++m)
+      std::memcpy(work->x_padded.data() + m * KP, xb + m * K, K * sizeof(bf16));
+    work->x32 = work->x_padded.data();
+  }
+  work->w = w.typed_data();
+  work->w_end = reinterpret_cast<const char*>(work->w + P * KP * 2 * kPanel);
+  work->out = out->typed_data();
+  work->M = M, work->KP = KP, work->N = N, work->panels = P;
+  work->dot = bf16_dot != 0 && kHaveBf16Dot;
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  work->unit_panels = std::max<int64_t>(1, P / (threads * kPackedUnitsPerThread));
+  work->units = (P + work->unit_panels - 1) / work->unit_panels;
+  const int64_t total = work->units;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
+  work->run();
+  while (work->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // The arguments and attributes both handlers take, for pools (q, out) of element type kType.
@@ -1746,5 +1905,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageSmallMatmul, SmallMatmul,
                                   .Arg<ffi::AnyBuffer>()          // x [M, K]
                                   .Arg<ffi::AnyBuffer>()          // w [K, N] or [N, K]
                                   .Attr<int64_t>("transpose_w")   // 1: w is [N, K]
+                                  .Attr<int64_t>("bf16_dot")      // 1: vdpbf16ps if built
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagePackedMatmul, PackedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w [N / 32, ceil(K / 2), 32, 2]
                                   .Attr<int64_t>("bf16_dot")      // 1: vdpbf16ps if built
                                   .Ret<ffi::Buffer<ffi::F32>>());  // [M, N]

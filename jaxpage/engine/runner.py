@@ -15,6 +15,7 @@ over any trace is bounded by `max_compiles`; `compiles` counts them as they happ
 
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -31,13 +32,14 @@ from jaxpage.attention import (
     select_backend,
 )
 from jaxpage.buckets import bucket_for, power_of_two_buckets
+from jaxpage.engine import huge_pages
 from jaxpage.engine.batch import SeqInput, SeqResult
 from jaxpage.engine.kv_groups import window_blocks_per_seq
 from jaxpage.models.config import layer_windows
 from jaxpage.parallel import TensorParallel, TensorParallelModel
 from jaxpage.sampling import SamplingMetadata, sample
 from jaxpage.sampling_params import SamplingParams, SamplingRow
-from pallas_kernels import bits, quantized
+from pallas_kernels import bits, cpu_attention, quantized
 
 if TYPE_CHECKING:
     from jaxpage.config import EngineConfig
@@ -155,6 +157,10 @@ class ModelRunner:
         else:
             self.params = jax.device_put(params, devices[0])
             self._pool_sharding = jax.sharding.SingleDeviceSharding(devices[0])
+            if _packs_weights(model, devices[0], dtype):
+                self.params = model.pack_params(self.params)
+        if devices[0].platform == "cpu":
+            huge_pages.advise(jax.tree.leaves(self.params))
         self.devices = devices
         # the pool's head dim is what the kernel reads in place (padded once, here)
         pool_dim = pool_head_dim(self.backend, model_config.head_dim)
@@ -531,6 +537,17 @@ def _num_host_blocks(config: EngineConfig, per_block: int) -> int:
         raise ValueError(f"swap_space {config.swap_space} bytes is smaller than one KV block "
                          f"({per_block} bytes); use 0 (no host pool) or at least one block")
     return config.swap_space // per_block
+
+
+def _packs_weights(model: Any, device: Any, dtype) -> bool:
+    """Whether a one-device runner keeps the model's weights packed for the CPU kernel's packed
+    matmul (`jaxpage.models.llama.pack_params`): bfloat16 on a CPU device where the kernel
+    library is available, for a model that offers `pack_params`; `JAXPAGE_CPU_PACKED_WEIGHTS=0`
+    turns it off (the [K, N] layout, for comparisons)."""
+    return (device.platform == "cpu" and jnp.dtype(dtype) == jnp.bfloat16
+            and hasattr(model, "pack_params")
+            and os.environ.get("JAXPAGE_CPU_PACKED_WEIGHTS", "1") != "0"
+            and cpu_attention.available())
 
 
 def _cast_float(leaf: Any, dtype) -> Any:

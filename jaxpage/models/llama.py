@@ -58,11 +58,32 @@ SMALL_MATMUL_ROWS = {("bfloat16", False): 32, ("bfloat16", True): 16,
                      ("float32", False): 32, ("float32", True): 16}
 
 
+# the projections `pack_params` packs for the CPU kernel's packed matmul
+PACKED_WEIGHTS = ("qkv", "o", "gate_up", "down")
+
+
+def pack_params(params: Params) -> Params:
+    """The params with each layer's bfloat16 projections (PACKED_WEIGHTS, where
+    `cpu_attention.packable`) packed by `cpu_attention.pack_weight`: the layout a CPU runner
+    keeps them in, so that every matmul of them, decode and prefill alike, streams its weights
+    in order (`cpu_attention.packed_matmul`). `linear` takes a packed weight as it takes a
+    [K, N] one; the engine packs only where the kernel library is available."""
+    pack = jax.jit(cpu_attention.pack_weight)  # the others are kept as they are, not copied
+    layers = [{name: pack(w) if name in PACKED_WEIGHTS and cpu_attention.packable(w) else w
+               for name, w in layer.items()} for layer in params["layers"]]
+    return dict(params, layers=layers)
+
+
 def _matmul_f32(x: jax.Array, w: jax.Array, *, transpose_w: bool = False) -> jax.Array:
-    """x [M, K] @ w ([K, N], or [N, K] with `transpose_w`) -> float32 [M, N]. On CPU, for
-    float32/bfloat16 operands of one dtype and M up to its SMALL_MATMUL_ROWS, through
-    `cpu_attention.small_matmul` (XLA:CPU's matmuls stream the weights at about half the read
-    bandwidth with so few rows); elsewhere, and on every other platform, jnp's dot."""
+    """x [M, K] @ w ([K, N], or [N, K] with `transpose_w`) -> float32 [M, N]. A packed weight
+    (`pack_params`: 4-D, only ever on CPU) goes through `cpu_attention.packed_matmul`, any M.
+    Otherwise, on CPU, for float32/bfloat16 operands of one dtype and M up to its
+    SMALL_MATMUL_ROWS, through `cpu_attention.small_matmul` (XLA:CPU's matmuls stream the
+    weights at about half the read bandwidth with so few rows); elsewhere, and on every other
+    platform, jnp's dot."""
+    if w.ndim == 4:
+        return cpu_attention.packed_matmul(x, w)
+
     def dot(x, w):
         if transpose_w:
             return jnp.einsum("mk,nk->mn", x, w, preferred_element_type=jnp.float32)
@@ -131,6 +152,10 @@ class LlamaModel:
 
     def with_tensor_parallel(self, local_config: ModelConfig, axis: str) -> LlamaModel:
         return dataclasses.replace(self, config=local_config, tp_axis=axis)
+
+    def pack_params(self, params: Params) -> Params:
+        """The params as a CPU runner keeps them: see the module-level `pack_params`."""
+        return pack_params(params)
 
     def _all_reduce(self, x: jax.Array) -> jax.Array:
         return x if self.tp_axis is None else jax.lax.psum(x, self.tp_axis)

@@ -1,0 +1,229 @@
+"""cpu_attention.packed_matmul (cpu_attention.cc's JaxpagePackedMatmul) on weights packed by
+`pack_weight`: against the float64 oracle and bit for bit against small_matmul's [K, N] tiles
+(same products, same float32 sums in k's order); llama's `pack_params` through a whole model
+against HF transformers; and what a CPU runner does with a bfloat16 model's weights (packed,
+backed by huge pages where Linux can)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import hf_logits
+from test_small_matmul import check
+
+from jaxpage.attention import build_metadata, init_kv_pool
+from jaxpage.engine import huge_pages
+from jaxpage.loading.hf import load_hf_dir
+from jaxpage.models import llama
+from pallas_kernels import cpu_attention
+
+pytestmark = [pytest.mark.kernels,
+              pytest.mark.skipif(not cpu_attention.available(),
+                                 reason="the CPU kernel library is not available")]
+
+DOTS = [True, False]
+DOT_IDS = ["dot", "portable"]
+# (K, N): an odd K (its last pair padded), one panel, several units of panels with the
+# threads' share uneven, and SmolLM2-135M's projections qkv, o, gate_up, down
+SHAPES = [(1, 32), (7, 32), (33, 64), (64, 96), (99, 1120), (576, 960), (576, 576),
+          (576, 3072), (1536, 576)]
+
+
+def operands(rng, m, k, n):
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
+    return x, w
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_pack_weight_round_trips(k, n):
+    w = operands(np.random.default_rng(k + n), 1, k, n)[1]
+    packed = cpu_attention.pack_weight(w)
+    assert packed.shape == ((n // 32), (k + 1) // 2, 32, 2)
+    np.testing.assert_array_equal(np.asarray(cpu_attention.unpack_weight(packed, k)),
+                                  np.asarray(w))
+    # panel p, pair j, column c: (w[2j, 32p + c], w[2j + 1, 32p + c])
+    p, j, c = n // 32 - 1, (k - 1) // 2, 5
+    assert packed[p, j, c, 0] == w[2 * j, 32 * p + c]
+
+
+@pytest.mark.parametrize("bf16_dot", DOTS, ids=DOT_IDS)
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_packed_matmul_matches_float64_and_small_matmul(bf16_dot, k, n):
+    rng = np.random.default_rng(k * 1000 + n)
+    for m in (1, 2, 5, 8, 9, 16, 17, 40):
+        x, w = operands(rng, m, k, n)
+        out = cpu_attention.packed_matmul(x, cpu_attention.pack_weight(w), bf16_dot=bf16_dot)
+        check(out, x, w, False)
+        # the [K, N] tiles' result, bit for bit (where N is whole tiles of small_matmul's, 64
+        # columns up to 4 rows, else 32: the columns past them take its scalar tail, which
+        # rounds in another order)
+        if n % (64 if m <= 4 else 32) == 0:
+            np.testing.assert_array_equal(
+                np.asarray(out), np.asarray(cpu_attention.small_matmul(x, w, bf16_dot=bf16_dot)))
+
+
+@pytest.mark.parametrize("bf16_dot", DOTS, ids=DOT_IDS)
+def test_nan_and_inf_propagate(bf16_dot):
+    rng = np.random.default_rng(2)
+    m, k, n = 9, 69, 96
+    x, w = operands(rng, m, k, n)
+    x = x.at[2, 5].set(jnp.nan).at[4, 68].set(jnp.inf)  # the odd K's last, padded pair
+    w = w.at[1, 3].set(jnp.inf).at[20, 69].set(-jnp.inf).at[33, 40].set(jnp.nan)
+    out = cpu_attention.packed_matmul(x, cpu_attention.pack_weight(w), bf16_dot=bf16_dot)
+    check(out, x, w, False)
+    assert np.isnan(np.asarray(out)[2]).all()
+
+
+def test_empty_rows_and_bad_operands():
+    w = cpu_attention.pack_weight(jnp.ones((8, 64), jnp.bfloat16))
+    assert cpu_attention.packed_matmul(jnp.zeros((0, 8), jnp.bfloat16), w).shape == (0, 64)
+    with pytest.raises(ValueError, match="ceil"):
+        cpu_attention.packed_matmul(jnp.ones((2, 10), jnp.bfloat16), w)
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_attention.packed_matmul(jnp.ones((2, 8), jnp.float32), w)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_attention.pack_weight(jnp.ones((8, 40), jnp.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_attention.pack_weight(jnp.ones((8, 64), jnp.float32))
+    # the handler checks for itself (an ffi_call past the wrapper)
+    call = jax.ffi.ffi_call(cpu_attention._TARGET_PACKED_MATMUL,
+                            jax.ShapeDtypeStruct((2, 96), jnp.float32))
+    with pytest.raises(Exception, match="output"):
+        jax.block_until_ready(call(jnp.ones((2, 8), jnp.bfloat16), w, bf16_dot=np.int64(1)))
+    with pytest.raises(Exception, match="K pairs"):
+        jax.block_until_ready(call(jnp.ones((2, 12), jnp.bfloat16), w, bf16_dot=np.int64(1)))
+
+
+def test_pack_params_leaves_what_it_cannot_pack():
+    params = {"embed": jnp.ones((50, 64), jnp.bfloat16), "final_norm": jnp.ones(64, jnp.bfloat16),
+              "layers": [{"qkv": jnp.ones((64, 96), jnp.bfloat16),      # packed
+                          "o": jnp.ones((64, 40), jnp.bfloat16),        # N not a multiple of 32
+                          "gate_up": jnp.ones((64, 128), jnp.float32),  # not bfloat16
+                          "down": jnp.ones((63, 64), jnp.bfloat16),     # odd K: packed, padded
+                          "attn_norm": jnp.ones(64, jnp.bfloat16)}]}
+    packed = llama.pack_params(params)
+    layer = packed["layers"][0]
+    assert layer["qkv"].shape == (3, 32, 32, 2) and layer["down"].shape == (2, 32, 32, 2)
+    for name in ("o", "gate_up", "attn_norm"):
+        assert layer[name] is params["layers"][0][name]
+    assert packed["embed"] is params["embed"]
+
+
+# a tiny Llama whose every projection packs: head_dim 16, qkv (4 + 2 * 2) * 16 = 128
+# columns, o 64, gate_up 192, down 64
+PACKABLE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=96)
+
+
+STEP = jax.jit(llama.LlamaModel.forward, static_argnums=0)
+
+
+def _step(model, params, pool, table, num_computed, tokens):
+    positions, metadata = build_metadata([table], [num_computed], [len(tokens)], 16,
+                                         logits_indices=list(range(len(tokens))))
+    return STEP(model, params, jnp.asarray(tokens, jnp.int32), positions, pool, metadata)
+
+
+def test_packed_model_errs_as_the_unpacked_one_and_decodes_bit_for_bit(hf_model_dir):
+    """bfloat16 with packed projections: a 37-token prefill (more rows than the [K, N] kernel
+    takes, so the unpacked model runs XLA's dot there) against HF transformers' float32, within
+    the bound test_llama_parity puts on the unpacked bfloat16 model (1.5x HF bfloat16's own
+    error); then decode steps from one pool, where the unpacked model takes small_matmul's
+    [K, N] tiles: the same logits bit for bit."""
+    import copy
+
+    import torch
+
+    path, hf_model = hf_model_dir("llama", **PACKABLE)
+    config, params = load_hf_dir(path, "bfloat16")
+    packed = llama.pack_params(params)
+    assert all(packed["layers"][0][name].ndim == 4 for name in llama.PACKED_WEIGHTS)
+    model = llama.LlamaModel(config)
+    tokens = list(range(3, 40))
+    truth = hf_logits(hf_model, tokens)
+    hf_err = np.abs(hf_logits(copy.deepcopy(hf_model).to(torch.bfloat16), tokens) - truth)
+    pool = init_kv_pool(config.num_layers, 4, 16, config.num_kv_heads, config.head_dim,
+                        dtype=jnp.bfloat16)
+    logits, pool = _step(model, packed, pool, [1, 2, 3], 0, tokens)
+    err = np.abs(np.asarray(logits) - truth)
+    assert 0 < err.max() <= 1.5 * hf_err.max(), (err.max(), hf_err.max())
+    assert err.mean() <= 1.5 * hf_err.mean(), (err.mean(), hf_err.mean())
+    positions, metadata = build_metadata([[1, 2, 3]], [len(tokens)], [1], 16)
+    hlo = STEP.lower(model, packed, jnp.asarray([7], jnp.int32), positions, pool,
+                     metadata).as_text()
+    assert hlo.count("jaxpage_packed_matmul") >= 4 * config.num_layers  # four per layer
+    for position, token in enumerate([7, 11, 13], start=len(tokens)):
+        ours, _ = _step(model, packed, pool, [1, 2, 3], position, [token])
+        theirs, pool = _step(model, params, pool, [1, 2, 3], position, [token])
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+
+
+def test_a_cpu_runner_packs_a_bfloat16_model_and_generates_as_the_unpacked_one(
+        hf_model_dir, monkeypatch):
+    """The runner packs (JAXPAGE_CPU_PACKED_WEIGHTS unset) or not (=0): greedy tokens and their
+    logprobs are the same, the prompts short enough (<= 32 rows a step) that the unpacked model
+    takes small_matmul's [K, N] tiles, which round as the packed kernel does; float32 is never
+    packed."""
+    from jaxpage import LLM, SamplingParams
+
+    path, _ = hf_model_dir("llama", **PACKABLE)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17, 30)]
+    sampling = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1, ignore_eos=True)
+    small = dict(block_size=16, num_blocks=40, max_num_batched_tokens=32, max_num_seqs=4)
+    results = {}
+    for packs in ("1", "0"):
+        monkeypatch.setenv("JAXPAGE_CPU_PACKED_WEIGHTS", packs)
+        llm = LLM(path, dtype="bfloat16", **small)
+        layer = llm.engine.runner.params["layers"][0]
+        assert all((layer[name].ndim == 4) == (packs == "1") for name in llama.PACKED_WEIGHTS)
+        results[packs] = [(o.outputs[0].token_ids,
+                           [lp[t] for lp, t in zip(o.outputs[0].logprobs,
+                                                           o.outputs[0].token_ids)])
+                          for o in llm.generate(prompts, sampling)]
+    assert results["1"] == results["0"]
+    monkeypatch.delenv("JAXPAGE_CPU_PACKED_WEIGHTS")
+    llm = LLM(path, dtype="float32", **small)
+    assert llm.engine.runner.params["layers"][0]["qkv"].ndim == 2
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "unavailable"
+
+
+def _anon_huge_bytes(address: int, nbytes: int) -> int:
+    """AnonHugePages of the mappings overlapping [address, address + nbytes) (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(v, 16) for v in head.split("-"))
+                inside = start < address + nbytes and address < end
+            elif inside and head == "AnonHugePages:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_huge_pages_back_a_buffer_and_keep_its_contents(monkeypatch):
+    if _thp_mode() not in ("always", "madvise"):
+        pytest.skip(f"transparent huge pages are {_thp_mode()} here")
+    values = np.random.default_rng(5).standard_normal(3 << 20).astype(np.float32)  # 12 MiB
+    array = jax.device_put(values)
+    monkeypatch.setenv("JAXPAGE_CPU_HUGE_PAGES", "0")
+    assert huge_pages.advise([array]) == 0
+    monkeypatch.delenv("JAXPAGE_CPU_HUGE_PAGES")
+    collapsed = huge_pages.advise([array, "not an array", np.ones(3)])
+    if collapsed == 0:
+        pytest.skip("Linux collapsed nothing (MADV_COLLAPSE needs Linux 6.1+ and free huge pages)")
+    # the buffer's whole 2 MiB pages, at least: 12 MiB spans five of them whatever its alignment
+    assert collapsed >= 5 * huge_pages.HUGE_PAGE
+    assert _anon_huge_bytes(array.unsafe_buffer_pointer(), array.nbytes) >= 5 * huge_pages.HUGE_PAGE
+    np.testing.assert_array_equal(np.asarray(array), values)
+    assert float(jnp.sum(array)) == pytest.approx(float(values.astype(np.float64).sum()), rel=1e-4)
