@@ -1679,40 +1679,46 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
 }
 
 // ---------------------------------------------------------------------------------------------
-// Packed bfloat16 matmuls (handler JaxpagePackedMatmul): out[M, N] float32 = x[M, K] . w, with w
-// packed once (pallas_kernels.cpu_attention.pack_weight) as [P][KP][32][2]: P = N / 32 panels
-// of 32 columns, each KP = ceil(K / 2) pairs of rows long, a pair's two rows (k, k + 1)
-// interleaved column by column. So a panel is one sequential stream of K * 64 bytes, read once
-// for up to 8 x rows whose accumulators (2 vectors a row) stay in registers along all of K:
-// where the [K, N] walk above reads kKChunk short row segments at a time (2N bytes apart, each
-// in its own page), this reads memory in order, as fast as a plain sequential read (measured
-// on the 2-core Zen box: the 120 projections of a SmolLM2 step at 1 row, 19-25 -> 33 GB/s;
-// 8 rows 18-23 -> 29). Each 32-bit lane of a panel row is the pair vdpbf16ps multiplies by a
-// broadcast pair (x[m, k], x[m, k + 1]), and x's rows as they lie are exactly those pairs, so
-// x needs no transposing (an odd K's x is copied once with a zero appended). More than 8 rows
-// read each panel again per 8-row block, from L2. Products and sums as in the [K, N] paths:
-// vdpbf16ps (products exact, pair sums and accumulation in float32, subnormals flushed), or
-// widened to float32 (exact) and fused multiply-adds, k by k: bit for bit small_matmul's
-// result for the same bf16_dot.
+// Packed matmuls (handler JaxpagePackedMatmul): out[M, N] float32 = x[M, K] . w, x and w of one
+// element type (float32 or bfloat16), w packed once (pallas_kernels.cpu_attention.pack_weight)
+// as [P][KG][32][G]: P = N / 32 panels of 32 columns, each KG = ceil(K / G) groups of G rows
+// long, a group's rows interleaved column by column (G = 2 for bfloat16: the pairs vdpbf16ps
+// takes; G = 1 for float32: the panel is w's 32 columns row after row). So a panel is one
+// sequential stream of K * 32 elements, read once for up to 8 x rows whose accumulators (2
+// vectors a row) stay in registers along all of K: where the [K, N] walk above reads kKChunk
+// short row segments at a time (one row of w per page apart), this reads memory in order, as
+// fast as a plain sequential read (measured on the 2-core Zen box, bfloat16: the 120
+// projections of a SmolLM2 step at 1 row 19-25 -> 33 GB/s, 8 rows 18-23 -> 29). For bfloat16
+// each 32-bit lane of a panel row is the pair vdpbf16ps multiplies by a broadcast pair (x[m, k],
+// x[m, k + 1]), and x's rows as they lie are exactly those pairs, so x needs no transposing (an
+// odd K's x is copied once with a zero appended); float32 broadcasts x[m, k]. More than 8 rows
+// read each panel again per 8-row block, from L2. Products and sums as in the [K, N] tiles, bit
+// for bit: float32 FMAs k by k (bfloat16 widened exactly), or vdpbf16ps (products exact, pair
+// sums and accumulation in float32, subnormals flushed).
 
 constexpr int64_t kPanel = 32;                  // columns a panel
 constexpr int64_t kPackedPrefetchBytes = 4096;  // how far ahead in a panel's stream
 constexpr int64_t kPackedUnitsPerThread = 4;    // panels shared in about this many units each
 
-// A panel's rows m0..m0+MB of out (columns n0..n0+32) from x's pairs (x32 + m * KP: row m's
-// KP pairs); w: the panel, KP * 64 bf16. `Dot`: vdpbf16ps, else widened FMAs.
+inline void prefetch_stream(const void* at, const char* end) {
+  const char* ahead = static_cast<const char*>(at) + kPackedPrefetchBytes;
+  if (ahead < end) {
+    __builtin_prefetch(ahead, 0, kL2);
+    __builtin_prefetch(ahead + 64, 0, kL2);
+  }
+}
+
+// One panel of a bfloat16 w: rows m0..m0+MB of out (columns n0..n0+32) from x's pairs (x + m *
+// KG: row m's KG pairs); w: the panel, KG * 64 bf16. `Dot`: vdpbf16ps, else widened FMAs.
 template <int MB, bool Dot>
-void packed_panel(const uint32_t* x32, int64_t KP, int64_t m0, const bf16* w, const char* w_end,
-                  float* out, int64_t N, int64_t n0) {
+void packed_panel_bf16(const void* x, int64_t KG, int64_t m0, const void* panel,
+                       const char* w_end, float* out, int64_t N, int64_t n0) {
   v16f acc[MB][2] = {};
   const uint32_t* xm[MB];
-  for (int m = 0; m < MB; ++m) xm[m] = x32 + (m0 + m) * KP;
-  for (int64_t kp = 0; kp < KP; ++kp, w += 2 * kPanel) {
-    const char* ahead = reinterpret_cast<const char*>(w) + kPackedPrefetchBytes;
-    if (ahead < w_end) {
-      __builtin_prefetch(ahead, 0, kL2);
-      __builtin_prefetch(ahead + 64, 0, kL2);
-    }
+  for (int m = 0; m < MB; ++m) xm[m] = static_cast<const uint32_t*>(x) + (m0 + m) * KG;
+  const bf16* w = static_cast<const bf16*>(panel);
+  for (int64_t kp = 0; kp < KG; ++kp, w += 2 * kPanel) {
+    prefetch_stream(w, w_end);
 #ifdef __AVX512BF16__
     if constexpr (Dot) {
       const __m512bh w0 = as_bh(_mm512_loadu_si512(w)), w1 = as_bh(_mm512_loadu_si512(w + 32));
@@ -1755,52 +1761,79 @@ void packed_panel(const uint32_t* x32, int64_t KP, int64_t m0, const bf16* w, co
   for (int m = 0; m < MB; ++m) std::memcpy(out + (m0 + m) * N + n0, acc[m], sizeof acc[m]);
 }
 
-using PackedPanelFn = void (*)(const uint32_t*, int64_t, int64_t, const bf16*, const char*,
-                               float*, int64_t, int64_t);
+// One panel of a float32 w (KG = K rows of 32 floats), rows m0..m0+MB of x [M][K].
+template <int MB, bool>
+void packed_panel_f32(const void* x, int64_t K, int64_t m0, const void* panel, const char* w_end,
+                      float* out, int64_t N, int64_t n0) {
+  v16f acc[MB][2] = {};
+  const float* xm[MB];
+  for (int m = 0; m < MB; ++m) xm[m] = static_cast<const float*>(x) + (m0 + m) * K;
+  const float* w = static_cast<const float*>(panel);
+  for (int64_t k = 0; k < K; ++k, w += kPanel) {
+    prefetch_stream(w, w_end);
+    const v16f w0 = load16(w), w1 = load16(w + 16);
+    for (int m = 0; m < MB; ++m) {
+      const float xv = xm[m][k];
+      acc[m][0] += xv * w0;
+      acc[m][1] += xv * w1;
+    }
+  }
+  for (int m = 0; m < MB; ++m) std::memcpy(out + (m0 + m) * N + n0, acc[m], sizeof acc[m]);
+}
 
-template <bool Dot, int... MB>
+using PackedPanelFn = void (*)(const void*, int64_t, int64_t, const void*, const char*, float*,
+                               int64_t, int64_t);
+
+template <bool F32, bool Dot, int... MB>
 PackedPanelFn packed_pick(int mb, std::integer_sequence<int, MB...>) {
-  PackedPanelFn fns[] = {packed_panel<MB + 1, Dot>...};
+  PackedPanelFn fns[] = {(F32 ? packed_panel_f32<MB + 1, Dot> : packed_panel_bf16<MB + 1, Dot>)...};
   return fns[mb - 1];
 }
 
 struct PackedWork {
-  const uint32_t* x32 = nullptr;  // x as pairs, [M][KP]
-  std::vector<uint32_t> x_padded;  // an odd K's x, a zero appended to each row
-  const bf16* w = nullptr;
+  const void* x = nullptr;         // [M][KG]: float32 rows, or bfloat16 rows as pairs
+  std::vector<uint32_t> x_padded;  // an odd K's bfloat16 x, a zero appended to each row
+  const char* w = nullptr;
   const char* w_end = nullptr;
   float* out = nullptr;
-  int64_t M = 0, KP = 0, N = 0, panels = 0, unit_panels = 0, units = 0;
-  bool dot = false;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
+  int64_t M = 0, KG = 0, N = 0, panel_bytes = 0, panels = 0, unit_panels = 0, units = 0;
+  PackedPanelFn fns[kMaxRowBlock] = {};  // by rows in the block, less one
 
   void run() {
     for (int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) {
       const int64_t last = std::min(panels, (u + 1) * unit_panels);
       for (int64_t p = u * unit_panels; p < last; ++p)
         for (int64_t m0 = 0; m0 < M; m0 += kMaxRowBlock) {  // the panel from L2 after the first
-          const int mb = static_cast<int>(std::min<int64_t>(kMaxRowBlock, M - m0));
-          const PackedPanelFn fn =
-              dot ? packed_pick<true>(mb, std::make_integer_sequence<int, kMaxRowBlock>())
-                  : packed_pick<false>(mb, std::make_integer_sequence<int, kMaxRowBlock>());
-          fn(x32, KP, m0, w + p * KP * 2 * kPanel, w_end, out, N, p * kPanel);
+          const int64_t mb = std::min<int64_t>(kMaxRowBlock, M - m0);
+          fns[mb - 1](x, KG, m0, w + p * panel_bytes, w_end, out, N, p * kPanel);
         }
       done.fetch_add(1, std::memory_order_release);
     }
   }
+
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
 };
 
-ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                         int64_t bf16_dot, ffi::ResultBuffer<ffi::F32> out) {
+  const ffi::DataType type = x.element_type();
+  if (type != ffi::DataType::F32 && type != ffi::DataType::BF16)
+    return InvalidMatmul("packed: x is " + type_name(type) + ", not float32 or bfloat16");
+  if (w.element_type() != type)
+    return InvalidMatmul("packed: x is " + type_name(type) + " but w " +
+                         type_name(w.element_type()) + " (one dtype for both)");
+  const bool f32 = type == ffi::DataType::F32;
+  const int64_t G = f32 ? 1 : 2;
   const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
-  if (xd.size() != 2 || wd.size() != 4 || wd[2] != kPanel || wd[3] != 2)
+  if (xd.size() != 2 || wd.size() != 4 || wd[2] != kPanel || wd[3] != G)
     return InvalidMatmul("packed: x " + shape_string(xd) + " must be a matrix and w " +
-                         shape_string(wd) + " [panels, K pairs, 32, 2]");
-  const int64_t M = xd[0], K = xd[1], P = wd[0], KP = wd[1], N = P * kPanel;
-  if ((K + 1) / 2 != KP)
+                         shape_string(wd) + " [panels, K / " + std::to_string(G) + ", 32, " +
+                         std::to_string(G) + "]");
+  const int64_t M = xd[0], K = xd[1], P = wd[0], KG = wd[1], N = P * kPanel;
+  if ((K + G - 1) / G != KG)
     return InvalidMatmul("packed: x " + shape_string(xd) + " does not contract with w " +
-                         shape_string(wd) + " (K pairs)");
+                         shape_string(wd) + " (K groups)");
   if (od.size() != 2 || od[0] != M || od[1] != N)
     return InvalidMatmul("packed: output " + shape_string(od) + " is not [" +
                          std::to_string(M) + ", " + std::to_string(N) + "]");
@@ -1812,20 +1845,25 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buf
     return ffi::Error::Success();
   }
   auto work = std::make_shared<PackedWork>();
-  const bf16* xb = x.typed_data();
-  if (K % 2 == 0) {
-    work->x32 = reinterpret_cast<const uint32_t*>(xb);  // read by helpers done before we return
-  } else {
-    work->x_padded.assign(static_cast<size_t>(M * KP), 0u);
+  work->x = x.untyped_data();  // read by the helpers, all done before this call returns
+  if (!f32 && K % 2) {
+    work->x_padded.assign(static_cast<size_t>(M * KG), 0u);
     for (int64_t m = 0; m < M; ++m)
-      std::memcpy(work->x_padded.data() + m * KP, xb + m * K, K * sizeof(bf16));
-    work->x32 = work->x_padded.data();
+      std::memcpy(work->x_padded.data() + m * KG,
+                  static_cast<const bf16*>(x.untyped_data()) + m * K, K * sizeof(bf16));
+    work->x = work->x_padded.data();
   }
-  work->w = w.typed_data();
-  work->w_end = reinterpret_cast<const char*>(work->w + P * KP * 2 * kPanel);
+  const bool dot = !f32 && bf16_dot != 0 && kHaveBf16Dot;
+  const auto rows = std::make_integer_sequence<int, kMaxRowBlock>();
+  for (int mb = 1; mb <= kMaxRowBlock; ++mb)
+    work->fns[mb - 1] = f32   ? packed_pick<true, false>(mb, rows)
+                        : dot ? packed_pick<false, true>(mb, rows)
+                              : packed_pick<false, false>(mb, rows);
+  work->w = static_cast<const char*>(w.untyped_data());
+  work->panel_bytes = KG * kPanel * G * (f32 ? 4 : 2);
+  work->w_end = work->w + P * work->panel_bytes;
   work->out = out->typed_data();
-  work->M = M, work->KP = KP, work->N = N, work->panels = P;
-  work->dot = bf16_dot != 0 && kHaveBf16Dot;
+  work->M = M, work->KG = KG, work->N = N, work->panels = P;
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   work->unit_panels = std::max<int64_t>(1, P / (threads * kPackedUnitsPerThread));
   work->units = (P + work->unit_panels - 1) / work->unit_panels;
@@ -1911,7 +1949,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageSmallMatmul, SmallMatmul,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagePackedMatmul, PackedMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w [N / 32, ceil(K / 2), 32, 2]
+                                  .Arg<ffi::AnyBuffer>()          // x [M, K]
+                                  .Arg<ffi::AnyBuffer>()          // w [N / 32, ceil(K / G), 32, G]
                                   .Attr<int64_t>("bf16_dot")      // 1: vdpbf16ps if built
                                   .Ret<ffi::Buffer<ffi::F32>>());  // [M, N]

@@ -26,9 +26,9 @@ q's dtype) is bit for bit the float32 kernel's on `quantized.dequantize_pool` of
 
 The same library holds `small_matmul`: x [M, K] times weights [K, N] (or [N, K]) with few rows
 (decode steps), streaming the weights once at about the memory's read bandwidth; XLA:CPU's
-own matmuls stream them at about half of it with 8 rows. And `packed_matmul`: bfloat16 weights
-packed once (`pack_weight`) into column panels, each one sequential stream, for any number of
-rows (what the engine uses for a bfloat16 model's projections on CPU).
+own matmuls stream them at about half of it with 8 rows. And `packed_matmul`: weights packed
+once (`pack_weight`) into column panels, each one sequential stream, for any number of rows
+(what the engine uses for a model's projections on CPU).
 
 Environment: `JAXPAGE_NO_CPU_KERNEL` (any value) turns the kernel off; `JAXPAGE_CACHE_DIR`
 (or the older `JAXPAGE_CACHE`) moves the build cache; `JAXPAGE_CPU_KERNEL_LIB` names a
@@ -316,47 +316,58 @@ def small_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
 PANEL = 32  # columns in a packed weight's panel (cpu_attention.cc kPanel)
 
 
+def _group(dtype) -> int:
+    """Rows a packed weight interleaves: 2 for bfloat16 (vdpbf16ps's pairs), 1 for float32."""
+    return 2 if jnp.dtype(dtype) == jnp.bfloat16 else 1
+
+
 def packable(w: jax.Array) -> bool:
-    """Whether `pack_weight` takes w: a bfloat16 [K, N] matrix with N a multiple of PANEL."""
-    return w.ndim == 2 and jnp.dtype(w.dtype) == jnp.bfloat16 and w.shape[1] % PANEL == 0
+    """Whether `pack_weight` takes w: a float32 or bfloat16 [K, N] matrix, N a multiple of
+    PANEL."""
+    return (w.ndim == 2 and jnp.dtype(w.dtype) in (jnp.float32, jnp.bfloat16)
+            and w.shape[1] % PANEL == 0)
 
 
 def pack_weight(w: jax.Array) -> jax.Array:
-    """bfloat16 w [K, N] (N a multiple of PANEL) -> [N / PANEL, ceil(K / 2), PANEL, 2], the
-    layout `packed_matmul` streams: panel p holds columns p * PANEL.., its rows k and k + 1
-    interleaved column by column (an odd K's last row paired with zeros). Same bytes as w (plus
-    one zero row for an odd K)."""
+    """w [K, N] (float32 or bfloat16, N a multiple of PANEL) -> [N / PANEL, ceil(K / G), PANEL,
+    G], the layout `packed_matmul` streams: panel p holds columns p * PANEL.., row after row in
+    groups of G rows interleaved column by column (G = 2 for bfloat16, the pairs the dot product
+    instruction takes, an odd K's last row paired with zeros; 1 for float32). The same bytes as w
+    (plus one zero row for a bfloat16 w of odd K)."""
     if not packable(w):
-        raise ValueError(f"pack_weight takes a bfloat16 [K, N] matrix with N a multiple of "
-                         f"{PANEL}, got {jnp.dtype(w.dtype).name} {tuple(w.shape)}")
+        raise ValueError(f"pack_weight takes a float32 or bfloat16 [K, N] matrix with N a "
+                         f"multiple of {PANEL}, got {jnp.dtype(w.dtype).name} {tuple(w.shape)}")
     k, n = w.shape
-    if k % 2:
-        w = jnp.concatenate([w, jnp.zeros((1, n), w.dtype)])
-    return w.reshape(-1, 2, n // PANEL, PANEL).transpose(2, 0, 3, 1)
+    g = _group(w.dtype)
+    if k % g:
+        w = jnp.concatenate([w, jnp.zeros((g - k % g, n), w.dtype)])
+    return w.reshape(-1, g, n // PANEL, PANEL).transpose(2, 0, 3, 1)
 
 
 def unpack_weight(packed: jax.Array, k: int | None = None) -> jax.Array:
-    """`pack_weight`'s inverse: [P, KP, PANEL, 2] -> [k, P * PANEL] (k defaults to 2 * KP)."""
-    p, kp = packed.shape[:2]
-    w = packed.transpose(1, 3, 0, 2).reshape(2 * kp, p * PANEL)
+    """`pack_weight`'s inverse: [P, KG, PANEL, G] -> [k, P * PANEL] (k defaults to KG * G)."""
+    p, kg, _, g = packed.shape
+    w = packed.transpose(1, 3, 0, 2).reshape(kg * g, p * PANEL)
     return w if k is None else w[:k]
 
 
 def packed_matmul(x: jax.Array, packed: jax.Array, *, bf16_dot: bool | None = None) -> jax.Array:
-    """x [M, K] bfloat16 @ w, given `pack_weight(w)`, as float32 [M, N]: products and sums as
-    `small_matmul(x, w, bf16_dot=...)`'s, bit for bit (float32 sums in k's order; `bf16_dot`
-    as there). Any M: up to 8 rows are computed in one pass over each panel, more re-read it
-    from cache. The kernel must be `available()`."""
+    """x [M, K] @ w, given `pack_weight(w)` (x of w's dtype), as float32 [M, N]: products and
+    sums as `small_matmul(x, w, bf16_dot=...)`'s [K, N] tiles', bit for bit (float32 sums in k's
+    order; `bf16_dot` as there). Any M: up to 8 rows are computed in one pass over each panel,
+    more re-read it from cache. The kernel must be `available()`."""
     if not available():
         raise RuntimeError("the CPU kernel library is not available")
-    if (x.ndim != 2 or packed.ndim != 4 or packed.shape[2:] != (PANEL, 2)
-            or -(-x.shape[1] // 2) != packed.shape[1]):
-        raise ValueError(f"packed_matmul takes x [M, K] and a packed weight [N / {PANEL}, "
-                         f"ceil(K / 2), {PANEL}, 2], got x {tuple(x.shape)} and "
-                         f"{tuple(packed.shape)}")
-    if jnp.dtype(x.dtype) != jnp.bfloat16 or jnp.dtype(packed.dtype) != jnp.bfloat16:
-        raise ValueError(f"packed_matmul takes bfloat16 x and weight, got "
-                         f"{jnp.dtype(x.dtype).name} and {jnp.dtype(packed.dtype).name}")
+    dtype = jnp.dtype(x.dtype)
+    if dtype not in (jnp.float32, jnp.bfloat16) or jnp.dtype(packed.dtype) != dtype:
+        raise ValueError(f"packed_matmul takes x and a packed weight of one dtype, float32 or "
+                         f"bfloat16, got {dtype.name} and {jnp.dtype(packed.dtype).name}")
+    g = _group(dtype)
+    if (x.ndim != 2 or packed.ndim != 4 or packed.shape[2:] != (PANEL, g)
+            or -(-x.shape[1] // g) != packed.shape[1]):
+        raise ValueError(f"packed_matmul takes x [M, K] and a packed {dtype.name} weight "
+                         f"[N / {PANEL}, ceil(K / {g}), {PANEL}, {g}], got x {tuple(x.shape)} "
+                         f"and {tuple(packed.shape)}")
     n = packed.shape[0] * PANEL
     return jax.ffi.ffi_call(_TARGET_PACKED_MATMUL,
                             jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(

@@ -14,9 +14,14 @@ beyond the caches, as in a real step.
     python scripts/bench_small_matmul.py --rows 1,8,16 --dtypes bfloat16
     python scripts/bench_small_matmul.py --rows 16,24,32,48,64 --vs-xla   # where the kernel pays
 
-With --vs-xla each chain also runs XLA:CPU's dot (`jnp.dot` / einsum with a float32 result,
-what the model runs above `jaxpage.models.llama.SMALL_MATMUL_ROWS`) and prints the kernel's
-speedup over it.
+Each chain of projections also runs on the same weights packed into 32-column panels
+(`cpu_attention.pack_weight` / `packed_matmul`, how a CPU runner keeps them), with its
+speedup over the [K, N] walk; the head is not packed (the "all" chain's packed column packs
+the projections only). The weights are backed by huge pages where Linux can, as a CPU
+runner's are (`jaxpage.engine.huge_pages`). With --vs-xla each chain also runs XLA:CPU's dot
+(`jnp.dot` / einsum with a float32 result, what the model runs above
+`jaxpage.models.llama.SMALL_MATMUL_ROWS` on unpacked weights) and prints the kernel's speedup
+over it.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ LAYERS, HIDDEN, QKV, INTERMEDIATE, VOCAB = 30, 576, 960, 1536, 49152
 # the projections as [K, N]
 KINDS = {"qkv": (HIDDEN, QKV), "o": (HIDDEN, HIDDEN), "gate_up": (HIDDEN, 2 * INTERMEDIATE),
          "down": (INTERMEDIATE, HIDDEN)}
+LAYER_SHAPES = [KINDS] * LAYERS
 
 
 def main() -> None:
@@ -47,6 +53,7 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
 
+    from jaxpage.engine import huge_pages
     from pallas_kernels import cpu_attention
 
     if not cpu_attention.available():
@@ -54,6 +61,7 @@ def main() -> None:
     bandwidth = read_gbps()
     print(f"read bandwidth {bandwidth:.1f} GB/s")
     print(f"{'dtype':>9}{'rows':>5}  {'chain':<24}{'ms':>8}{'GB/s':>7}{'of read':>9}"
+          f"{'packed ms':>11}{'GB/s':>7}{'speedup':>9}"
           + (f"{'XLA ms':>9}{'speedup':>9}" if args.vs_xla else ""))
     rng = np.random.default_rng(0)
     for dtype in [jnp.dtype(d) for d in args.dtypes.split(",") if d]:
@@ -63,10 +71,16 @@ def main() -> None:
         layers = [{kind: weights(*shape) for kind, shape in KINDS.items()}
                   for _ in range(LAYERS)]
         head = weights(VOCAB, HIDDEN)
+        packed = [{kind: cpu_attention.pack_weight(w) for kind, w in layer.items()}
+                  for layer in layers]
+        collapsed = huge_pages.advise(jax.tree.leaves((layers, head, packed)))
+        print(f"{dtype.name}: {collapsed >> 20} MiB of weights collapsed into huge pages")
         for rows in [int(r) for r in args.rows.split(",")]:
             x = jnp.asarray(rng.standard_normal((rows, INTERMEDIATE), np.float32), dtype)
 
             def kernel(x, w, transpose_w=False):
+                if w.ndim == 4:
+                    return cpu_attention.packed_matmul(x, w)
                 return cpu_attention.small_matmul(x, w, transpose_w=transpose_w)
 
             def xla(x, w, transpose_w=False):
@@ -76,10 +90,9 @@ def main() -> None:
             def chain(kinds, with_head, matmul=kernel):
                 def run(x, layers, head):
                     total = jnp.zeros((rows,), jnp.float32)  # keeps every call's result live
-                    for layer in layers:
+                    for layer, plain in zip(layers, LAYER_SHAPES):
                         for kind in kinds:
-                            w = layer[kind]
-                            total += matmul(x[:, : w.shape[0]], w)[:, 0]
+                            total += matmul(x[:, : plain[kind][0]], layer[kind])[:, 0]
                     if with_head:
                         total += matmul(x[:, :HIDDEN], head, transpose_w=True)[:, 0]
                     return total
@@ -93,13 +106,20 @@ def main() -> None:
                 nbytes = sum(layer[kind].nbytes for layer in layers for kind in kinds)
                 nbytes += head.nbytes if with_head else 0
                 rate = nbytes / seconds / 1e9
-                versus = ""
+                line = (f"{dtype.name:>9}{rows:>5}  {name:<24}{seconds * 1e3:>8.2f}{rate:>7.1f}"
+                        f"{rate / bandwidth:>9.0%}")
+                if kinds:
+                    packed_seconds = median_seconds(chain(kinds, with_head), x, packed, head,
+                                                    runs=15)
+                    line += (f"{packed_seconds * 1e3:>11.2f}{nbytes / packed_seconds / 1e9:>7.1f}"
+                             f"{seconds / packed_seconds:>8.2f}x")
+                else:
+                    line += f"{'':>11}{'':>7}{'':>9}"
                 if args.vs_xla:
                     xla_seconds = median_seconds(chain(kinds, with_head, xla), x, layers, head,
                                                  runs=15)
-                    versus = f"{xla_seconds * 1e3:>9.2f}{xla_seconds / seconds:>8.2f}x"
-                print(f"{dtype.name:>9}{rows:>5}  {name:<24}{seconds * 1e3:>8.2f}{rate:>7.1f}"
-                      f"{rate / bandwidth:>9.0%}{versus}", flush=True)
+                    line += f"{xla_seconds * 1e3:>9.2f}{xla_seconds / seconds:>8.2f}x"
+                print(line, flush=True)
 
 
 if __name__ == "__main__":

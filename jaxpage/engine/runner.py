@@ -541,10 +541,10 @@ def _num_host_blocks(config: EngineConfig, per_block: int) -> int:
 
 def _packs_weights(model: Any, device: Any, dtype) -> bool:
     """Whether a one-device runner keeps the model's weights packed for the CPU kernel's packed
-    matmul (`jaxpage.models.llama.pack_params`): bfloat16 on a CPU device where the kernel
-    library is available, for a model that offers `pack_params`; `JAXPAGE_CPU_PACKED_WEIGHTS=0`
-    turns it off (the [K, N] layout, for comparisons)."""
-    return (device.platform == "cpu" and jnp.dtype(dtype) == jnp.bfloat16
+    matmul (`jaxpage.models.llama.pack_params`): float32 or bfloat16 on a CPU device where the
+    kernel library is available, for a model that offers `pack_params`;
+    `JAXPAGE_CPU_PACKED_WEIGHTS=0` turns it off (the [K, N] layout, for comparisons)."""
+    return (device.platform == "cpu" and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
             and hasattr(model, "pack_params")
             and os.environ.get("JAXPAGE_CPU_PACKED_WEIGHTS", "1") != "0"
             and cpu_attention.available())

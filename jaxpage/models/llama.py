@@ -63,10 +63,12 @@ PACKED_WEIGHTS = ("qkv", "o", "gate_up", "down")
 
 
 def pack_params(params: Params) -> Params:
-    """The params with each layer's bfloat16 projections (PACKED_WEIGHTS, where
-    `cpu_attention.packable`) packed by `cpu_attention.pack_weight`: the layout a CPU runner
-    keeps them in, so that every matmul of them, decode and prefill alike, streams its weights
-    in order (`cpu_attention.packed_matmul`). `linear` takes a packed weight as it takes a
+    """The params with each layer's projections (PACKED_WEIGHTS, where
+    `cpu_attention.packable`: float32 or bfloat16, N a multiple of 32) packed by
+    `cpu_attention.pack_weight`: the layout a CPU runner keeps them in, so that every matmul of
+    them, decode and prefill alike, streams its weights in order (`cpu_attention.packed_matmul`;
+    at 1-8 rows ~25% faster a step than the [K, N] walk, and from 64 to 256 rows 1.1-2x XLA's
+    dot, 0.94x bfloat16 / 1.04x float32 at 1024). `linear` takes a packed weight as it takes a
     [K, N] one; the engine packs only where the kernel library is available."""
     pack = jax.jit(cpu_attention.pack_weight)  # the others are kept as they are, not copied
     layers = [{name: pack(w) if name in PACKED_WEIGHTS and cpu_attention.packable(w) else w

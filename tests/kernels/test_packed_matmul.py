@@ -23,38 +23,44 @@ pytestmark = [pytest.mark.kernels,
               pytest.mark.skipif(not cpu_attention.available(),
                                  reason="the CPU kernel library is not available")]
 
-DOTS = [True, False]
-DOT_IDS = ["dot", "portable"]
+# (dtype, bf16_dot): bfloat16 on both paths (the dot one is the portable one where the build
+# has no AVX512-BF16)
+MODES = [(jnp.float32, None), (jnp.bfloat16, True), (jnp.bfloat16, False)]
+MODE_IDS = ["float32", "bfloat16-dot", "bfloat16-portable"]
 # (K, N): an odd K (its last pair padded), one panel, several units of panels with the
 # threads' share uneven, and SmolLM2-135M's projections qkv, o, gate_up, down
 SHAPES = [(1, 32), (7, 32), (33, 64), (64, 96), (99, 1120), (576, 960), (576, 576),
           (576, 3072), (1536, 576)]
 
 
-def operands(rng, m, k, n):
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
+def operands(rng, m, k, n, dtype=jnp.bfloat16):
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((k, n)), dtype)
     return x, w
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("k,n", SHAPES)
-def test_pack_weight_round_trips(k, n):
-    w = operands(np.random.default_rng(k + n), 1, k, n)[1]
+def test_pack_weight_round_trips(dtype, k, n):
+    w = operands(np.random.default_rng(k + n), 1, k, n, dtype)[1]
     packed = cpu_attention.pack_weight(w)
-    assert packed.shape == ((n // 32), (k + 1) // 2, 32, 2)
+    g = 2 if dtype == jnp.bfloat16 else 1
+    assert packed.shape == ((n // 32), -(-k // g), 32, g)
     np.testing.assert_array_equal(np.asarray(cpu_attention.unpack_weight(packed, k)),
                                   np.asarray(w))
-    # panel p, pair j, column c: (w[2j, 32p + c], w[2j + 1, 32p + c])
-    p, j, c = n // 32 - 1, (k - 1) // 2, 5
-    assert packed[p, j, c, 0] == w[2 * j, 32 * p + c]
+    # panel p, group j, column c, member i: w[g * j + i, 32 p + c]
+    p, j, c = n // 32 - 1, (k - 1) // g, 5
+    assert packed[p, j, c, 0] == w[g * j, 32 * p + c]
+    if g == 2 and k > 1:
+        assert packed[p, 0, c, 1] == w[1, 32 * p + c]
 
 
-@pytest.mark.parametrize("bf16_dot", DOTS, ids=DOT_IDS)
+@pytest.mark.parametrize("dtype,bf16_dot", MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("k,n", SHAPES)
-def test_packed_matmul_matches_float64_and_small_matmul(bf16_dot, k, n):
+def test_packed_matmul_matches_float64_and_small_matmul(dtype, bf16_dot, k, n):
     rng = np.random.default_rng(k * 1000 + n)
     for m in (1, 2, 5, 8, 9, 16, 17, 40):
-        x, w = operands(rng, m, k, n)
+        x, w = operands(rng, m, k, n, dtype)
         out = cpu_attention.packed_matmul(x, cpu_attention.pack_weight(w), bf16_dot=bf16_dot)
         check(out, x, w, False)
         # the [K, N] tiles' result, bit for bit (where N is whole tiles of small_matmul's, 64
@@ -65,11 +71,11 @@ def test_packed_matmul_matches_float64_and_small_matmul(bf16_dot, k, n):
                 np.asarray(out), np.asarray(cpu_attention.small_matmul(x, w, bf16_dot=bf16_dot)))
 
 
-@pytest.mark.parametrize("bf16_dot", DOTS, ids=DOT_IDS)
-def test_nan_and_inf_propagate(bf16_dot):
+@pytest.mark.parametrize("dtype,bf16_dot", MODES, ids=MODE_IDS)
+def test_nan_and_inf_propagate(dtype, bf16_dot):
     rng = np.random.default_rng(2)
     m, k, n = 9, 69, 96
-    x, w = operands(rng, m, k, n)
+    x, w = operands(rng, m, k, n, dtype)
     x = x.at[2, 5].set(jnp.nan).at[4, 68].set(jnp.inf)  # the odd K's last, padded pair
     w = w.at[1, 3].set(jnp.inf).at[20, 69].set(-jnp.inf).at[33, 40].set(jnp.nan)
     out = cpu_attention.packed_matmul(x, cpu_attention.pack_weight(w), bf16_dot=bf16_dot)
@@ -82,26 +88,33 @@ def test_empty_rows_and_bad_operands():
     assert cpu_attention.packed_matmul(jnp.zeros((0, 8), jnp.bfloat16), w).shape == (0, 64)
     with pytest.raises(ValueError, match="ceil"):
         cpu_attention.packed_matmul(jnp.ones((2, 10), jnp.bfloat16), w)
-    with pytest.raises(ValueError, match="bfloat16"):
+    with pytest.raises(ValueError, match="one dtype"):
         cpu_attention.packed_matmul(jnp.ones((2, 8), jnp.float32), w)
+    with pytest.raises(ValueError, match="float32"):  # a bfloat16 packing read as float32
+        cpu_attention.packed_matmul(jnp.ones((2, 8), jnp.float32), w.astype(jnp.float32))
     with pytest.raises(ValueError, match="multiple of 32"):
         cpu_attention.pack_weight(jnp.ones((8, 40), jnp.bfloat16))
-    with pytest.raises(ValueError, match="bfloat16"):
-        cpu_attention.pack_weight(jnp.ones((8, 64), jnp.float32))
+    with pytest.raises(ValueError, match="float16"):
+        cpu_attention.pack_weight(jnp.ones((8, 64), jnp.float16))
     # the handler checks for itself (an ffi_call past the wrapper)
     call = jax.ffi.ffi_call(cpu_attention._TARGET_PACKED_MATMUL,
                             jax.ShapeDtypeStruct((2, 96), jnp.float32))
     with pytest.raises(Exception, match="output"):
         jax.block_until_ready(call(jnp.ones((2, 8), jnp.bfloat16), w, bf16_dot=np.int64(1)))
-    with pytest.raises(Exception, match="K pairs"):
+    with pytest.raises(Exception, match="K groups"):
         jax.block_until_ready(call(jnp.ones((2, 12), jnp.bfloat16), w, bf16_dot=np.int64(1)))
+    with pytest.raises(Exception, match="one dtype"):
+        jax.block_until_ready(call(jnp.ones((2, 8), jnp.float32), w, bf16_dot=np.int64(1)))
+    with pytest.raises(Exception, match=r"K / 1, 32, 1"):  # bfloat16's pairs read as float32
+        jax.block_until_ready(call(jnp.ones((2, 8), jnp.float32), w.astype(jnp.float32),
+                                   bf16_dot=np.int64(1)))
 
 
 def test_pack_params_leaves_what_it_cannot_pack():
     params = {"embed": jnp.ones((50, 64), jnp.bfloat16), "final_norm": jnp.ones(64, jnp.bfloat16),
               "layers": [{"qkv": jnp.ones((64, 96), jnp.bfloat16),      # packed
                           "o": jnp.ones((64, 40), jnp.bfloat16),        # N not a multiple of 32
-                          "gate_up": jnp.ones((64, 128), jnp.float32),  # not bfloat16
+                          "gate_up": jnp.ones((64, 128), jnp.float16),  # not a kernel dtype
                           "down": jnp.ones((63, 64), jnp.bfloat16),     # odd K: packed, padded
                           "attn_norm": jnp.ones(64, jnp.bfloat16)}]}
     packed = llama.pack_params(params)
@@ -161,12 +174,12 @@ def test_packed_model_errs_as_the_unpacked_one_and_decodes_bit_for_bit(hf_model_
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
 
 
-def test_a_cpu_runner_packs_a_bfloat16_model_and_generates_as_the_unpacked_one(
-        hf_model_dir, monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_cpu_runner_packs_the_weights_and_generates_as_unpacked(dtype, hf_model_dir,
+                                                                   monkeypatch):
     """The runner packs (JAXPAGE_CPU_PACKED_WEIGHTS unset) or not (=0): greedy tokens and their
     logprobs are the same, the prompts short enough (<= 32 rows a step) that the unpacked model
-    takes small_matmul's [K, N] tiles, which round as the packed kernel does; float32 is never
-    packed."""
+    takes small_matmul's [K, N] tiles, which round as the packed kernel does."""
     from jaxpage import LLM, SamplingParams
 
     path, _ = hf_model_dir("llama", **PACKABLE)
@@ -176,17 +189,14 @@ def test_a_cpu_runner_packs_a_bfloat16_model_and_generates_as_the_unpacked_one(
     results = {}
     for packs in ("1", "0"):
         monkeypatch.setenv("JAXPAGE_CPU_PACKED_WEIGHTS", packs)
-        llm = LLM(path, dtype="bfloat16", **small)
+        llm = LLM(path, dtype=dtype, **small)
         layer = llm.engine.runner.params["layers"][0]
         assert all((layer[name].ndim == 4) == (packs == "1") for name in llama.PACKED_WEIGHTS)
         results[packs] = [(o.outputs[0].token_ids,
                            [lp[t] for lp, t in zip(o.outputs[0].logprobs,
-                                                           o.outputs[0].token_ids)])
+                                                   o.outputs[0].token_ids)])
                           for o in llm.generate(prompts, sampling)]
     assert results["1"] == results["0"]
-    monkeypatch.delenv("JAXPAGE_CPU_PACKED_WEIGHTS")
-    llm = LLM(path, dtype="float32", **small)
-    assert llm.engine.runner.params["layers"][0]["qkv"].ndim == 2
 
 
 def _thp_mode() -> str:
