@@ -8,7 +8,11 @@ each step:
 - the weight-read bound: every weight is read once per step (bytes of the params / read
   bandwidth), what a small batch cannot beat;
 - the matmul bound: the step's FLOPs at the dtype's matmul rate, what a big batch cannot beat;
-and the step's time over the larger of the two. The engine pads decode batches below 8 rows
+and the step's time over the larger of the two. Then the same step, same process, with the
+runner's weights as they were before the CPU runner packed them (`--no-unpacked` skips it):
+the projections in their [K, N] layout on fresh 4 KiB pages (`cpu_attention.unpack_weight`),
+the two alternating, and the packed step's speedup over it. The engine pads decode batches
+below 8 rows
 to 8, so batch 1 runs 8 rows: as long as a step is bound by reading the weights, rows are
 nearly free (the regime of the vLLM paper's GPUs); once bound by arithmetic, each row adds
 its own cost.
@@ -27,11 +31,46 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_throughput import (  # noqa: E402
+    decode_seqs,
     decode_step_rate,
     make_llm,
     matmul_gflops,
     median_seconds,
 )
+
+
+def unpacked(params):
+    """The params with every packed projection back in its [K, N] layout, in new buffers."""
+    import jax
+
+    from pallas_kernels import cpu_attention
+
+    return jax.tree.map(lambda w: cpu_attention.unpack_weight(w) + 0 if w.ndim == 4 else w,
+                        params)
+
+
+def paired_step_seconds(llm, batch: int, context: int, other_params, rounds: int = 7):
+    """Median seconds of a decode step with the runner's params and with `other_params`, the
+    two alternating step by step (the machine's drift falls on both)."""
+    import numpy as np
+
+    runner = llm.engine.runner
+    mine = runner.params
+    seqs = decode_seqs(runner, batch, context)
+    times = ([], [])
+    try:
+        for params in (mine, other_params):  # compile both
+            runner.params = params
+            runner.execute(seqs)
+        for _ in range(rounds):
+            for params, out in zip((mine, other_params), times):
+                runner.params = params
+                start = time.perf_counter()
+                runner.execute(seqs)
+                out.append(time.perf_counter() - start)
+    finally:
+        runner.params = mine
+    return float(np.median(times[0])), float(np.median(times[1]))
 
 
 def read_gbps() -> float:
@@ -68,6 +107,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--no-unpacked", action="store_true",
+                    help="skip the same step on the unpacked [K, N] weights")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     dtypes = [d for d in args.dtypes.split(",") if d]
@@ -77,22 +118,33 @@ def main() -> None:
     bandwidth = read_gbps()
     print(f"read bandwidth {bandwidth:.1f} GB/s; context {args.context}")
     print(f"{'dtype':>9}{'batch':>6}{'ms/step':>9}{'ms/seq':>8}{'weights':>9}{'matmul':>8}"
-          f"{'bound':>7}{'x bound':>9}   (bounds in ms)")
+          f"{'bound':>7}{'x bound':>9}" + ("" if args.no_unpacked else
+                                            f"{'unpacked':>10}{'speedup':>9}")
+          + "   (bounds and unpacked in ms)")
     for dtype in dtypes:
         rate = matmul_gflops(dtype)
         llm = make_llm(max(batches), dtype=dtype)
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.params))
         weights_ms = weight_bytes / (bandwidth * 1e9) * 1e3
-        print(f"{dtype}: params {weight_bytes / 2**20:.0f} MiB, matmul {rate:.1f} GFLOP/s, "
+        params = llm.engine.runner.params
+        packed = any(w.ndim == 4 for w in jax.tree.leaves(params))
+        print(f"{dtype}: params {weight_bytes / 2**20:.0f} MiB "
+              f"({'packed' if packed else 'not packed'}), matmul {rate:.1f} GFLOP/s, "
               f"decode buckets {llm.engine.runner.decode_buckets}")
+        compare = packed and not args.no_unpacked
+        other = unpacked(params) if compare else None
         for batch in batches:
             seconds, flops = decode_step_rate(llm, batch, args.context)
             matmul_ms = flops / (rate * 1e9) * 1e3
             bound = max(weights_ms, matmul_ms)
-            print(f"{dtype:>9}{batch:>6}{seconds * 1e3:>9.1f}{seconds * 1e3 / batch:>8.2f}"
-                  f"{weights_ms:>9.1f}{matmul_ms:>8.1f}{bound:>7.1f}"
-                  f"{seconds * 1e3 / bound:>9.2f}", flush=True)
-        del llm
+            line = (f"{dtype:>9}{batch:>6}{seconds * 1e3:>9.1f}{seconds * 1e3 / batch:>8.2f}"
+                    f"{weights_ms:>9.1f}{matmul_ms:>8.1f}{bound:>7.1f}"
+                    f"{seconds * 1e3 / bound:>9.2f}")
+            if compare:
+                ours, theirs = paired_step_seconds(llm, batch, args.context, other)
+                line += f"{theirs * 1e3:>10.1f}{theirs / ours:>8.2f}x"
+            print(line, flush=True)
+        del llm, other
 
 
 if __name__ == "__main__":

@@ -256,18 +256,23 @@ def _attention_free_child(num_requests: int) -> float:
     return run_jaxpage(llm, prompts, output_lens)[0]
 
 
-def decode_step_rate(llm, batch: int, context: int) -> tuple[float, float]:
-    """(seconds, FLOPs) of one decode step at `batch` sequences of `context` tokens."""
+def decode_seqs(runner, batch: int, context: int) -> list:
+    """A decode step's inputs: `batch` sequences of `context` tokens each, greedy."""
     from jaxpage.engine.batch import SeqInput
     from jaxpage.sampling_params import SamplingParams, SamplingRow
 
-    runner = llm.engine.runner
     blocks = -(-(context + 1) // runner.block_size)
     # scattered blocks, as a pool in use hands them out (contiguous ones read faster)
     ids = np.random.default_rng(0).permutation(np.arange(1, 1 + batch * blocks)).tolist()
-    seqs = [SeqInput(ids[s * blocks : (s + 1) * blocks], context, [5],
+    return [SeqInput(ids[s * blocks : (s + 1) * blocks], context, [5],
                      [SamplingRow(SamplingParams(temperature=0.0), seed=0, step=0)])
             for s in range(batch)]
+
+
+def decode_step_rate(llm, batch: int, context: int) -> tuple[float, float]:
+    """(seconds, FLOPs) of one decode step at `batch` sequences of `context` tokens."""
+    runner = llm.engine.runner
+    seqs = decode_seqs(runner, batch, context)
     runner.execute(seqs)  # compile
     times = []
     for _ in range(5):

@@ -82,7 +82,7 @@ def advise(arrays: Iterable[Any]) -> int:
         starts, ends = _mappings()
     except (OSError, AttributeError, ValueError):
         return 0
-    ranges = set()
+    ranges = set()  # buffers in one huge page share its range
     for address, nbytes in buffers:
         i = bisect.bisect_right(starts, address) - 1
         if i < 0 or ends[i] < address + nbytes:  # not inside one mapping: leave it
@@ -93,8 +93,10 @@ def advise(arrays: Iterable[Any]) -> int:
     collapsed = 0
     for lo, hi in sorted(ranges):
         madvise(lo, hi - lo, MADV_HUGEPAGE)
-        # only whole huge pages collapse: the aligned part of the range
+        # only whole huge pages collapse: the aligned part of the range, a page at a time (one
+        # that cannot, e.g. for want of a free huge page, fails alone)
         first, last = -(-lo // HUGE_PAGE) * HUGE_PAGE, hi // HUGE_PAGE * HUGE_PAGE
-        if last > first and madvise(first, last - first, MADV_COLLAPSE) == 0:
-            collapsed += last - first
+        for page in range(first, last, HUGE_PAGE):
+            if madvise(page, HUGE_PAGE, MADV_COLLAPSE) == 0:
+                collapsed += HUGE_PAGE
     return collapsed

@@ -63,17 +63,26 @@ PACKED_WEIGHTS = ("qkv", "o", "gate_up", "down")
 
 
 def pack_params(params: Params) -> Params:
-    """The params with each layer's projections (PACKED_WEIGHTS, where
-    `cpu_attention.packable`: float32 or bfloat16, N a multiple of 32) packed by
-    `cpu_attention.pack_weight`: the layout a CPU runner keeps them in, so that every matmul of
-    them, decode and prefill alike, streams its weights in order (`cpu_attention.packed_matmul`;
-    at 1-8 rows ~25% faster a step than the [K, N] walk, and from 64 to 256 rows 1.1-2x XLA's
-    dot, 0.94x bfloat16 / 1.04x float32 at 1024). `linear` takes a packed weight as it takes a
-    [K, N] one; the engine packs only where the kernel library is available."""
+    """The params with each layer's projections (PACKED_WEIGHTS) and the LM head (`lm_head`, or
+    a tied `embed` as [H, V]), where `cpu_attention.packable` (float32 or bfloat16, N a
+    multiple of 32), packed by `cpu_attention.pack_weight`: the layout a CPU runner keeps them
+    in, so that every matmul of them, decode and prefill alike, streams its weights in order
+    (`cpu_attention.packed_matmul`; a 1-8 row step ~25% faster than on the [K, N] walk, and
+    from 64 to 256 rows 1.1-2x XLA's dot, 0.94x bfloat16 / 1.04x float32 at 1024). `linear`,
+    `embed` and `compute_logits` take packed weights as they take the others; the engine packs
+    only where the kernel library is available."""
     pack = jax.jit(cpu_attention.pack_weight)  # the others are kept as they are, not copied
     layers = [{name: pack(w) if name in PACKED_WEIGHTS and cpu_attention.packable(w) else w
                for name, w in layer.items()} for layer in params["layers"]]
-    return dict(params, layers=layers)
+    out = dict(params, layers=layers)
+    if "lm_head" in params:
+        if cpu_attention.packable(params["lm_head"]):
+            out["lm_head"] = pack(params["lm_head"])
+    elif cpu_attention.packable(params["embed"].T):
+        # a tied head: the embedding table [V, H] packed as the head's [H, V] (`embed` reads
+        # its rows back out of the panels)
+        out["embed"] = jax.jit(lambda e: cpu_attention.pack_weight(e.T))(params["embed"])
+    return out
 
 
 def _matmul_f32(x: jax.Array, w: jax.Array, *, transpose_w: bool = False) -> jax.Array:
@@ -164,8 +173,13 @@ class LlamaModel:
 
     def embed(self, params: Params, token_ids: jax.Array) -> jax.Array:
         """[T] ids -> [T, H]; tensor-parallel, each device looks up the ids in its vocabulary
-        range and the partial rows are summed."""
+        range and the partial rows are summed. A table packed as a tied head (`pack_params`:
+        [V / 32, ceil(H / G), 32, G]) gives id v's row from panel v // 32, column v % 32."""
         table = params["embed"]
+        if table.ndim == 4:
+            panel = cpu_attention.PANEL
+            rows = table[token_ids // panel, :, token_ids % panel, :]  # [T, ceil(H / G), G]
+            return rows.reshape(token_ids.shape[0], -1)[:, : self.config.hidden_size]
         if self.tp_axis is None:
             return bits.take(table, token_ids)
         rows = table.shape[0]
@@ -222,6 +236,8 @@ class LlamaModel:
         if "lm_head" in params:
             # [R, H] x [H, V] -> [R, V]
             logits = _matmul_f32(hidden, params["lm_head"])
+        elif params["embed"].ndim == 4:  # tied, packed as the head [H, V] (pack_params)
+            logits = _matmul_f32(hidden, params["embed"])
         else:  # tied: [R, H] x [V, H]^T -> [R, V]
             logits = _matmul_f32(hidden, params["embed"], transpose_w=True)
         if self.tp_axis is not None:

@@ -126,9 +126,9 @@ def test_pack_params_leaves_what_it_cannot_pack():
 
 
 # a tiny Llama whose every projection packs: head_dim 16, qkv (4 + 2 * 2) * 16 = 128
-# columns, o 64, gate_up 192, down 64
+# columns, o 64, gate_up 192, down 64, and its head (vocabulary 128)
 PACKABLE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                intermediate_size=96)
+                intermediate_size=96, vocab_size=128)
 
 
 STEP = jax.jit(llama.LlamaModel.forward, static_argnums=0)
@@ -140,20 +140,24 @@ def _step(model, params, pool, table, num_computed, tokens):
     return STEP(model, params, jnp.asarray(tokens, jnp.int32), positions, pool, metadata)
 
 
-def test_packed_model_errs_as_the_unpacked_one_and_decodes_bit_for_bit(hf_model_dir):
-    """bfloat16 with packed projections: a 37-token prefill (more rows than the [K, N] kernel
-    takes, so the unpacked model runs XLA's dot there) against HF transformers' float32, within
-    the bound test_llama_parity puts on the unpacked bfloat16 model (1.5x HF bfloat16's own
-    error); then decode steps from one pool, where the unpacked model takes small_matmul's
-    [K, N] tiles: the same logits bit for bit."""
+@pytest.mark.parametrize("tied", [False, True], ids=["lm_head", "tied"])
+def test_packed_model_errs_as_the_unpacked_one_and_decodes_alike(tied, hf_model_dir):
+    """bfloat16 with packed projections and head: a 37-token prefill (more rows than the
+    [K, N] kernel takes, so the unpacked model runs XLA's dot there) against HF transformers'
+    float32, within the bound test_llama_parity puts on the unpacked bfloat16 model (1.5x HF
+    bfloat16's own error); then decode steps from one pool, where the unpacked model takes
+    small_matmul's [K, N] tiles: the same logits bit for bit, but for a tied head, which the
+    unpacked model reads as [N, K] (dot products summed across lanes): within twice the float32
+    bound of the exact product (test_small_matmul) of each other."""
     import copy
 
     import torch
 
-    path, hf_model = hf_model_dir("llama", **PACKABLE)
+    path, hf_model = hf_model_dir("llama", **PACKABLE, tie_word_embeddings=tied)
     config, params = load_hf_dir(path, "bfloat16")
     packed = llama.pack_params(params)
     assert all(packed["layers"][0][name].ndim == 4 for name in llama.PACKED_WEIGHTS)
+    assert packed["embed" if tied else "lm_head"].ndim == 4
     model = llama.LlamaModel(config)
     tokens = list(range(3, 40))
     truth = hf_logits(hf_model, tokens)
@@ -171,7 +175,24 @@ def test_packed_model_errs_as_the_unpacked_one_and_decodes_bit_for_bit(hf_model_
     for position, token in enumerate([7, 11, 13], start=len(tokens)):
         ours, _ = _step(model, packed, pool, [1, 2, 3], position, [token])
         theirs, pool = _step(model, params, pool, [1, 2, 3], position, [token])
-        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+        if not tied:
+            np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+            continue
+        # the same final hidden state h (every layer bit for bit): |ours - theirs| <= twice
+        # the bound on each, (H + 2) 2^-24 sum_k |h_k| |e_vk|, <= (H + 2) 2^-24 |h|_1 max |e|
+        embed = np.abs(np.asarray(params["embed"], np.float32)).max()
+        h = _final_hidden(model, params, pool, position, token)
+        limit = 2 * (config.hidden_size + 2) * 2.0**-24 * np.abs(h).sum() * embed
+        assert np.abs(np.asarray(ours) - np.asarray(theirs)).max() <= limit
+
+
+def _final_hidden(model, params, pool, position, token):
+    """The final-normed hidden state the head reads at this step: the model's logits with an
+    identity matrix for its head (each output h_k * 1, exact)."""
+    eye = jnp.eye(model.config.hidden_size, dtype=jnp.bfloat16)
+    probe = dict(params, lm_head=eye)
+    h, _ = _step(model, probe, pool, [1, 2, 3], position, [token])
+    return np.asarray(h, np.float32)[0]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
