@@ -40,13 +40,20 @@ from bench_throughput import (  # noqa: E402
 
 
 def unpacked(params):
-    """The params with every packed projection back in its [K, N] layout, in new buffers."""
+    """The params with every packed weight back in its own layout, in new buffers: the
+    projections and an untied head [K, N], a tied embedding table [V, H] (SmolLM2's K are all
+    even: no padding row to drop)."""
     import jax
 
     from pallas_kernels import cpu_attention
 
-    return jax.tree.map(lambda w: cpu_attention.unpack_weight(w) + 0 if w.ndim == 4 else w,
-                        params)
+    def unpack(w):
+        return cpu_attention.unpack_weight(w) + 0 if w.ndim == 4 else w
+
+    out = jax.tree.map(unpack, params)
+    if params["embed"].ndim == 4:  # packed as the tied head, [H, V]
+        out["embed"] = cpu_attention.unpack_weight(params["embed"]).T + 0
+    return out
 
 
 def paired_step_seconds(llm, batch: int, context: int, other_params, rounds: int = 7):
