@@ -84,11 +84,15 @@ def advise(arrays: Iterable[Any]) -> int:
         return 0
     ranges = set()  # buffers in one huge page share its range
     for address, nbytes in buffers:
+        # the mappings holding the buffer's first and last bytes: one, or a run of adjacent
+        # ones (an earlier MADV_HUGEPAGE splits the heap's mapping where its range ends)
         i = bisect.bisect_right(starts, address) - 1
-        if i < 0 or ends[i] < address + nbytes:  # not inside one mapping: leave it
-            continue
+        j = bisect.bisect_right(starts, address + nbytes - 1) - 1
+        if i < 0 or ends[j] < address + nbytes or any(
+                ends[m] != starts[m + 1] for m in range(i, j)):
+            continue  # not in mapped memory, as far as /proc/self/maps says: leave it
         lo = max(starts[i], address // HUGE_PAGE * HUGE_PAGE)
-        hi = min(ends[i], -(-(address + nbytes) // HUGE_PAGE) * HUGE_PAGE)
+        hi = min(ends[j], -(-(address + nbytes) // HUGE_PAGE) * HUGE_PAGE)
         ranges.add((lo, hi))
     collapsed = 0
     for lo, hi in sorted(ranges):
