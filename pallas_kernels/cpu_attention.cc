@@ -881,6 +881,17 @@ AttendFn pick(int64_t head_dim, int64_t block_size, Mode mode) {
   return pick_typed<bf16>(head_dim, block_size);
 }
 
+// Runs `work` (its run(): claim units until none is left, counting each in `done`) on this
+// thread and on as many of XLA's intra-op threads as there are units for, and returns once all
+// `total` units are done (the helpers hold `work` until they return).
+template <typename W>
+void run_shared(ffi::ThreadPool& pool, const std::shared_ptr<W>& work, int64_t total) {
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
+  work->run();
+  while (work->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+}
+
 // Items shared by the caller and the helpers it schedules: each thread claims the next
 // unclaimed item until none is left; the caller then waits only for items being worked on.
 struct Work {
@@ -1013,10 +1024,7 @@ ffi::Error RunAttention(ffi::ThreadPool pool, Operand q, Operand k_pool, Operand
                    [](const Item& x, const Item& y) { return x.cost > y.cost; });
 
   const int64_t total = static_cast<int64_t>(work->items.size());
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
-  work->run();
-  while (work->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+  run_shared(pool, work, total);
   if (work->bad_block.load()) return Invalid("block table entry outside the pool");
   return ffi::Error::Success();
 }
@@ -1671,10 +1679,7 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                   (N % work->tile_width != 0);  // the tail's unit
   }
   const int64_t total = work->units;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
-  work->run();
-  while (work->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+  run_shared(pool, work, total);
   return ffi::Error::Success();
 }
 
@@ -1815,30 +1820,34 @@ struct PackedWork {
   std::atomic<int64_t> done{0};
 };
 
+ffi::Error InvalidPacked(const std::string& what) {
+  return ffi::Error::InvalidArgument("packed matmul: " + what);
+}
+
 ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                         int64_t bf16_dot, ffi::ResultBuffer<ffi::F32> out) {
   const ffi::DataType type = x.element_type();
   if (type != ffi::DataType::F32 && type != ffi::DataType::BF16)
-    return InvalidMatmul("packed: x is " + type_name(type) + ", not float32 or bfloat16");
+    return InvalidPacked("x is " + type_name(type) + ", not float32 or bfloat16");
   if (w.element_type() != type)
-    return InvalidMatmul("packed: x is " + type_name(type) + " but w " +
+    return InvalidPacked("x is " + type_name(type) + " but w " +
                          type_name(w.element_type()) + " (one dtype for both)");
   const bool f32 = type == ffi::DataType::F32;
   const int64_t G = f32 ? 1 : 2;
   const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
   if (xd.size() != 2 || wd.size() != 4 || wd[2] != kPanel || wd[3] != G)
-    return InvalidMatmul("packed: x " + shape_string(xd) + " must be a matrix and w " +
+    return InvalidPacked("x " + shape_string(xd) + " must be a matrix and w " +
                          shape_string(wd) + " [panels, K / " + std::to_string(G) + ", 32, " +
                          std::to_string(G) + "]");
   const int64_t M = xd[0], K = xd[1], P = wd[0], KG = wd[1], N = P * kPanel;
   if ((K + G - 1) / G != KG)
-    return InvalidMatmul("packed: x " + shape_string(xd) + " does not contract with w " +
+    return InvalidPacked("x " + shape_string(xd) + " does not contract with w " +
                          shape_string(wd) + " (K groups)");
   if (od.size() != 2 || od[0] != M || od[1] != N)
-    return InvalidMatmul("packed: output " + shape_string(od) + " is not [" +
+    return InvalidPacked("output " + shape_string(od) + " is not [" +
                          std::to_string(M) + ", " + std::to_string(N) + "]");
   if (bf16_dot != 0 && bf16_dot != 1)
-    return InvalidMatmul("bf16_dot must be 0 or 1, got " + std::to_string(bf16_dot));
+    return InvalidPacked("bf16_dot must be 0 or 1, got " + std::to_string(bf16_dot));
   if (M == 0 || N == 0) return ffi::Error::Success();
   if (K == 0) {
     std::fill_n(out->typed_data(), M * N, 0.0f);
@@ -1868,10 +1877,7 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
   work->unit_panels = std::max<int64_t>(1, P / (threads * kPackedUnitsPerThread));
   work->units = (P + work->unit_panels - 1) / work->unit_panels;
   const int64_t total = work->units;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
-  work->run();
-  while (work->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+  run_shared(pool, work, total);
   return ffi::Error::Success();
 }
 

@@ -333,15 +333,17 @@ def pack_weight(w: jax.Array) -> jax.Array:
     G], the layout `packed_matmul` streams: panel p holds columns p * PANEL.., row after row in
     groups of G rows interleaved column by column (G = 2 for bfloat16, the pairs the dot product
     instruction takes, an odd K's last row paired with zeros; 1 for float32). The same bytes as w
-    (plus one zero row for a bfloat16 w of odd K)."""
+    (plus one zero row for a bfloat16 w of odd K); a NumPy array in, a NumPy array out."""
     if not packable(w):
         raise ValueError(f"pack_weight takes a float32 or bfloat16 [K, N] matrix with N a "
                          f"multiple of {PANEL}, got {jnp.dtype(w.dtype).name} {tuple(w.shape)}")
     k, n = w.shape
     g = _group(w.dtype)
+    xp = np if isinstance(w, np.ndarray) else jnp  # a host array packs on the host
     if k % g:
-        w = jnp.concatenate([w, jnp.zeros((g - k % g, n), w.dtype)])
-    return w.reshape(-1, g, n // PANEL, PANEL).transpose(2, 0, 3, 1)
+        w = xp.concatenate([w, xp.zeros((g - k % g, n), w.dtype)])
+    packed = w.reshape(-1, g, n // PANEL, PANEL).transpose(2, 0, 3, 1)
+    return np.ascontiguousarray(packed) if xp is np else packed
 
 
 def unpack_weight(packed: jax.Array, k: int | None = None) -> jax.Array:

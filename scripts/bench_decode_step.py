@@ -9,11 +9,10 @@ each step:
   bandwidth), what a small batch cannot beat;
 - the matmul bound: the step's FLOPs at the dtype's matmul rate, what a big batch cannot beat;
 and the step's time over the larger of the two. Then the same step, same process, with the
-runner's weights as they were before the CPU runner packed them (`--no-unpacked` skips it):
-the projections in their [K, N] layout on fresh 4 KiB pages (`cpu_attention.unpack_weight`),
-the two alternating, and the packed step's speedup over it. The engine pads decode batches
-below 8 rows
-to 8, so batch 1 runs 8 rows: as long as a step is bound by reading the weights, rows are
+weights as a runner kept them before it packed them (`--no-unpacked` skips it): unpacked
+(`cpu_attention.unpack_weight`) into new buffers that nobody advised to use huge pages, the
+two alternating, and the packed step's speedup over it. The engine pads decode batches below
+8 rows to 8, so batch 1 runs 8 rows: as long as a step is bound by reading the weights, rows are
 nearly free (the regime of the vLLM paper's GPUs); once bound by arithmetic, each row adds
 its own cost.
 

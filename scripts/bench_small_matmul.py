@@ -14,11 +14,10 @@ beyond the caches, as in a real step.
     python scripts/bench_small_matmul.py --rows 1,8,16 --dtypes bfloat16
     python scripts/bench_small_matmul.py --rows 16,24,32,48,64 --vs-xla   # where the kernel pays
 
-Each chain of projections also runs on the same weights packed into 32-column panels
-(`cpu_attention.pack_weight` / `packed_matmul`, how a CPU runner keeps them), with its
-speedup over the [K, N] walk; the head is not packed (the "all" chain's packed column packs
-the projections only). The weights are backed by huge pages where Linux can, as a CPU
-runner's are (`jaxpage.engine.huge_pages`). With --vs-xla each chain also runs XLA:CPU's dot
+Each chain also runs on the same weights packed into 32-column panels
+(`cpu_attention.pack_weight` / `packed_matmul`; the head packed as [H, V]: how a CPU runner
+keeps them), with its speedup over the unpacked walk. The weights are backed by huge pages
+where Linux can, as a CPU runner's are (`jaxpage.engine.huge_pages`). With --vs-xla each chain also runs XLA:CPU's dot
 (`jnp.dot` / einsum with a float32 result, what the model runs above
 `jaxpage.models.llama.SMALL_MATMUL_ROWS` on unpacked weights) and prints the kernel's speedup
 over it.
@@ -39,7 +38,6 @@ LAYERS, HIDDEN, QKV, INTERMEDIATE, VOCAB = 30, 576, 960, 1536, 49152
 # the projections as [K, N]
 KINDS = {"qkv": (HIDDEN, QKV), "o": (HIDDEN, HIDDEN), "gate_up": (HIDDEN, 2 * INTERMEDIATE),
          "down": (INTERMEDIATE, HIDDEN)}
-LAYER_SHAPES = [KINDS] * LAYERS
 
 
 def main() -> None:
@@ -73,13 +71,14 @@ def main() -> None:
         head = weights(VOCAB, HIDDEN)
         packed = [{kind: cpu_attention.pack_weight(w) for kind, w in layer.items()}
                   for layer in layers]
-        collapsed = huge_pages.advise(jax.tree.leaves((layers, head, packed)))
+        packed_head = cpu_attention.pack_weight(head.T)  # as llama.pack_params packs it
+        collapsed = huge_pages.advise(jax.tree.leaves((layers, head, packed, packed_head)))
         print(f"{dtype.name}: {collapsed >> 20} MiB of weights collapsed into huge pages")
         for rows in [int(r) for r in args.rows.split(",")]:
             x = jnp.asarray(rng.standard_normal((rows, INTERMEDIATE), np.float32), dtype)
 
             def kernel(x, w, transpose_w=False):
-                if w.ndim == 4:
+                if w.ndim == 4:  # packed (a head packed as [H, V]: no transposing)
                     return cpu_attention.packed_matmul(x, w)
                 return cpu_attention.small_matmul(x, w, transpose_w=transpose_w)
 
@@ -90,9 +89,9 @@ def main() -> None:
             def chain(kinds, with_head, matmul=kernel):
                 def run(x, layers, head):
                     total = jnp.zeros((rows,), jnp.float32)  # keeps every call's result live
-                    for layer, plain in zip(layers, LAYER_SHAPES):
+                    for layer in layers:
                         for kind in kinds:
-                            total += matmul(x[:, : plain[kind][0]], layer[kind])[:, 0]
+                            total += matmul(x[:, : KINDS[kind][0]], layer[kind])[:, 0]
                     if with_head:
                         total += matmul(x[:, :HIDDEN], head, transpose_w=True)[:, 0]
                     return total
@@ -108,13 +107,10 @@ def main() -> None:
                 rate = nbytes / seconds / 1e9
                 line = (f"{dtype.name:>9}{rows:>5}  {name:<24}{seconds * 1e3:>8.2f}{rate:>7.1f}"
                         f"{rate / bandwidth:>9.0%}")
-                if kinds:
-                    packed_seconds = median_seconds(chain(kinds, with_head), x, packed, head,
-                                                    runs=15)
-                    line += (f"{packed_seconds * 1e3:>11.2f}{nbytes / packed_seconds / 1e9:>7.1f}"
-                             f"{seconds / packed_seconds:>8.2f}x")
-                else:
-                    line += f"{'':>11}{'':>7}{'':>9}"
+                packed_seconds = median_seconds(chain(kinds, with_head), x, packed,
+                                                packed_head, runs=15)
+                line += (f"{packed_seconds * 1e3:>11.2f}{nbytes / packed_seconds / 1e9:>7.1f}"
+                         f"{seconds / packed_seconds:>8.2f}x")
                 if args.vs_xla:
                     xla_seconds = median_seconds(chain(kinds, with_head, xla), x, layers, head,
                                                  runs=15)

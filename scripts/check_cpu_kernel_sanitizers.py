@@ -24,8 +24,10 @@ bit). It also feeds the kernel inputs its
 handler must reject (wrong output shape, overlapping or decreasing query ranges, too many
 queries for a sequence, block ids outside the pool, a negative window or soft-cap; quantized K
 and V of two types, scales of the wrong shape; a small matmul's wrong output shape or mixed
-dtypes) and checks each is an error. It also runs `small_matmul` (both weight layouts,
-float32 and bfloat16 on both bfloat16 paths, odd sizes) against float64 NumPy.
+dtypes, a packed matmul's wrong output shape or weight) and checks each is an error. It also
+runs `small_matmul` (both weight layouts, float32 and bfloat16 on both bfloat16 paths, odd
+sizes) and `packed_matmul` (weights packed by `pack_weight`, the same dtypes and paths)
+against float64 NumPy.
 
 Prints a one-line summary. Exit status: 0 clean; 1 a sanitizer finding (its report is printed)
 or a wrong result; 2 this machine cannot run the check (no C++ compiler or sanitizer runtime).
@@ -273,6 +275,12 @@ def bad_inputs():
         return lambda: call(jnp.ones((2, 8), jnp.float32), jnp.ones((8, 3), w_dtype),
                             transpose_w=np.int64(0), bf16_dot=np.int64(1))
 
+    def packed_matmul(out_shape, k=8):
+        call = jax.ffi.ffi_call(cpu_attention._TARGET_PACKED_MATMUL,
+                                jax.ShapeDtypeStruct(out_shape, jnp.float32))
+        w = jnp.ones((1, 4, 32, 2), jnp.bfloat16)  # K = 8 packed, N = 32
+        return lambda: call(jnp.ones((2, k), jnp.bfloat16), w, bf16_dot=np.int64(1))
+
     def set_rows(index, values_shape=(1, 1, 8)):
         return lambda: cpu_attention.set_rows(jnp.zeros((1, 6, 4, 8), jnp.bfloat16),
                                               jnp.array(index, jnp.int32),
@@ -308,6 +316,10 @@ def bad_inputs():
         ("small_matmul: output of another shape", small_matmul((2, 4)), "small matmul: output"),
         ("small_matmul: x and w of two dtypes", small_matmul((2, 3), jnp.bfloat16),
          "small matmul: x is float32 but w bfloat16"),
+        ("packed_matmul: output of another shape", packed_matmul((2, 64)),
+         "packed matmul: output"),
+        ("packed_matmul: K groups that do not match x", packed_matmul((2, 32), k=12),
+         "does not contract"),
         ("quantized: K and V of two types", attend_quantized(int8, e5m2),
          "K values are int8 but V values float8_e5m2"),
         ("quantized: scales of another shape",
@@ -383,6 +395,31 @@ def check_small_matmul(rng) -> int:
                                              f"{(m, k, n)} transpose_w={transpose_w} "
                                              f"bf16_dot={bf16_dot}")
                     calls += 1
+    return calls
+
+
+def check_packed_matmul(rng) -> int:
+    """`packed_matmul` on weights packed by `pack_weight` (float32, and bfloat16 on both paths),
+    an odd K (bfloat16's last pair padded), one panel and several, 1 to 17 rows (row blocks of
+    8 and a rest), against float64 NumPy within the float32 bound. Returns the calls."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels import cpu_attention
+
+    calls = 0
+    for dtype, bf16_dot in ((jnp.float32, False), (jnp.bfloat16, True), (jnp.bfloat16, False)):
+        for m, k, n in ((1, 7, 32), (9, 33, 64), (17, 64, 96), (8, 576, 960), (3, 1, 32)):
+            x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+            w = jnp.asarray(rng.standard_normal((k, n)), dtype)
+            x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+            out = np.asarray(cpu_attention.packed_matmul(x, cpu_attention.pack_weight(w),
+                                                         bf16_dot=bf16_dot))
+            if out.shape != (m, n) or not np.all(np.abs(out - x64 @ w64) <= (
+                    k + 2) * 2.0**-24 * (np.abs(x64) @ np.abs(w64)) + 1e-30):
+                raise AssertionError(f"packed_matmul {jnp.dtype(dtype).name} {(m, k, n)} "
+                                     f"bf16_dot={bf16_dot}")
+            calls += 1
     return calls
 
 
@@ -469,6 +506,7 @@ def child(seeds: int) -> int:
                 quantized_counts[fmt] += 1
     set_rows_calls = check_set_rows(rng)
     small_matmul_calls = check_small_matmul(rng)
+    packed_matmul_calls = check_packed_matmul(rng)
     rejected = 0
     for name, call, message in bad_inputs():
         try:
@@ -483,7 +521,8 @@ def child(seeds: int) -> int:
                       "bf16_dot_compiled": cpu_attention.bf16_dot_compiled(),
                       "bf16_worst_ratio": worst_bf16, "quantized": quantized_counts,
                       "quantized_max_error": worst_quantized, "set_rows": set_rows_calls,
-                      "small_matmul": small_matmul_calls}),
+                      "small_matmul": small_matmul_calls,
+                      "packed_matmul": packed_matmul_calls}),
           flush=True)
     return 0
 
@@ -566,7 +605,8 @@ def main() -> int:
           + f" batches) bit for bit the float32 kernel on their dequantization and within "
           f"{summary['quantized_max_error']:.1e} of float64, {summary['set_rows']} in-place "
           f"pool writes (set_rows) equal to NumPy's, {summary['small_matmul']} small matmuls "
-          f"within float32's bound of float64, {summary['rejected']} bad inputs "
+          f"and {summary['packed_matmul']} packed matmuls within float32's bound of float64, "
+          f"{summary['rejected']} bad inputs "
           f"rejected; {timing}")
     return 0
 

@@ -2,10 +2,11 @@
 
 A decode step streams every weight once, and on CPU it is bound by that read. With 4 KiB
 pages the read pays a TLB miss every 4 KiB, and under a hypervisor (nested paging) each miss
-walks two page tables: on the 2-core development VM a plain sequential read of 256 MiB runs at
-15 GB/s on one core and 24 on two with 4 KiB pages, 27 and 33.5 with 2 MiB ones
-(`scripts/bench_decode_step.py` prints both). XLA:CPU allocates its buffers with malloc, in 4 KiB
-pages unless the system's THP setting is "always" (the common default is "madvise"), so the
+walks two page tables: on the 2-core development VM a plain sequential read of 256 MiB (a C
+loop) runs at 15 GB/s on one core and 24 on two with 4 KiB pages, 27 and 33.5 with 2 MiB ones
+(NumPy asks for huge pages for its large arrays: the read bandwidth the benchmarks measure with
+it is the second kind). XLA:CPU allocates its buffers with malloc, in 4 KiB pages unless the
+system's THP setting is "always" (the common default is "madvise"), so the
 runner asks Linux to back its weight buffers with huge pages once they are placed: `advise`
 marks each buffer's range MADV_HUGEPAGE and collapses it into huge pages now (MADV_COLLAPSE,
 Linux 6.1+; older kernels leave the collapsing to khugepaged, in the background).

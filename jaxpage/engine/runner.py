@@ -155,10 +155,10 @@ class ModelRunner:
             pool_kv_heads = self.parallel.pool_kv_heads
             self._pool_sharding = self.parallel.pool_sharding
         else:
+            if _packs_weights(model, devices[0], dtype):  # on the host, before the copy
+                params = model.pack_params(params)
             self.params = jax.device_put(params, devices[0])
             self._pool_sharding = jax.sharding.SingleDeviceSharding(devices[0])
-            if _packs_weights(model, devices[0], dtype):
-                self.params = model.pack_params(self.params)
         if devices[0].platform == "cpu":
             huge_pages.advise(jax.tree.leaves(self.params))
         self.devices = devices

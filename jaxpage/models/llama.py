@@ -71,7 +71,7 @@ def pack_params(params: Params) -> Params:
     from 64 to 256 rows 1.1-2x XLA's dot, 0.94x bfloat16 / 1.04x float32 at 1024). `linear`,
     `embed` and `compute_logits` take packed weights as they take the others; the engine packs
     only where the kernel library is available."""
-    pack = jax.jit(cpu_attention.pack_weight)  # the others are kept as they are, not copied
+    pack = cpu_attention.pack_weight  # NumPy params pack on the host; the others are kept
     layers = [{name: pack(w) if name in PACKED_WEIGHTS and cpu_attention.packable(w) else w
                for name, w in layer.items()} for layer in params["layers"]]
     out = dict(params, layers=layers)
@@ -81,7 +81,7 @@ def pack_params(params: Params) -> Params:
     elif cpu_attention.packable(params["embed"].T):
         # a tied head: the embedding table [V, H] packed as the head's [H, V] (`embed` reads
         # its rows back out of the panels)
-        out["embed"] = jax.jit(lambda e: cpu_attention.pack_weight(e.T))(params["embed"])
+        out["embed"] = pack(params["embed"].T)
     return out
 
 
@@ -178,7 +178,10 @@ class LlamaModel:
         table = params["embed"]
         if table.ndim == 4:
             panel = cpu_attention.PANEL
-            rows = table[token_ids // panel, :, token_ids % panel, :]  # [T, ceil(H / G), G]
+            # [T, ceil(H / G), G], gathered as bits (XLA:CPU would convert a bfloat16 table
+            # whole to gather from it)
+            rows = bits.take(table, (token_ids // panel, slice(None), token_ids % panel,
+                                     slice(None)))
             return rows.reshape(token_ids.shape[0], -1)[:, : self.config.hidden_size]
         if self.tp_axis is None:
             return bits.take(table, token_ids)

@@ -29,8 +29,9 @@ MODES = [(jnp.float32, None), (jnp.bfloat16, True), (jnp.bfloat16, False)]
 MODE_IDS = ["float32", "bfloat16-dot", "bfloat16-portable"]
 # (K, N): an odd K (its last pair padded), one panel, several units of panels with the
 # threads' share uneven, and SmolLM2-135M's projections qkv, o, gate_up, down
-SHAPES = [(1, 32), (7, 32), (33, 64), (64, 96), (99, 1120), (576, 960), (576, 576),
-          (576, 3072), (1536, 576)]
+SLOW = pytest.mark.slow
+SHAPES = [(1, 32), (7, 32), (33, 64), (64, 96), (99, 1120), (576, 960),
+          pytest.param(576, 576, marks=SLOW), pytest.param(576, 3072, marks=SLOW), (1536, 576)]
 
 
 def operands(rng, m, k, n, dtype=jnp.bfloat16):
@@ -142,7 +143,8 @@ def _step(model, params, pool, table, num_computed, tokens):
     return STEP(model, params, jnp.asarray(tokens, jnp.int32), positions, pool, metadata)
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["lm_head", "tied"])
+@pytest.mark.parametrize("tied", [False, pytest.param(True, marks=SLOW)],
+                         ids=["lm_head", "tied"])
 def test_packed_model_errs_as_the_unpacked_one_and_decodes_alike(tied, hf_model_dir):
     """bfloat16 with packed projections and head: a 37-token prefill (more rows than the
     [K, N] kernel takes, so the unpacked model runs XLA's dot there) against HF transformers'
@@ -197,7 +199,7 @@ def _final_hidden(model, params, pool, position, token):
     return np.asarray(h, np.float32)[0]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=SLOW), "bfloat16"])
 def test_a_cpu_runner_packs_the_weights_and_generates_as_unpacked(dtype, hf_model_dir,
                                                                    monkeypatch):
     """The runner packs (JAXPAGE_CPU_PACKED_WEIGHTS unset) or not (=0): greedy tokens and their
