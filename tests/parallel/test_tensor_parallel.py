@@ -32,11 +32,13 @@ def assert_same_tokens(results: dict) -> None:
 @pytest.mark.parametrize("model, backend, sizes, preemption", [
     ("llama8", "cpp", "2,4,8", "recompute"),  # 8 query / 2 KV heads: replicated at 4 and 8
     ("smollm9", "cpp", "3", "recompute"),  # SmolLM2's 9 / 3 heads
-    ("llama8", "cpp", "4", "swap"),  # the host pool holds every KV head of a block
+    # the host pool holds every KV head of a block; with quantized pools: values and scales by
+    # head (both in the slow suite, ~30 s: the default suite stays under 15 minutes)
+    pytest.param("llama8", "cpp", "4", "swap", marks=pytest.mark.slow),
     # the jnp path sharded runs in the slow suite (20 s here; the default suite was at 15 min)
     pytest.param("llama8", "jnp", "4", "recompute", marks=pytest.mark.slow),
     ("gemma2", "cpp", "2", "recompute"),  # a window group beside the full one
-    ("llama8", "cpp", "4", "recompute:int8"),  # quantized pools: values and scales by head
+    pytest.param("llama8", "cpp", "4", "recompute:int8", marks=pytest.mark.slow),
     pytest.param("llama8", "jnp", "2,8", "recompute", marks=pytest.mark.slow),
     pytest.param("llama8", "pallas_tpu", "2,4", "recompute",
                  marks=[pytest.mark.slow, pytest.mark.kernels]),
@@ -70,7 +72,7 @@ def test_each_device_holds_its_share():
         assert got["pool"] == [pool * replicas // tp] * tp
 
 
-@pytest.mark.parametrize("tp", ["2", "8"])
+@pytest.mark.parametrize("tp", [pytest.param("2", marks=pytest.mark.slow), "8"])
 def test_the_step_holds_the_designed_collectives_and_no_pool_copy(tp):
     """Per step: an all-reduce after each layer's o_proj and down_proj plus one for the
     embedding, one all-gather of the logits, nothing else; the pool is donated (every
