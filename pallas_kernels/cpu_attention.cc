@@ -1256,11 +1256,14 @@ inline void prefetch_rows(const char* w, int64_t row_bytes, int64_t r0, int64_t 
   }
 }
 
-// [N, K]: prefetches kPrefetchBytesNK past `at` (a point in a w row's stream) into L2, unless
-// that lies past w's end `w_end`.
-inline void prefetch_nk(const void* at, const char* w_end) {
-  const char* ahead = static_cast<const char*>(at) + kPrefetchBytesNK;
-  if (ahead < w_end) __builtin_prefetch(ahead, 0, kL2);
+// Prefetches `Lines` cache lines `Bytes` past `at` (a point in a stream of w) into L2, unless
+// that lies past w's end `w_end`: the [N, K] walk one line 8 KB ahead in each row's stream per
+// 64 bytes read, the packed walk two lines 4 KB ahead in its panel per 128 bytes.
+template <int64_t Bytes, int Lines = 1>
+inline void prefetch_stream(const void* at, const char* w_end) {
+  const char* ahead = static_cast<const char*>(at) + Bytes;
+  for (int line = 0; line < Lines; ++line)
+    if (ahead + 64 * line < w_end) __builtin_prefetch(ahead + 64 * line, 0, kL2);
 }
 
 struct MatmulProblem {
@@ -1324,7 +1327,7 @@ void nk_block(const MatmulProblem& P, int64_t m0, int64_t n0, const char* w_end)
   for (; k + 16 <= P.K; k += 16) {
     v16f wv[R];
     for (int r = 0; r < R; ++r) {
-      prefetch_nk(w + r * P.K + k, w_end);
+      prefetch_stream<kPrefetchBytesNK>(w + r * P.K + k, w_end);
       wv[r] = load16(w + r * P.K + k);
     }
     for (int m = 0; m < MB; ++m) {
@@ -1381,7 +1384,7 @@ void nk_block_dot(const MatmulProblem& P, const bf16* x, int64_t m0, int64_t n0,
   for (; k + 32 <= P.K; k += 32) {
     __m512bh wv[R];
     for (int r = 0; r < R; ++r) {
-      prefetch_nk(w + r * P.K + k, w_end);
+      prefetch_stream<kPrefetchBytesNK>(w + r * P.K + k, w_end);
       wv[r] = as_bh(_mm512_loadu_si512(w + r * P.K + k));
     }
     for (int m = 0; m < MB; ++m) {
@@ -1600,6 +1603,15 @@ struct MatmulWork {
   }
 };
 
+// What is wrong with a matmul's element types ("" if nothing): x and w of one type, float32
+// or bfloat16.
+std::string matmul_types_problem(ffi::DataType x, ffi::DataType w) {
+  if (x != ffi::DataType::F32 && x != ffi::DataType::BF16)
+    return "x is " + type_name(x) + ", not float32 or bfloat16";
+  if (w != x) return "x is " + type_name(x) + " but w " + type_name(w) + " (one dtype for both)";
+  return "";
+}
+
 ffi::Error InvalidMatmul(const std::string& what) {
   return ffi::Error::InvalidArgument("small matmul: " + what);
 }
@@ -1608,11 +1620,8 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                        int64_t transpose_w, int64_t bf16_dot,
                        ffi::ResultBuffer<ffi::F32> out) {
   const ffi::DataType type = x.element_type();
-  if (type != ffi::DataType::F32 && type != ffi::DataType::BF16)
-    return InvalidMatmul("x is " + type_name(type) + ", not float32 or bfloat16");
-  if (w.element_type() != type)
-    return InvalidMatmul("x is " + type_name(type) + " but w " + type_name(w.element_type()) +
-                         " (one dtype for both)");
+  if (const std::string problem = matmul_types_problem(type, w.element_type()); !problem.empty())
+    return InvalidMatmul(problem);
   if (transpose_w != 0 && transpose_w != 1)
     return InvalidMatmul("transpose_w must be 0 or 1, got " + std::to_string(transpose_w));
   const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
@@ -1705,14 +1714,6 @@ constexpr int64_t kPanel = 32;                  // columns a panel
 constexpr int64_t kPackedPrefetchBytes = 4096;  // how far ahead in a panel's stream
 constexpr int64_t kPackedUnitsPerThread = 4;    // panels shared in about this many units each
 
-inline void prefetch_stream(const void* at, const char* end) {
-  const char* ahead = static_cast<const char*>(at) + kPackedPrefetchBytes;
-  if (ahead < end) {
-    __builtin_prefetch(ahead, 0, kL2);
-    __builtin_prefetch(ahead + 64, 0, kL2);
-  }
-}
-
 // One panel of a bfloat16 w: rows m0..m0+MB of out (columns n0..n0+32) from x's pairs (x + m *
 // KG: row m's KG pairs); w: the panel, KG * 64 bf16. `Dot`: vdpbf16ps, else widened FMAs.
 template <int MB, bool Dot>
@@ -1723,7 +1724,7 @@ void packed_panel_bf16(const void* x, int64_t KG, int64_t m0, const void* panel,
   for (int m = 0; m < MB; ++m) xm[m] = static_cast<const uint32_t*>(x) + (m0 + m) * KG;
   const bf16* w = static_cast<const bf16*>(panel);
   for (int64_t kp = 0; kp < KG; ++kp, w += 2 * kPanel) {
-    prefetch_stream(w, w_end);
+    prefetch_stream<kPackedPrefetchBytes, 2>(w, w_end);
 #ifdef __AVX512BF16__
     if constexpr (Dot) {
       const __m512bh w0 = as_bh(_mm512_loadu_si512(w)), w1 = as_bh(_mm512_loadu_si512(w + 32));
@@ -1767,7 +1768,7 @@ void packed_panel_bf16(const void* x, int64_t KG, int64_t m0, const void* panel,
 }
 
 // One panel of a float32 w (KG = K rows of 32 floats), rows m0..m0+MB of x [M][K].
-template <int MB, bool>
+template <int MB>
 void packed_panel_f32(const void* x, int64_t K, int64_t m0, const void* panel, const char* w_end,
                       float* out, int64_t N, int64_t n0) {
   v16f acc[MB][2] = {};
@@ -1775,7 +1776,7 @@ void packed_panel_f32(const void* x, int64_t K, int64_t m0, const void* panel, c
   for (int m = 0; m < MB; ++m) xm[m] = static_cast<const float*>(x) + (m0 + m) * K;
   const float* w = static_cast<const float*>(panel);
   for (int64_t k = 0; k < K; ++k, w += kPanel) {
-    prefetch_stream(w, w_end);
+    prefetch_stream<kPackedPrefetchBytes, 2>(w, w_end);
     const v16f w0 = load16(w), w1 = load16(w + 16);
     for (int m = 0; m < MB; ++m) {
       const float xv = xm[m][k];
@@ -1789,10 +1790,16 @@ void packed_panel_f32(const void* x, int64_t K, int64_t m0, const void* panel, c
 using PackedPanelFn = void (*)(const void*, int64_t, int64_t, const void*, const char*, float*,
                                int64_t, int64_t);
 
+// The panel function for mb rows: float32 (F32), else bfloat16 on vdpbf16ps (Dot) or widened.
 template <bool F32, bool Dot, int... MB>
 PackedPanelFn packed_pick(int mb, std::integer_sequence<int, MB...>) {
-  PackedPanelFn fns[] = {(F32 ? packed_panel_f32<MB + 1, Dot> : packed_panel_bf16<MB + 1, Dot>)...};
-  return fns[mb - 1];
+  if constexpr (F32) {
+    PackedPanelFn fns[] = {packed_panel_f32<MB + 1>...};
+    return fns[mb - 1];
+  } else {
+    PackedPanelFn fns[] = {packed_panel_bf16<MB + 1, Dot>...};
+    return fns[mb - 1];
+  }
 }
 
 struct PackedWork {
@@ -1827,11 +1834,8 @@ ffi::Error InvalidPacked(const std::string& what) {
 ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                         int64_t bf16_dot, ffi::ResultBuffer<ffi::F32> out) {
   const ffi::DataType type = x.element_type();
-  if (type != ffi::DataType::F32 && type != ffi::DataType::BF16)
-    return InvalidPacked("x is " + type_name(type) + ", not float32 or bfloat16");
-  if (w.element_type() != type)
-    return InvalidPacked("x is " + type_name(type) + " but w " +
-                         type_name(w.element_type()) + " (one dtype for both)");
+  if (const std::string problem = matmul_types_problem(type, w.element_type()); !problem.empty())
+    return InvalidPacked(problem);
   const bool f32 = type == ffi::DataType::F32;
   const int64_t G = f32 ? 1 : 2;
   const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();

@@ -34,7 +34,6 @@ from bench_throughput import (  # noqa: E402
     decode_step_rate,
     make_llm,
     matmul_gflops,
-    median_seconds,
 )
 
 
@@ -69,7 +68,7 @@ def paired_step_seconds(llm, batch: int, context: int, other_params, rounds: int
             runner.params = params
             runner.execute(seqs)
         for _ in range(rounds):
-            for params, out in zip((mine, other_params), times):
+            for params, out in zip((mine, other_params), times, strict=True):
                 runner.params = params
                 start = time.perf_counter()
                 runner.execute(seqs)

@@ -17,10 +17,10 @@ beyond the caches, as in a real step.
 Each chain also runs on the same weights packed into 32-column panels
 (`cpu_attention.pack_weight` / `packed_matmul`; the head packed as [H, V]: how a CPU runner
 keeps them), with its speedup over the unpacked walk. The weights are backed by huge pages
-where Linux can, as a CPU runner's are (`jaxpage.engine.huge_pages`). With --vs-xla each chain also runs XLA:CPU's dot
-(`jnp.dot` / einsum with a float32 result, what the model runs above
-`jaxpage.models.llama.SMALL_MATMUL_ROWS` on unpacked weights) and prints the kernel's speedup
-over it.
+where Linux can, as a CPU runner's are (`jaxpage.engine.huge_pages`). With --vs-xla each
+chain also runs XLA:CPU's dot (`jnp.dot` / einsum with a float32 result, what the model runs
+above `jaxpage.models.llama.SMALL_MATMUL_ROWS` on unpacked weights) and prints the kernel's
+speedup over it.
 """
 
 from __future__ import annotations

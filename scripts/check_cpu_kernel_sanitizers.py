@@ -363,6 +363,16 @@ def check_set_rows(rng) -> int:
     return calls
 
 
+def within_float32_bound(out, x, w64) -> bool:
+    """Whether out is x @ w64 ([K, N]) in float64 within a float32 dot product's bound,
+    (K + 2) * 2^-24 * sum |x| |w| per output, and of its shape."""
+    import numpy as np
+
+    x64 = np.asarray(x, np.float64)
+    bound = (x64.shape[1] + 2) * 2.0**-24 * (np.abs(x64) @ np.abs(w64)) + 1e-30
+    return out.shape == bound.shape and bool(np.all(np.abs(out - x64 @ w64) <= bound))
+
+
 def check_small_matmul(rng) -> int:
     """`small_matmul` (x [M, K] times w [K, N] or [N, K], float32 out) on both layouts and both
     dtypes (bfloat16 on the dot path, where built, and the portable one), odd sizes (vector
@@ -384,13 +394,11 @@ def check_small_matmul(rng) -> int:
             for transpose_w in (False, True):
                 x = jnp.asarray(rng.standard_normal((m, k)), dtype)
                 w = jnp.asarray(rng.standard_normal((n, k) if transpose_w else (k, n)), dtype)
-                x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+                w64 = np.asarray(w, np.float64)
                 w64 = w64.T if transpose_w else w64
-                expected, magnitude = x64 @ w64, np.abs(x64) @ np.abs(w64)
                 for fn in (cpu_attention.small_matmul, jitted):
                     out = np.asarray(fn(x, w, transpose_w=transpose_w, bf16_dot=bf16_dot))
-                    if out.shape != (m, n) or not np.all(
-                            np.abs(out - expected) <= (k + 2) * 2.0**-24 * magnitude + 1e-30):
+                    if not within_float32_bound(out, x, w64):
                         raise AssertionError(f"small_matmul {jnp.dtype(dtype).name} "
                                              f"{(m, k, n)} transpose_w={transpose_w} "
                                              f"bf16_dot={bf16_dot}")
@@ -412,11 +420,9 @@ def check_packed_matmul(rng) -> int:
         for m, k, n in ((1, 7, 32), (9, 33, 64), (17, 64, 96), (8, 576, 960), (3, 1, 32)):
             x = jnp.asarray(rng.standard_normal((m, k)), dtype)
             w = jnp.asarray(rng.standard_normal((k, n)), dtype)
-            x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
             out = np.asarray(cpu_attention.packed_matmul(x, cpu_attention.pack_weight(w),
                                                          bf16_dot=bf16_dot))
-            if out.shape != (m, n) or not np.all(np.abs(out - x64 @ w64) <= (
-                    k + 2) * 2.0**-24 * (np.abs(x64) @ np.abs(w64)) + 1e-30):
+            if not within_float32_bound(out, x, np.asarray(w, np.float64)):
                 raise AssertionError(f"packed_matmul {jnp.dtype(dtype).name} {(m, k, n)} "
                                      f"bf16_dot={bf16_dot}")
             calls += 1

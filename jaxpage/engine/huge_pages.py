@@ -24,7 +24,8 @@ import bisect
 import ctypes
 import os
 import sys
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import jax
 

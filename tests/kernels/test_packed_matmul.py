@@ -219,7 +219,7 @@ def test_a_cpu_runner_packs_the_weights_and_generates_as_unpacked(dtype, hf_mode
         assert all((layer[name].ndim == 4) == (packs == "1") for name in llama.PACKED_WEIGHTS)
         results[packs] = [(o.outputs[0].token_ids,
                            [lp[t] for lp, t in zip(o.outputs[0].logprobs,
-                                                   o.outputs[0].token_ids)])
+                                                   o.outputs[0].token_ids, strict=True)])
                           for o in llm.generate(prompts, sampling)]
     assert results["1"] == results["0"]
 
