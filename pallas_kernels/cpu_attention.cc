@@ -1714,6 +1714,31 @@ constexpr int64_t kPanel = 32;                  // columns a panel
 constexpr int64_t kPackedPrefetchBytes = 4096;  // how far ahead in a panel's stream
 constexpr int64_t kPackedUnitsPerThread = 4;    // panels shared in about this many units each
 
+// acc + a * b lane by lane, rounded once: what the compiler makes of `acc += a * b` in the
+// [K, N] tiles (contracted into an FMA), written out where two of them follow each other,
+// which -fassociative-math could otherwise regroup (the two products summed first). AVX2
+// machines (Zen 3, say) take two 8-lane FMAs; other targets std::fma, which matches the tiles
+// where the compiler contracts (aarch64; an x86 without FMA would not, and round twice).
+inline v16f fma16(float a, v16f b, v16f acc) {
+#if defined(__AVX512F__)
+  return __builtin_bit_cast(v16f, _mm512_fmadd_ps(_mm512_set1_ps(a), __builtin_bit_cast(__m512, b),
+                                                  __builtin_bit_cast(__m512, acc)));
+#elif defined(__FMA__)
+  __m256 bh[2], ch[2];
+  std::memcpy(bh, &b, sizeof b);
+  std::memcpy(ch, &acc, sizeof acc);
+  const __m256 av = _mm256_set1_ps(a);
+  for (int h = 0; h < 2; ++h) ch[h] = _mm256_fmadd_ps(av, bh[h], ch[h]);
+  v16f out;
+  std::memcpy(&out, ch, sizeof out);
+  return out;
+#else
+  v16f out;
+  for (int i = 0; i < 16; ++i) out[i] = std::fma(a, b[i], acc[i]);
+  return out;
+#endif
+}
+
 // One panel of a bfloat16 w: rows m0..m0+MB of out (columns n0..n0+32) from x's pairs (x + m *
 // KG: row m's KG pairs); w: the panel, KG * 64 bf16. `Dot`: vdpbf16ps, else widened FMAs.
 template <int MB, bool Dot>
@@ -1751,16 +1776,8 @@ void packed_panel_bf16(const void* x, int64_t KG, int64_t m0, const void* panel,
       const float x0 = __builtin_bit_cast(float, p << 16);
       const float x1 = __builtin_bit_cast(float, p & 0xFFFF0000u);
       for (int h = 0; h < 2; ++h) {  // k, then k + 1: two roundings, as the [K, N] walk's
-#ifdef __AVX512F__
         // (explicit: -fassociative-math could otherwise sum the two products first)
-        const __m512 a = _mm512_fmadd_ps(_mm512_set1_ps(x0), __builtin_bit_cast(__m512, lo[h]),
-                                         __builtin_bit_cast(__m512, acc[m][h]));
-        acc[m][h] = __builtin_bit_cast(
-            v16f, _mm512_fmadd_ps(_mm512_set1_ps(x1), __builtin_bit_cast(__m512, hi[h]), a));
-#else
-        acc[m][h] += x0 * lo[h];
-        acc[m][h] += x1 * hi[h];
-#endif
+        acc[m][h] = fma16(x1, hi[h], fma16(x0, lo[h], acc[m][h]));
       }
     }
   }
