@@ -48,6 +48,8 @@ class AttentionMetadata:
       query_start_loc: [S + 1] int32 offsets of each sequence's tokens in the flat batch.
       logits_indices: [R] int32 rows of the flat batch whose logits are wanted, or None
         for all T rows.
+      num_logits: [] int32 how many of logits_indices are wanted (the others are a bucket's
+        padding, whose logits nobody reads: a model may leave them uncomputed), or None: all.
       window_slot_mapping, window_block_tables: the same for the layers with a sliding
         window when their KV lives in a pool of its own (the engine's window group, which
         frees the blocks that left the window: `jaxpage.engine.kv_groups`), else None and
@@ -66,6 +68,7 @@ class AttentionMetadata:
     seq_lens: jax.Array
     query_start_loc: jax.Array
     logits_indices: jax.Array | None = None
+    num_logits: jax.Array | None = None
     window_slot_mapping: jax.Array | None = None
     window_block_tables: jax.Array | None = None
     max_query_len: int = 1
@@ -76,7 +79,7 @@ class AttentionMetadata:
 jax.tree_util.register_dataclass(
     AttentionMetadata,
     data_fields=["slot_mapping", "block_tables", "seq_lens", "query_start_loc", "logits_indices",
-                 "window_slot_mapping", "window_block_tables"],
+                 "num_logits", "window_slot_mapping", "window_block_tables"],
     meta_fields=["max_query_len", "backend", "interpret"],
 )
 
@@ -324,6 +327,7 @@ def build_metadata(
         seq_lens=seq_lens,
         query_start_loc=query_start_loc,
         logits_indices=indices,
+        num_logits=np.int32(len(logits_indices)),
         window_slot_mapping=window_slots,
         window_block_tables=window_tables,
         max_query_len=max_query_len or max(num_new, default=1),

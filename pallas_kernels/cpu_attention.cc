@@ -1242,7 +1242,21 @@ inline void hsum16(const Vec* v, float* sums) {
 constexpr int64_t kKChunk = 32;             // [K, N]: w rows per chunk (even: bf16 pairs)
 constexpr int64_t kMaxUnitTiles = 16;       // [K, N]: column tiles per work unit
 constexpr int64_t kPrefetchBytesNK = 8192;  // [N, K]: bytes ahead in each row's stream
-constexpr int kMaxRowBlock = 8;             // x rows per register tile
+// x rows per register tile, and the rows up to which a tile is 64 columns ([K, N]) or spans 4 of
+// w's rows ([N, K]): a tile's accumulators (MB x V vectors of 16 floats) stay in registers only
+// where there are enough of them. AVX-512 has 32 of 16 floats: 8 rows x 2 (or 4 x 4) fit.
+// AVX2 has 16 of 8 floats, a v16f taking two: 8 x 2 would be 32 registers, spilled at every
+// FMA (a Zen 3 box: float32 packed, 8 rows 7x slower than XLA's dot), so 2 rows x 2, 1 x 4.
+#ifdef __AVX512F__
+constexpr int kMaxRowBlock = 8;
+constexpr int kWideRows = 4;
+#else
+constexpr int kMaxRowBlock = 2;
+constexpr int kWideRows = 1;
+#endif
+// the row counts a pick function instantiates its tiles for (1..kMaxRowBlock, 1..kWideRows)
+constexpr auto kRowSeq = std::make_integer_sequence<int, kMaxRowBlock>();
+constexpr auto kWideSeq = std::make_integer_sequence<int, kWideRows>();
 constexpr int kTileFloats = 16 * 16;        // one tile's accumulators: up to 16 vectors
 constexpr int kL2 = 2;                      // __builtin_prefetch locality: into L2
 
@@ -1499,7 +1513,7 @@ struct MatmulWork {
     if (first >= full_tiles) return kn_tail<T>(P, full_tiles * tile_width);
     const int64_t count = std::min(unit_tiles, full_tiles - first);
     const int64_t blocks = (P.M + kMaxRowBlock - 1) / kMaxRowBlock;
-    const bool wide = tile_width == 64;  // up to 4 rows
+    const bool wide = tile_width == 64;  // up to kWideRows rows
     const char* w = static_cast<const char*>(P.w);
     const int64_t row_bytes = P.N * sizeof(T), offset = first * tile_width * sizeof(T);
     const int64_t segment = count * tile_width * sizeof(T);  // the unit's bytes of a row
@@ -1529,14 +1543,14 @@ struct MatmulWork {
           float* acc = scratch + (t * blocks + b) * kTileFloats;
 #ifdef __AVX512BF16__
           if (std::is_same_v<T, bf16> && dot) {
-            const auto fn = wide ? kn_pick_dot<2>(mb, std::make_integer_sequence<int, 4>())
-                                 : kn_pick_dot<1>(mb, std::make_integer_sequence<int, 8>());
+            const auto fn = wide ? kn_pick_dot<2>(mb, kWideSeq)
+                                 : kn_pick_dot<1>(mb, kRowSeq);
             fn(P, x_pairs.data(), m0, n0, k0, k1, acc, k0 == 0);
             continue;
           }
 #endif
-          const KnTileFn fn = wide ? kn_pick<T, 4>(mb, std::make_integer_sequence<int, 4>())
-                                   : kn_pick<T, 2>(mb, std::make_integer_sequence<int, 8>());
+          const KnTileFn fn = wide ? kn_pick<T, 4>(mb, kWideSeq)
+                                   : kn_pick<T, 2>(mb, kRowSeq);
           fn(P, m0, n0, k0, k1, acc, k0 == 0);
         }
       }
@@ -1561,28 +1575,28 @@ struct MatmulWork {
     const MatmulProblem& P = problem;
     const int64_t first = u * unit_width, last = std::min(P.N, first + unit_width);
     const char* w_end = static_cast<const char*>(P.w) + P.N * P.K * sizeof(T);
-    const int R = P.M <= 4 ? 4 : 2;
+    const int R = P.M <= kWideRows ? 4 : 2;
     int64_t n = first;
     for (; n + R <= last; n += R) {
       for (int64_t m0 = 0; m0 < P.M; m0 += kMaxRowBlock) {  // w's R rows stay in L1
         const int mb = static_cast<int>(std::min<int64_t>(kMaxRowBlock, P.M - m0));
 #ifdef __AVX512BF16__
         if (std::is_same_v<T, bf16> && dot) {
-          const auto fn = R == 4 ? nk_pick_dot<4>(mb, std::make_integer_sequence<int, 4>())
-                                 : nk_pick_dot<2>(mb, std::make_integer_sequence<int, 8>());
+          const auto fn = R == 4 ? nk_pick_dot<4>(mb, kWideSeq)
+                                 : nk_pick_dot<2>(mb, kRowSeq);
           fn(P, x_bf16, m0, n, w_end);
           continue;
         }
 #endif
-        const NkBlockFn fn = R == 4 ? nk_pick<T, 4>(mb, std::make_integer_sequence<int, 4>())
-                                    : nk_pick<T, 2>(mb, std::make_integer_sequence<int, 8>());
+        const NkBlockFn fn = R == 4 ? nk_pick<T, 4>(mb, kWideSeq)
+                                    : nk_pick<T, 2>(mb, kRowSeq);
         fn(P, m0, n, w_end);
       }
     }
     for (; n < last; ++n)
       for (int64_t m0 = 0; m0 < P.M; m0 += kMaxRowBlock) {
         const int mb = static_cast<int>(std::min<int64_t>(kMaxRowBlock, P.M - m0));
-        nk_pick<T, 1>(mb, std::make_integer_sequence<int, 8>())(P, m0, n, w_end);
+        nk_pick<T, 1>(mb, kRowSeq)(P, m0, n, w_end);
       }
   }
 
@@ -1678,7 +1692,7 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   } else {
     // tiles shared evenly among a multiple of the threads' count of units (so that each
     // thread has as many), of at most kMaxUnitTiles tiles where there are enough
-    work->tile_width = M <= 4 ? 64 : 32;
+    work->tile_width = M <= kWideRows ? 64 : 32;
     work->full_tiles = N / work->tile_width;
     const int64_t wanted = (work->full_tiles + kMaxUnitTiles - 1) / kMaxUnitTiles;
     const int64_t spread = std::max<int64_t>(
@@ -1714,27 +1728,40 @@ constexpr int64_t kPanel = 32;                  // columns a panel
 constexpr int64_t kPackedPrefetchBytes = 4096;  // how far ahead in a panel's stream
 constexpr int64_t kPackedUnitsPerThread = 4;    // panels shared in about this many units each
 
-// acc + a * b lane by lane, rounded once: what the compiler makes of `acc += a * b` in the
-// [K, N] tiles (contracted into an FMA), written out where two of them follow each other,
-// which -fassociative-math could otherwise regroup (the two products summed first). AVX2
-// machines (Zen 3, say) take two 8-lane FMAs; other targets std::fma, which matches the tiles
-// where the compiler contracts (aarch64; an x86 without FMA would not, and round twice).
-inline v16f fma16(float a, v16f b, v16f acc) {
-#if defined(__AVX512F__)
-  return __builtin_bit_cast(v16f, _mm512_fmadd_ps(_mm512_set1_ps(a), __builtin_bit_cast(__m512, b),
-                                                  __builtin_bit_cast(__m512, acc)));
-#elif defined(__FMA__)
-  __m256 bh[2], ch[2];
-  std::memcpy(bh, &b, sizeof b);
-  std::memcpy(ch, &acc, sizeof acc);
-  const __m256 av = _mm256_set1_ps(a);
-  for (int h = 0; h < 2; ++h) ch[h] = _mm256_fmadd_ps(av, bh[h], ch[h]);
-  v16f out;
-  std::memcpy(&out, ch, sizeof out);
-  return out;
+// The packed panels' vectors are the machine's own width (kLanes floats: 16 with AVX-512, else
+// 8), a panel's 32 columns kPanelVecs of them. GCC lowers a vector wider than the machine's
+// through the stack (a 16-float v16f on AVX2: every broadcast 16 scalar stores, every FMA's
+// operands reloaded), which made the 8-row float32 panel 7x slower than XLA's dot on a Zen 3
+// box.
+#ifdef __AVX512F__
+constexpr int kLanes = 16;
 #else
-  v16f out;
-  for (int i = 0; i < 16; ++i) out[i] = std::fma(a, b[i], acc[i]);
+constexpr int kLanes = 8;
+#endif
+typedef float vnf __attribute__((vector_size(4 * kLanes)));
+typedef uint32_t vnu __attribute__((vector_size(4 * kLanes)));
+constexpr int kPanelVecs = kPanel / kLanes;
+// loads and stores of them anywhere (memcpy would make GCC keep the accumulators in memory)
+typedef float vnf_u __attribute__((vector_size(4 * kLanes), aligned(4)));
+typedef uint32_t vnu_u __attribute__((vector_size(4 * kLanes), aligned(4)));
+inline void store_panel_row(float* dst, const vnf* acc) {
+  for (int v = 0; v < kPanelVecs; ++v) reinterpret_cast<vnf_u*>(dst)[v] = acc[v];
+}
+
+// acc + a * b lane by lane, rounded once: what the compiler makes of `acc += a * b` in the
+// [K, N] tiles (contracted into an FMA), written out so that -fassociative-math cannot regroup
+// two in a row (the two products summed first). Elsewhere than x86 std::fma, which matches the
+// tiles where the compiler contracts (aarch64; an x86 without FMA would not, and round twice).
+inline vnf fma_n(float a, vnf b, vnf acc) {
+#if defined(__AVX512F__)
+  return __builtin_bit_cast(vnf, _mm512_fmadd_ps(_mm512_set1_ps(a), __builtin_bit_cast(__m512, b),
+                                                 __builtin_bit_cast(__m512, acc)));
+#elif defined(__FMA__)
+  return __builtin_bit_cast(vnf, _mm256_fmadd_ps(_mm256_set1_ps(a), __builtin_bit_cast(__m256, b),
+                                                 __builtin_bit_cast(__m256, acc)));
+#else
+  vnf out;
+  for (int i = 0; i < kLanes; ++i) out[i] = std::fma(a, b[i], acc[i]);
   return out;
 #endif
 }
@@ -1744,7 +1771,7 @@ inline v16f fma16(float a, v16f b, v16f acc) {
 template <int MB, bool Dot>
 void packed_panel_bf16(const void* x, int64_t KG, int64_t m0, const void* panel,
                        const char* w_end, float* out, int64_t N, int64_t n0) {
-  v16f acc[MB][2] = {};
+  vnf acc[MB][kPanelVecs] = {};
   const uint32_t* xm[MB];
   for (int m = 0; m < MB; ++m) xm[m] = static_cast<const uint32_t*>(x) + (m0 + m) * KG;
   const bf16* w = static_cast<const bf16*>(panel);
@@ -1756,52 +1783,46 @@ void packed_panel_bf16(const void* x, int64_t KG, int64_t m0, const void* panel,
       for (int m = 0; m < MB; ++m) {
         const __m512bh xv = as_bh(_mm512_set1_epi32(static_cast<int32_t>(xm[m][kp])));
         acc[m][0] = __builtin_bit_cast(
-            v16f, _mm512_dpbf16_ps(__builtin_bit_cast(__m512, acc[m][0]), xv, w0));
+            vnf, _mm512_dpbf16_ps(__builtin_bit_cast(__m512, acc[m][0]), xv, w0));
         acc[m][1] = __builtin_bit_cast(
-            v16f, _mm512_dpbf16_ps(__builtin_bit_cast(__m512, acc[m][1]), xv, w1));
+            vnf, _mm512_dpbf16_ps(__builtin_bit_cast(__m512, acc[m][1]), xv, w1));
       }
       continue;
     }
 #endif
-    // lane c of a pair vector: (w[k, c] low, w[k + 1, c] high); each widened by its bits
-    v16u u[2];
-    std::memcpy(u, w, sizeof u);
-    v16f lo[2], hi[2];
-    for (int h = 0; h < 2; ++h) {
-      lo[h] = __builtin_bit_cast(v16f, u[h] << 16);
-      hi[h] = __builtin_bit_cast(v16f, u[h] & 0xFFFF0000u);
-    }
+    float x0[MB], x1[MB];  // row m's pair (x[m, k], x[m, k + 1]), each widened by its bits
     for (int m = 0; m < MB; ++m) {
-      const uint32_t p = xm[m][kp];
-      const float x0 = __builtin_bit_cast(float, p << 16);
-      const float x1 = __builtin_bit_cast(float, p & 0xFFFF0000u);
-      for (int h = 0; h < 2; ++h) {  // k, then k + 1: two roundings, as the [K, N] walk's
-        // (explicit: -fassociative-math could otherwise sum the two products first)
-        acc[m][h] = fma16(x1, hi[h], fma16(x0, lo[h], acc[m][h]));
-      }
+      x0[m] = __builtin_bit_cast(float, xm[m][kp] << 16);
+      x1[m] = __builtin_bit_cast(float, xm[m][kp] & 0xFFFF0000u);
+    }
+    for (int v = 0; v < kPanelVecs; ++v) {
+      // lane c: the pair (w[k, c] low, w[k + 1, c] high), each widened by its bits
+      const vnu u = reinterpret_cast<const vnu_u*>(w)[v];
+      const vnf lo = __builtin_bit_cast(vnf, u << 16);
+      const vnf hi = __builtin_bit_cast(vnf, u & 0xFFFF0000u);
+      for (int m = 0; m < MB; ++m)  // k, then k + 1: two roundings, as the [K, N] walk's
+        acc[m][v] = fma_n(x1[m], hi, fma_n(x0[m], lo, acc[m][v]));
     }
   }
-  for (int m = 0; m < MB; ++m) std::memcpy(out + (m0 + m) * N + n0, acc[m], sizeof acc[m]);
+  for (int m = 0; m < MB; ++m) store_panel_row(out + (m0 + m) * N + n0, acc[m]);
 }
 
 // One panel of a float32 w (KG = K rows of 32 floats), rows m0..m0+MB of x [M][K].
 template <int MB>
 void packed_panel_f32(const void* x, int64_t K, int64_t m0, const void* panel, const char* w_end,
                       float* out, int64_t N, int64_t n0) {
-  v16f acc[MB][2] = {};
+  vnf acc[MB][kPanelVecs] = {};
   const float* xm[MB];
   for (int m = 0; m < MB; ++m) xm[m] = static_cast<const float*>(x) + (m0 + m) * K;
   const float* w = static_cast<const float*>(panel);
   for (int64_t k = 0; k < K; ++k, w += kPanel) {
     prefetch_stream<kPackedPrefetchBytes, 2>(w, w_end);
-    const v16f w0 = load16(w), w1 = load16(w + 16);
-    for (int m = 0; m < MB; ++m) {
-      const float xv = xm[m][k];
-      acc[m][0] += xv * w0;
-      acc[m][1] += xv * w1;
-    }
+    vnf wv[kPanelVecs];
+    for (int v = 0; v < kPanelVecs; ++v) wv[v] = reinterpret_cast<const vnf_u*>(w)[v];
+    for (int m = 0; m < MB; ++m)
+      for (int v = 0; v < kPanelVecs; ++v) acc[m][v] = fma_n(xm[m][k], wv[v], acc[m][v]);
   }
-  for (int m = 0; m < MB; ++m) std::memcpy(out + (m0 + m) * N + n0, acc[m], sizeof acc[m]);
+  for (int m = 0; m < MB; ++m) store_panel_row(out + (m0 + m) * N + n0, acc[m]);
 }
 
 using PackedPanelFn = void (*)(const void*, int64_t, int64_t, const void*, const char*, float*,
@@ -1849,7 +1870,8 @@ ffi::Error InvalidPacked(const std::string& what) {
 }
 
 ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                        int64_t bf16_dot, ffi::ResultBuffer<ffi::F32> out) {
+                        ffi::Buffer<ffi::S32> live, int64_t bf16_dot,
+                        ffi::ResultBuffer<ffi::F32> out) {
   const ffi::DataType type = x.element_type();
   if (const std::string problem = matmul_types_problem(type, w.element_type()); !problem.empty())
     return InvalidPacked(problem);
@@ -1869,31 +1891,33 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
                          std::to_string(M) + ", " + std::to_string(N) + "]");
   if (bf16_dot != 0 && bf16_dot != 1)
     return InvalidPacked("bf16_dot must be 0 or 1, got " + std::to_string(bf16_dot));
+  if (live.element_count() != 1)
+    return InvalidPacked("live rows must be one int32, got " + shape_string(live.dimensions()));
   if (M == 0 || N == 0) return ffi::Error::Success();
-  if (K == 0) {
-    std::fill_n(out->typed_data(), M * N, 0.0f);
-    return ffi::Error::Success();
-  }
+  // the rows past the live ones (a bucket's padding) are zeros, not computed: on a CPU bound by
+  // its multiply-adds (AVX2: 8 rows cost ~2x one) padding a decode step is not free
+  const int64_t rows = std::clamp<int64_t>(live.typed_data()[0], 0, M);
+  std::fill(out->typed_data() + (K == 0 ? 0 : rows) * N, out->typed_data() + M * N, 0.0f);
+  if (K == 0 || rows == 0) return ffi::Error::Success();
   auto work = std::make_shared<PackedWork>();
   work->x = x.untyped_data();  // read by the helpers, all done before this call returns
   if (!f32 && K % 2) {
-    work->x_padded.assign(static_cast<size_t>(M * KG), 0u);
-    for (int64_t m = 0; m < M; ++m)
+    work->x_padded.assign(static_cast<size_t>(rows * KG), 0u);
+    for (int64_t m = 0; m < rows; ++m)
       std::memcpy(work->x_padded.data() + m * KG,
                   static_cast<const bf16*>(x.untyped_data()) + m * K, K * sizeof(bf16));
     work->x = work->x_padded.data();
   }
   const bool dot = !f32 && bf16_dot != 0 && kHaveBf16Dot;
-  const auto rows = std::make_integer_sequence<int, kMaxRowBlock>();
   for (int mb = 1; mb <= kMaxRowBlock; ++mb)
-    work->fns[mb - 1] = f32   ? packed_pick<true, false>(mb, rows)
-                        : dot ? packed_pick<false, true>(mb, rows)
-                              : packed_pick<false, false>(mb, rows);
+    work->fns[mb - 1] = f32   ? packed_pick<true, false>(mb, kRowSeq)
+                        : dot ? packed_pick<false, true>(mb, kRowSeq)
+                              : packed_pick<false, false>(mb, kRowSeq);
   work->w = static_cast<const char*>(w.untyped_data());
   work->panel_bytes = KG * kPanel * G * (f32 ? 4 : 2);
   work->w_end = work->w + P * work->panel_bytes;
   work->out = out->typed_data();
-  work->M = M, work->KG = KG, work->N = N, work->panels = P;
+  work->M = rows, work->KG = KG, work->N = N, work->panels = P;
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   work->unit_panels = std::max<int64_t>(1, P / (threads * kPackedUnitsPerThread));
   work->units = (P + work->unit_panels - 1) / work->unit_panels;
@@ -1978,5 +2002,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagePackedMatmul, PackedMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()          // x [M, K]
                                   .Arg<ffi::AnyBuffer>()          // w [N / 32, ceil(K / G), 32, G]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // live rows: the rest zeros
                                   .Attr<int64_t>("bf16_dot")      // 1: vdpbf16ps if built
                                   .Ret<ffi::Buffer<ffi::F32>>());  // [M, N]

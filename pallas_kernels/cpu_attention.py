@@ -353,11 +353,15 @@ def unpack_weight(packed: jax.Array, k: int | None = None) -> jax.Array:
     return w if k is None else w[:k]
 
 
-def packed_matmul(x: jax.Array, packed: jax.Array, *, bf16_dot: bool | None = None) -> jax.Array:
+def packed_matmul(x: jax.Array, packed: jax.Array, *, live_rows: jax.Array | int | None = None,
+                  bf16_dot: bool | None = None) -> jax.Array:
     """x [M, K] @ w, given `pack_weight(w)` (x of w's dtype), as float32 [M, N]: products and
     sums as `small_matmul(x, w, bf16_dot=...)`'s [K, N] tiles', bit for bit (float32 sums in k's
-    order; `bf16_dot` as there). Any M: up to 8 rows are computed in one pass over each panel,
-    more re-read it from cache. The kernel must be `available()`."""
+    order; `bf16_dot` as there). Any M: up to 8 rows (2 on a CPU without AVX-512) are computed
+    in one pass over each panel, more re-read it from cache. `live_rows` (an int32 scalar,
+    traced or not; default M): only x's first `live_rows` rows are multiplied, the output's
+    other rows are zeros (a shape bucket's padding rows, whose products no one reads). The
+    kernel must be `available()`."""
     if not available():
         raise RuntimeError("the CPU kernel library is not available")
     dtype = jnp.dtype(x.dtype)
@@ -371,6 +375,8 @@ def packed_matmul(x: jax.Array, packed: jax.Array, *, bf16_dot: bool | None = No
                          f"[N / {PANEL}, ceil(K / {g}), {PANEL}, {g}], got x {tuple(x.shape)} "
                          f"and {tuple(packed.shape)}")
     n = packed.shape[0] * PANEL
+    live = jnp.asarray(x.shape[0] if live_rows is None else live_rows, jnp.int32).reshape(())
     return jax.ffi.ffi_call(_TARGET_PACKED_MATMUL,
                             jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
-        x, packed, bf16_dot=np.int64(_default_bf16_dot() if bf16_dot is None else bool(bf16_dot)))
+        x, packed, live,
+        bf16_dot=np.int64(_default_bf16_dot() if bf16_dot is None else bool(bf16_dot)))

@@ -279,7 +279,7 @@ def bad_inputs():
         call = jax.ffi.ffi_call(cpu_attention._TARGET_PACKED_MATMUL,
                                 jax.ShapeDtypeStruct(out_shape, jnp.float32))
         w = jnp.ones((1, 4, 32, 2), jnp.bfloat16)  # K = 8 packed, N = 32
-        return lambda: call(jnp.ones((2, k), jnp.bfloat16), w, bf16_dot=np.int64(1))
+        return lambda: call(jnp.ones((2, k), jnp.bfloat16), w, np.int32(2), bf16_dot=np.int64(1))
 
     def set_rows(index, values_shape=(1, 1, 8)):
         return lambda: cpu_attention.set_rows(jnp.zeros((1, 6, 4, 8), jnp.bfloat16),
@@ -409,7 +409,8 @@ def check_small_matmul(rng) -> int:
 def check_packed_matmul(rng) -> int:
     """`packed_matmul` on weights packed by `pack_weight` (float32, and bfloat16 on both paths),
     an odd K (bfloat16's last pair padded), one panel and several, 1 to 17 rows (row blocks of
-    8 and a rest), against float64 NumPy within the float32 bound. Returns the calls."""
+    8 and a rest), against float64 NumPy within the float32 bound, and each again with only
+    its first half of the rows live (the rest zeros). Returns the calls."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -425,7 +426,12 @@ def check_packed_matmul(rng) -> int:
             if not within_float32_bound(out, x, np.asarray(w, np.float64)):
                 raise AssertionError(f"packed_matmul {jnp.dtype(dtype).name} {(m, k, n)} "
                                      f"bf16_dot={bf16_dot}")
-            calls += 1
+            # a bucket's padding: only the first rows computed, the rest zeros
+            live = np.asarray(cpu_attention.packed_matmul(
+                x, cpu_attention.pack_weight(w), live_rows=m // 2, bf16_dot=bf16_dot))
+            if not (np.array_equal(live[: m // 2], out[: m // 2]) and not live[m // 2:].any()):
+                raise AssertionError(f"packed_matmul live_rows {m // 2} of {m}")
+            calls += 2
     return calls
 
 

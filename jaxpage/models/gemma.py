@@ -72,14 +72,15 @@ class GemmaModel(LlamaModel):
                       else rope_cos_sin(cfg, positions, x.dtype, cfg.rope_local))
         scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         new_pool = []
+        live = metadata.query_start_loc[-1]  # the step's tokens (LlamaModel.forward)
         for layer, layer_kv, window in zip(params["layers"], kv_pool, cfg.layer_windows,
                                            strict=True):
             cos, sin = global_rope if window is None else local_rope
             attn_out, layer_kv = self._attention(
-                layer, self._norm(x, layer["attn_norm"]), cos, sin, layer_kv, metadata,
+                layer, self._norm(x, layer["attn_norm"]), cos, sin, layer_kv, metadata, live,
                 scale=scale, sliding_window=window, soft_cap=cfg.attn_logit_softcap)
             x = x + self._norm(attn_out, layer["post_attn_norm"])
-            mlp_out = self._mlp(layer, self._norm(x, layer["mlp_norm"]))
+            mlp_out = self._mlp(layer, self._norm(x, layer["mlp_norm"]), live)
             x = x + self._norm(mlp_out, layer["post_mlp_norm"])
             new_pool.append(layer_kv)
         return self._output(params, x, metadata), new_pool

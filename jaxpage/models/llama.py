@@ -38,12 +38,13 @@ ACTIVATIONS = {"silu": jax.nn.silu,
                "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 
 
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array, live_rows: jax.Array | None = None) -> jax.Array:
     """x @ w accumulated in float32 and rounded once to x's dtype (as PyTorch's bfloat16
-    matmuls do). For bfloat16 this is also XLA:CPU's fast path: a bfloat16 dot with a
+    matmuls do). `live_rows`: x's rows past it are a shape bucket's padding, whose products a
+    packed weight leaves as zeros (see `_matmul_f32`). For bfloat16 this is also XLA:CPU's fast path: a bfloat16 dot with a
     bfloat16 result runs ~4x slower there than one with a float32 result (SmolLM2's [16, 576]
     x [576, 1536] projection: 1.10 ms vs 0.28 ms; float32 inputs: 0.21 ms)."""
-    return _matmul_f32(x, w).astype(x.dtype)
+    return _matmul_f32(x, w, live_rows=live_rows).astype(x.dtype)
 
 
 # rows up to which a CPU matmul takes the kernel library's small_matmul (decode steps and
@@ -85,15 +86,18 @@ def pack_params(params: Params) -> Params:
     return out
 
 
-def _matmul_f32(x: jax.Array, w: jax.Array, *, transpose_w: bool = False) -> jax.Array:
+def _matmul_f32(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
+                live_rows: jax.Array | None = None) -> jax.Array:
     """x [M, K] @ w ([K, N], or [N, K] with `transpose_w`) -> float32 [M, N]. A packed weight
     (`pack_params`: 4-D, only ever on CPU) goes through `cpu_attention.packed_matmul`, any M.
     Otherwise, on CPU, for float32/bfloat16 operands of one dtype and M up to its
     SMALL_MATMUL_ROWS, through `cpu_attention.small_matmul` (XLA:CPU's matmuls stream the
     weights at about half the read bandwidth with so few rows); elsewhere, and on every other
-    platform, jnp's dot."""
+    platform, jnp's dot. Only the packed path reads `live_rows` (x's rows past it are padding):
+    it computes those rows' products, the others are zeros there and whatever the dot gives
+    elsewhere; no one reads them."""
     if w.ndim == 4:
-        return cpu_attention.packed_matmul(x, w)
+        return cpu_attention.packed_matmul(x, w, live_rows=live_rows)
 
     def dot(x, w):
         if transpose_w:
@@ -216,31 +220,34 @@ class LlamaModel:
         x = self.embed(params, token_ids)  # [T, H]
         cos, sin = rope_cos_sin(cfg, positions, x.dtype)
         new_pool = []
+        live = metadata.query_start_loc[-1]  # the step's tokens; the bucket's padding follows
         for layer, layer_kv, window in zip(params["layers"], kv_pool, cfg.layer_windows,
                                            strict=True):
             options = {} if window is None else {"sliding_window": window}  # Mistral
             attn_out, layer_kv = self._attention(layer, self._norm(x, layer["attn_norm"]), cos,
-                                                 sin, layer_kv, metadata, **options)
+                                                 sin, layer_kv, metadata, live, **options)
             x = x + attn_out
-            x = x + self._mlp(layer, self._norm(x, layer["mlp_norm"]))
+            x = x + self._mlp(layer, self._norm(x, layer["mlp_norm"]), live)
             new_pool.append(layer_kv)
         return self._output(params, x, metadata), new_pool
 
     def _output(self, params: Params, x: jax.Array, metadata: AttentionMetadata) -> jax.Array:
         """The last layer's [T, H] output -> logits of the rows the metadata asks for."""
         x = self._norm(x, params["final_norm"])
-        if metadata.logits_indices is not None:
-            x = x[metadata.logits_indices]  # [R, H]
-        return self.compute_logits(params, x)
+        if metadata.logits_indices is None:
+            return self.compute_logits(params, x, metadata.query_start_loc[-1])
+        # [R, H]
+        return self.compute_logits(params, x[metadata.logits_indices], metadata.num_logits)
 
-    def compute_logits(self, params: Params, hidden: jax.Array) -> jax.Array:
+    def compute_logits(self, params: Params, hidden: jax.Array,
+                       live_rows: jax.Array | None = None) -> jax.Array:
         """[R, H] final hidden states -> [R, vocab] float32 logits (soft-capped when the
-        config says so: Gemma 2)."""
+        config says so: Gemma 2); rows past `live_rows` are padding (see `linear`)."""
         if "lm_head" in params:
             # [R, H] x [H, V] -> [R, V]
-            logits = _matmul_f32(hidden, params["lm_head"])
+            logits = _matmul_f32(hidden, params["lm_head"], live_rows=live_rows)
         elif params["embed"].ndim == 4:  # tied, packed as the head [H, V] (pack_params)
-            logits = _matmul_f32(hidden, params["embed"])
+            logits = _matmul_f32(hidden, params["embed"], live_rows=live_rows)
         else:  # tied: [R, H] x [V, H]^T -> [R, V]
             logits = _matmul_f32(hidden, params["embed"], transpose_w=True)
         if self.tp_axis is not None:
@@ -255,12 +262,13 @@ class LlamaModel:
     def _norm(self, x: jax.Array, weight: jax.Array) -> jax.Array:
         return rms_norm(x, weight, self.config.rms_norm_eps)
 
-    def _attention(self, layer, h, cos, sin, layer_kv, metadata, **attention_options):
-        """Attention of one layer; `attention_options` go to `paged_attention` (scale,
-        sliding_window, soft_cap)."""
+    def _attention(self, layer, h, cos, sin, layer_kv, metadata, live=None,
+                   **attention_options):
+        """Attention of one layer; `live`: the step's tokens (`linear`'s live_rows);
+        `attention_options` go to `paged_attention` (scale, sliding_window, soft_cap)."""
         cfg = self.config
         num_tokens = h.shape[0]
-        qkv = linear(h, layer["qkv"])  # [T, H] x [H, Q + 2K] -> [T, Q + 2K]
+        qkv = linear(h, layer["qkv"], live)  # [T, H] x [H, Q + 2K] -> [T, Q + 2K]
         if "qkv_bias" in layer:
             qkv = qkv + layer["qkv_bias"]
         q = qkv[:, : cfg.q_size].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
@@ -272,19 +280,20 @@ class LlamaModel:
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         out, layer_kv = paged_attention(q, k, v, layer_kv, metadata,
                                         **attention_options)  # [T, heads, D]
-        out = linear(out.reshape(num_tokens, cfg.q_size), layer["o"])  # [T, Q] x [Q, H] -> [T, H]
+        # [T, Q] x [Q, H] -> [T, H]
+        out = linear(out.reshape(num_tokens, cfg.q_size), layer["o"], live)
         out = self._all_reduce(out)
         if "o_bias" in layer:
             out = out + layer["o_bias"]
         return out, layer_kv
 
-    def _mlp(self, layer, h):
-        gate_up = linear(h, layer["gate_up"])  # [T, H] x [H, 2I] -> [T, 2I]
+    def _mlp(self, layer, h, live=None):
+        gate_up = linear(h, layer["gate_up"], live)  # [T, H] x [H, 2I] -> [T, 2I]
         if "gate_up_bias" in layer:
             gate_up = gate_up + layer["gate_up_bias"]
         gate, up = jnp.split(gate_up, 2, axis=-1)
         act = ACTIVATIONS[self.config.hidden_act]
-        out = linear(act(gate) * up, layer["down"])  # [T, I] x [I, H] -> [T, H]
+        out = linear(act(gate) * up, layer["down"], live)  # [T, I] x [I, H] -> [T, H]
         out = self._all_reduce(out)
         if "down_bias" in layer:
             out = out + layer["down_bias"]

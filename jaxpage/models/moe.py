@@ -166,9 +166,9 @@ class MoeModel(llama.LlamaModel):
 
     expert_fn: Any = None
 
-    def _mlp(self, layer, h):
+    def _mlp(self, layer, h, live=None):
         if "router" not in layer:
-            return super()._mlp(layer, h)
+            return super()._mlp(layer, h, live)
         weights, experts = route(self.config, h, layer["router"])
         expert_fn = self.expert_fn or (tiled_experts if jax.default_backend() == "cpu"
                                        else grouped_experts)

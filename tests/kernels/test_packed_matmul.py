@@ -102,15 +102,38 @@ def test_empty_rows_and_bad_operands():
     # the handler checks for itself (an ffi_call past the wrapper)
     call = jax.ffi.ffi_call(cpu_attention._TARGET_PACKED_MATMUL,
                             jax.ShapeDtypeStruct((2, 96), jnp.float32))
+    two = np.int32(2)  # live rows
     with pytest.raises(Exception, match="output"):
-        jax.block_until_ready(call(jnp.ones((2, 8), jnp.bfloat16), w, bf16_dot=np.int64(1)))
+        jax.block_until_ready(call(jnp.ones((2, 8), jnp.bfloat16), w, two, bf16_dot=np.int64(1)))
     with pytest.raises(Exception, match="K groups"):
-        jax.block_until_ready(call(jnp.ones((2, 12), jnp.bfloat16), w, bf16_dot=np.int64(1)))
+        jax.block_until_ready(call(jnp.ones((2, 12), jnp.bfloat16), w, two, bf16_dot=np.int64(1)))
     with pytest.raises(Exception, match="one dtype"):
-        jax.block_until_ready(call(jnp.ones((2, 8), jnp.float32), w, bf16_dot=np.int64(1)))
+        jax.block_until_ready(call(jnp.ones((2, 8), jnp.float32), w, two, bf16_dot=np.int64(1)))
     with pytest.raises(Exception, match=r"K / 1, 32, 1"):  # bfloat16's pairs read as float32
-        jax.block_until_ready(call(jnp.ones((2, 8), jnp.float32), w.astype(jnp.float32),
+        jax.block_until_ready(call(jnp.ones((2, 8), jnp.float32), w.astype(jnp.float32), two,
                                    bf16_dot=np.int64(1)))
+    good = jax.ffi.ffi_call(cpu_attention._TARGET_PACKED_MATMUL,
+                            jax.ShapeDtypeStruct((2, 64), jnp.float32))
+    with pytest.raises(Exception, match="live rows must be one int32"):
+        jax.block_until_ready(good(jnp.ones((2, 8), jnp.bfloat16), w, np.int32([2, 2]),
+                                   bf16_dot=np.int64(1)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_live_rows_computes_only_those_rows(dtype):
+    # a bucket's padding rows: computed as if x had only the live rows, the others zeros
+    # (the full product's rows, bit for bit, where live); out-of-range counts are clamped
+    rng = np.random.default_rng(5)
+    x, w = operands(rng, 11, 69, 96, dtype)
+    packed = cpu_attention.pack_weight(w)
+    full = np.asarray(cpu_attention.packed_matmul(x, packed))
+    check(jnp.asarray(full), x, w, False)  # the oracle: float64
+    step = jax.jit(lambda x, live: cpu_attention.packed_matmul(x, packed, live_rows=live))
+    for live in (0, 1, 3, 8, 9, 11, 40, -2):
+        out = np.asarray(step(x, np.int32(live)))  # traced: one compilation for every count
+        rows = min(max(live, 0), 11)
+        np.testing.assert_array_equal(out[:rows], full[:rows])
+        np.testing.assert_array_equal(out[rows:], 0.0)
 
 
 def test_pack_params_leaves_what_it_cannot_pack():
