@@ -1981,6 +1981,10 @@ extern "C" void JaxpageFloat8Table(int format, float* out) {
 // Whether this build has the bfloat16 dot path (compiled for a CPU with AVX512-BF16).
 extern "C" int JaxpagePagedAttentionBf16Dot() { return kHaveBf16Dot ? 1 : 0; }
 
+// The packed panels' vector width in floats: 16 where the build targets AVX-512, else 8 (the
+// other kernels' 16-float vectors are the machine's own only in the first case).
+extern "C" int JaxpageVectorLanes() { return kLanes; }
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageSetRows, SetRows,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()          // pool

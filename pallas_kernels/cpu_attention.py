@@ -163,6 +163,16 @@ def available() -> bool:
     return _loaded() is not None
 
 
+def wide_vectors() -> bool:
+    """Whether the kernel library was built for 16-float vectors (AVX-512; False when it is not
+    available). `small_matmul`'s walks are written in them, and without AVX-512 GCC lowers them
+    through the stack: there they lose to XLA's dot (8 rows of a [576, 1536] weight on a Zen 3
+    box: ~4 ms against 0.3-0.6), so models route few-row matmuls to them only where this holds
+    (`llama._matmul_f32`). `packed_matmul` is written in the machine's own width either way."""
+    library = _loaded()
+    return library is not None and library.JaxpageVectorLanes() == 16
+
+
 def bf16_dot_compiled() -> bool:
     """Whether the kernel was built with the AVX512-BF16 path for bfloat16 pools (False when
     the kernel is not available)."""

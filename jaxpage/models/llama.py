@@ -91,9 +91,11 @@ def _matmul_f32(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
     """x [M, K] @ w ([K, N], or [N, K] with `transpose_w`) -> float32 [M, N]. A packed weight
     (`pack_params`: 4-D, only ever on CPU) goes through `cpu_attention.packed_matmul`, any M.
     Otherwise, on CPU, for float32/bfloat16 operands of one dtype and M up to its
-    SMALL_MATMUL_ROWS, through `cpu_attention.small_matmul` (XLA:CPU's matmuls stream the
-    weights at about half the read bandwidth with so few rows); elsewhere, and on every other
-    platform, jnp's dot. Only the packed path reads `live_rows` (x's rows past it are padding):
+    SMALL_MATMUL_ROWS, through `cpu_attention.small_matmul` where the kernel library is built
+    for AVX-512 (XLA:CPU's matmuls
+    stream the weights at about half the read bandwidth with so few rows; without AVX-512 the
+    walks lose to XLA: `cpu_attention.wide_vectors`); elsewhere, and on every other platform,
+    jnp's dot. Only the packed path reads `live_rows` (x's rows past it are padding):
     it computes those rows' products, the others are zeros there and whatever the dot gives
     elsewhere; no one reads them."""
     if w.ndim == 4:
@@ -107,7 +109,7 @@ def _matmul_f32(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
     dtype = jnp.dtype(x.dtype)
     if (x.ndim != 2 or w.ndim != 2 or dtype != jnp.dtype(w.dtype)
             or x.shape[0] > SMALL_MATMUL_ROWS.get((dtype.name, transpose_w), 0)
-            or not cpu_attention.available()):
+            or not cpu_attention.wide_vectors()):  # (built, for AVX-512)
         return dot(x, w)
 
     def kernel(x, w):
