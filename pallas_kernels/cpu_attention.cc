@@ -1245,8 +1245,10 @@ constexpr int64_t kPrefetchBytesNK = 8192;  // [N, K]: bytes ahead in each row's
 // x rows per register tile, and the rows up to which a tile is 64 columns ([K, N]) or spans 4 of
 // w's rows ([N, K]): a tile's accumulators (MB x V vectors of 16 floats) stay in registers only
 // where there are enough of them. AVX-512 has 32 of 16 floats: 8 rows x 2 (or 4 x 4) fit.
-// AVX2 has 16 of 8 floats, a v16f taking two: 8 x 2 would be 32 registers, spilled at every
-// FMA (a Zen 3 box: float32 packed, 8 rows 7x slower than XLA's dot), so 2 rows x 2, 1 x 4.
+// AVX2 has 16 of 8 floats, a v16f taking two: 8 x 2 would be 32 registers, more than there
+// are, so 2 rows x 2, 1 x 4. (That alone did not make the 16-float walks fast on AVX2, where GCC
+// lowers v16f through the stack: models route few-row matmuls around them there,
+// JaxpageVectorLanes; the packed panels below use the machine's own width.)
 #ifdef __AVX512F__
 constexpr int kMaxRowBlock = 8;
 constexpr int kWideRows = 4;

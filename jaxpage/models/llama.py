@@ -40,10 +40,11 @@ ACTIVATIONS = {"silu": jax.nn.silu,
 
 def linear(x: jax.Array, w: jax.Array, live_rows: jax.Array | None = None) -> jax.Array:
     """x @ w accumulated in float32 and rounded once to x's dtype (as PyTorch's bfloat16
-    matmuls do). `live_rows`: x's rows past it are a shape bucket's padding, whose products a
-    packed weight leaves as zeros (see `_matmul_f32`). For bfloat16 this is also XLA:CPU's fast path: a bfloat16 dot with a
+    matmuls do). For bfloat16 this is also XLA:CPU's fast path: a bfloat16 dot with a
     bfloat16 result runs ~4x slower there than one with a float32 result (SmolLM2's [16, 576]
-    x [576, 1536] projection: 1.10 ms vs 0.28 ms; float32 inputs: 0.21 ms)."""
+    x [576, 1536] projection: 1.10 ms vs 0.28 ms; float32 inputs: 0.21 ms). `live_rows`: x's
+    rows past it are a shape bucket's padding, whose products a packed weight leaves as zeros
+    (see `_matmul_f32`)."""
     return _matmul_f32(x, w, live_rows=live_rows).astype(x.dtype)
 
 
@@ -92,12 +93,11 @@ def _matmul_f32(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
     (`pack_params`: 4-D, only ever on CPU) goes through `cpu_attention.packed_matmul`, any M.
     Otherwise, on CPU, for float32/bfloat16 operands of one dtype and M up to its
     SMALL_MATMUL_ROWS, through `cpu_attention.small_matmul` where the kernel library is built
-    for AVX-512 (XLA:CPU's matmuls
-    stream the weights at about half the read bandwidth with so few rows; without AVX-512 the
-    walks lose to XLA: `cpu_attention.wide_vectors`); elsewhere, and on every other platform,
-    jnp's dot. Only the packed path reads `live_rows` (x's rows past it are padding):
-    it computes those rows' products, the others are zeros there and whatever the dot gives
-    elsewhere; no one reads them."""
+    for AVX-512 (XLA:CPU's matmuls stream the weights at about half the read bandwidth with so
+    few rows; without AVX-512 the walks lose to XLA: `cpu_attention.wide_vectors`); elsewhere,
+    and on every other platform, jnp's dot. Only the packed path reads `live_rows` (x's rows
+    past it are padding): it multiplies only the live rows, the others are zeros there and
+    whatever the dot gives elsewhere; no one reads them."""
     if w.ndim == 4:
         return cpu_attention.packed_matmul(x, w, live_rows=live_rows)
 
@@ -109,7 +109,7 @@ def _matmul_f32(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
     dtype = jnp.dtype(x.dtype)
     if (x.ndim != 2 or w.ndim != 2 or dtype != jnp.dtype(w.dtype)
             or x.shape[0] > SMALL_MATMUL_ROWS.get((dtype.name, transpose_w), 0)
-            or not cpu_attention.wide_vectors()):  # (built, for AVX-512)
+            or not cpu_attention.wide_vectors()):  # built, and for AVX-512
         return dot(x, w)
 
     def kernel(x, w):
