@@ -22,9 +22,12 @@ MAX_TOKENS = 20
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 BACKENDS = ["reference", "jnp", "cpp"]
 MODELS = ["mistral", "gemma2", "gemma3"]
-# the Pallas kernels in interpret mode: slow on CPU (~4 minutes a run), with the kernel tests
+# the Pallas kernels in interpret mode: slow on CPU, with the kernel tests. Through the engine
+# they run 3 of the prompts (16, 40, 61 tokens), which still preempt and hit: all 6 took
+# 13 minutes a kernel on a 2-core Zen 3 (81 steps at block 8, every one interpreted)
 PALLAS = [pytest.param(b, marks=[pytest.mark.slow, pytest.mark.kernels])
           for b in ("pallas_gpu", "pallas_tpu")]
+PALLAS_PROMPTS = [1, 3, 4]
 
 
 @pytest.fixture(scope="module")
@@ -102,10 +105,14 @@ def test_chunked_prefill_prefix_hits_and_preemption(hf_models, prompts, expected
     prefix cache wherever the window group still holds the blocks."""
     block = 8 if backend == "pallas_tpu" else BLOCK  # Mosaic: blocks of whole sublanes
     per_seq = window_blocks_per_seq(WINDOW, block, 12, 512)
+    pallas = backend.startswith("pallas")
     llm = LLM(hf_models(name)[0], block_size=block, attention_backend=backend,
-              kernel_interpret=backend.startswith("pallas"), max_num_batched_tokens=12,
+              kernel_interpret=pallas, max_num_batched_tokens=12,
               max_num_seqs=6, num_window_blocks=3 * per_seq + 1, debug_nan_pool=True)
-    stats = check(llm, prompts + prompts, expected(name) + expected(name))
+    chosen = PALLAS_PROMPTS if pallas else range(len(prompts))
+    prompts = [prompts[i] for i in chosen]
+    wanted = [expected(name)[i] for i in chosen]
+    stats = check(llm, prompts + prompts, wanted + wanted)
     assert stats["num_preemptions"] > 0
     assert stats["prefix_cache_hits"] > 0
 

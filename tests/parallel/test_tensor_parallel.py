@@ -40,7 +40,9 @@ def assert_same_tokens(results: dict) -> None:
     ("gemma2", "cpp", "2", "recompute"),  # a window group beside the full one
     pytest.param("llama8", "cpp", "4", "recompute:int8", marks=pytest.mark.slow),
     pytest.param("llama8", "jnp", "2,8", "recompute", marks=pytest.mark.slow),
-    pytest.param("llama8", "pallas_tpu", "2,4", "recompute",
+    # tp 4 (KV heads replicated) only: every step interpreted, 8 minutes with tp 2 as well on a
+    # 2-core Zen 3
+    pytest.param("llama8", "pallas_tpu", "4", "recompute",
                  marks=[pytest.mark.slow, pytest.mark.kernels]),
 ])
 def test_tokens_equal_one_device(model, backend, sizes, preemption):
