@@ -30,6 +30,15 @@ PALLAS = [pytest.param(b, marks=[pytest.mark.slow, pytest.mark.kernels])
 PALLAS_PROMPTS = [1, 3, 4]
 
 
+def model_backend_cases(backends) -> list:
+    """(model, backend) params: the cpp kernel (the CPU's own path) on every model, the other
+    backends on Mistral in the default suite and on the Gemmas in the slow one (~85 s of the
+    default suite on a 2-core Zen 3)."""
+    return [(name, backend) if backend == "cpp" or name == "mistral"
+            else pytest.param(name, backend, marks=pytest.mark.slow)
+            for name in MODELS for backend in backends]
+
+
 @pytest.fixture(scope="module")
 def hf_models(hf_model_dir):
     """name -> (HF directory, HF model), each built once (Mistral with the 16-token window)."""
@@ -78,8 +87,7 @@ def check(llm, prompts, expected):
     return stats
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize(("name", "backend"), model_backend_cases(BACKENDS))
 def test_greedy_equals_hf_past_the_window(hf_models, prompts, expected, name, backend):
     llm = LLM(hf_models(name)[0], block_size=BLOCK, attention_backend=backend,
               max_num_batched_tokens=256, max_num_seqs=8, debug_nan_pool=True)
@@ -95,7 +103,7 @@ def test_greedy_equals_hf_past_the_window(hf_models, prompts, expected, name, ba
 
 
 @pytest.mark.parametrize(("name", "backend"), [
-    *((name, backend) for name in MODELS for backend in ("jnp", "cpp")),
+    *model_backend_cases(("jnp", "cpp")),
     *(pytest.param("gemma2", *p.values, marks=p.marks) for p in PALLAS),  # both groups
 ])
 def test_chunked_prefill_prefix_hits_and_preemption(hf_models, prompts, expected, name,

@@ -122,8 +122,14 @@ def test_write_kv_quantizes_each_row_at_its_slot(fmt):
         np.testing.assert_array_equal(scales[:, untouched], 1.0)
 
 
-@pytest.mark.parametrize("seed,num_heads,num_kv_heads,block_size,fmt", one_format_each(
-    [(seed, *shape) for seed in range(3) for shape in [(4, 4, 4), (6, 2, 16), (9, 3, 1)]]))
+# (num_heads, num_kv_heads, block_size); seeds 1 and 2 run in the slow suite
+POOL_SHAPES = [(4, 4, 4), (6, 2, 16), (9, 3, 1)]
+
+
+@pytest.mark.parametrize("seed,num_heads,num_kv_heads,block_size,fmt", [
+    *one_format_each([(0, *shape) for shape in POOL_SHAPES]),
+    *(pytest.param(seed, *shape, fmt, marks=pytest.mark.slow)
+      for seed in (1, 2) for shape in POOL_SHAPES for fmt in FORMATS)])
 def test_jnp_backends_read_quantized_pools_as_their_dequantization(seed, num_heads,
                                                                    num_kv_heads, block_size, fmt):
     rng = np.random.default_rng(seed)
