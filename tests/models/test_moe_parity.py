@@ -177,6 +177,7 @@ def test_routing_matches_hf_router_and_the_dense_model():
     np.testing.assert_allclose(np.sort(weights, -1), np.sort(hf_weights.numpy(), -1), atol=1e-6)
 
 
+@pytest.mark.slow  # ~20 s: three models compiled; the grouped one is checked against HF by default
 def test_dense_and_tiled_experts_models_equal_grouped(hf_model_dir):
     path, _ = hf_model_dir("qwen3_moe_sparse")
     config, params = load_hf_dir(path, "float32")

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from test_tensor_parallel import run_worker
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -48,6 +49,7 @@ def test_two_processes_give_one_device_tokens():
     assert (result["preemptions"], result["hits"]) == (single["preemptions"], single["hits"])
 
 
+@pytest.mark.slow  # ~32 s, most of it the survivor's 20 s deadline
 def test_a_dead_process_makes_the_other_fail_clearly():
     """Killing process 1 mid-run makes process 0 exit with an error naming what it waited
     for, within its call deadline (20 s here), instead of hanging."""
