@@ -41,6 +41,19 @@ def test_cli_reports_bad_input_without_a_traceback(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def generate_json(args: list[str], prompts: list[str], timeout: int):
+    """`python -m jaxpage.generate --json ARGS --prompt P ...`: the finished process and its
+    JSON lines, having checked that it succeeded and answered every prompt in order."""
+    command = [sys.executable, "-m", "jaxpage.generate", "--json", *args]
+    for prompt in prompts:
+        command += ["--prompt", prompt]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    outputs = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [o["prompt"] for o in outputs] == prompts
+    return result, outputs
+
+
 def test_cli_greedy_matches_hf_transformers_on_a_tiny_model(hf_model_dir, tmp_path):
     """The CLI end to end in the default suite (the default model's runs are slow): a tiny
     model with a byte-level BPE, its prompt tokenized and its greedy answer decoded by the CLI,
@@ -55,14 +68,7 @@ def test_cli_greedy_matches_hf_transformers_on_a_tiny_model(hf_model_dir, tmp_pa
     shutil.copytree(source, directory)
     tokenizer.save_pretrained(directory)
     prompts = ["The café on the corner", "Zürich, jalapeño"]
-    args = [sys.executable, "-m", "jaxpage.generate", "--model", str(directory), "--json",
-            "--max-tokens", "12"]
-    for prompt in prompts:
-        args += ["--prompt", prompt]
-    result = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-2000:]
-    outputs = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert [o["prompt"] for o in outputs] == prompts
+    _, outputs = generate_json(["--model", str(directory), "--max-tokens", "12"], prompts, 300)
     for prompt, out in zip(prompts, outputs, strict=True):
         expected = hf_greedy(model, tokenizer(prompt)["input_ids"], 12, stop_at_eos=True)
         got = out["outputs"][0]["token_ids"]
@@ -88,13 +94,7 @@ def test_cli_greedy_chat_matches_hf_transformers():
     from jaxpage.llm import chat_token_ids
     from jaxpage.loading import default_model_path
 
-    args = [sys.executable, "-m", "jaxpage.generate", "--chat", "--json", "--max-tokens", "32"]
-    for prompt in CHAT_PROMPTS:
-        args += ["--prompt", prompt]
-    result = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-2000:]
-    outputs = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert [o["prompt"] for o in outputs] == CHAT_PROMPTS
+    result, outputs = generate_json(["--chat", "--max-tokens", "32"], CHAT_PROMPTS, 900)
     assert "tok/s" in result.stderr and "TTFT" in result.stderr  # the closing line
 
     path = default_model_path()
