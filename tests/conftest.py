@@ -128,6 +128,12 @@ def hf_model_dir(tmp_path_factory):
     return make
 
 
+def slow_unless(by_default: bool, *values):
+    """A pytest case of `values` that the default suite runs when `by_default`, and only the
+    slow tests otherwise."""
+    return pytest.param(*values, marks=() if by_default else pytest.mark.slow)
+
+
 def add_due(engine, pending: list, step: int) -> None:
     """Add the workload items `(request_id, prompt, params, step to add it at)` due by
     `step` to `engine` (beam searches by their BeamSearchParams) and drop them from

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import hf_greedy
+from conftest import hf_greedy, slow_unless
 
 from jaxpage import LLM, SamplingParams
 from jaxpage.engine.block_allocator import NULL_BLOCK
@@ -34,8 +34,7 @@ def model_backend_cases(backends) -> list:
     """(model, backend) params: the cpp kernel (the CPU's own path) on every model, the other
     backends on Mistral in the default suite and on the Gemmas in the slow one (~85 s of the
     default suite on a 2-core Zen 3)."""
-    return [(name, backend) if backend == "cpp" or name == "mistral"
-            else pytest.param(name, backend, marks=pytest.mark.slow)
+    return [slow_unless(backend == "cpp" or name == "mistral", name, backend)
             for name in MODELS for backend in backends]
 
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY_CONFIGS, hf_logits
+from conftest import TINY_CONFIGS, hf_logits, slow_unless
 
 from jaxpage.attention import build_metadata, init_kv_pool
 from jaxpage.loading.hf import load_hf_dir
@@ -50,9 +50,8 @@ def test_full_prompt_logits_match_hf(name, hf_model_dir):
     np.testing.assert_allclose(logits, expected, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("name,block_size", [
-    (name, block_size) if block_size == 16 or name == "llama"
-    else pytest.param(name, block_size, marks=pytest.mark.slow)  # ~5 s each
+@pytest.mark.parametrize("name,block_size", [  # ~5 s each
+    slow_unless(block_size == 16 or name == "llama", name, block_size)
     for name in ("llama", "qwen3", "smollm2") for block_size in (1, 16, 32)])
 def test_token_by_token_decode_matches_hf(name, block_size, hf_model_dir):
     """Prefill a prompt, then decode one token per step; lengths cross block boundaries
