@@ -1711,30 +1711,36 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
 // ---------------------------------------------------------------------------------------------
 // Packed matmuls (handler JaxpagePackedMatmul): out[M, N] float32 = x[M, K] . w, x and w of one
 // element type (float32 or bfloat16), w packed once (pallas_kernels.cpu_attention.pack_weight)
-// as [P][KG][32][G]: P = N / 32 panels of 32 columns, each KG = ceil(K / G) groups of G rows
-// long, a group's rows interleaved column by column (G = 2 for bfloat16: the pairs vdpbf16ps
-// takes; G = 1 for float32: the panel is w's 32 columns row after row). So a panel is one
-// sequential stream of K * 32 elements, read once for up to 8 x rows whose accumulators (2
-// vectors a row) stay in registers along all of K: where the [K, N] walk above reads kKChunk
-// short row segments at a time (one row of w per page apart), this reads memory in order, as
-// fast as a plain sequential read (measured on the 2-core Zen box, bfloat16: the 120
-// projections of a SmolLM2 step at 1 row 19-25 -> 33 GB/s, 8 rows 18-23 -> 29). For bfloat16
-// each 32-bit lane of a panel row is the pair vdpbf16ps multiplies by a broadcast pair (x[m, k],
-// x[m, k + 1]), and x's rows as they lie are exactly those pairs, so x needs no transposing (an
-// odd K's x is copied once with a zero appended); float32 broadcasts x[m, k]. More than 8 rows
-// read each panel again per 8-row block, from L2. Products and sums as in the [K, N] tiles, bit
-// for bit: float32 FMAs k by k (bfloat16 widened exactly), or vdpbf16ps (products exact, pair
-// sums and accumulation in float32, subnormals flushed).
+// as [P][KG][kPanel][G]: P = N / kPanel panels of kPanel columns (32 with AVX-512, 16 with
+// AVX2: two of the machine's vectors), each KG = ceil(K / G) groups of G rows long, a group's
+// rows interleaved column by column (G = 2 for bfloat16: the pairs vdpbf16ps takes; G = 1 for
+// float32: the panel is w's columns row after row). So a panel is one sequential stream of
+// K * kPanel elements (a cache line a row, or a pair of rows, on AVX2), read once for up to
+// kPackedRows x rows (8 with AVX-512, 6 with AVX2) whose accumulators (2 vectors a row) stay in
+// registers along all of K: where the [K, N] walk above reads kKChunk short row segments at a
+// time (one row of w per page apart), this reads memory in order, as fast as a plain sequential
+// read (measured on the 2-core Zen box, bfloat16: the 120 projections of a SmolLM2 step at 1
+// row 19-25 -> 33 GB/s, 8 rows 18-23 -> 29). For bfloat16 each 32-bit lane of a panel row is
+// the pair vdpbf16ps multiplies by a broadcast pair (x[m, k], x[m, k + 1]), and x's rows as they
+// lie are exactly those pairs, so x needs no transposing (an odd K's x is copied once with a
+// zero appended); without vdpbf16ps x is widened to float32 once a call and each pair's two
+// rows are widened from the panel in turn; float32 broadcasts x[m, k]. More rows take more
+// passes over each panel (from cache after the first), the rows split evenly among them. Products
+// and sums as in the [K, N] tiles, bit for bit: float32 FMAs k by k (bfloat16 widened exactly),
+// or vdpbf16ps (products exact, pair sums and accumulation in float32, subnormals flushed).
 
-constexpr int64_t kPanel = 32;                  // columns a panel
 constexpr int64_t kPackedPrefetchBytes = 4096;  // how far ahead in a panel's stream
 constexpr int64_t kPackedUnitsPerThread = 4;    // panels shared in about this many units each
 
 // The packed panels' vectors are the machine's own width (kLanes floats: 16 with AVX-512, else
-// 8), a panel's 32 columns kPanelVecs of them. GCC lowers a vector wider than the machine's
-// through the stack (a 16-float v16f on AVX2: every broadcast 16 scalar stores, every FMA's
-// operands reloaded), which made the 8-row float32 panel 7x slower than XLA's dot on a Zen 3
-// box.
+// 8), a panel two of them: 32 columns with AVX-512, 16 with AVX2. GCC lowers a vector wider
+// than the machine's through the stack (a 16-float v16f on AVX2: every broadcast 16 scalar
+// stores, every FMA's operands reloaded), which made the 8-row float32 panel 7x slower than
+// XLA's dot on a Zen 3 box. Two vectors a row leave room for many rows a pass (below); AVX2's
+// earlier 32-column panels (4 vectors a row) fitted 2 rows, whose 8 accumulators with two
+// dependent FMAs each per bfloat16 pair left the FMA units waiting (~41 GFLOP/s a thread of
+// ~114 on a Zen 3 core), and splitting such a panel into halves for more rows made it two
+// passes over alternate cache lines (slower in a decode step, where w comes from memory).
 #ifdef __AVX512F__
 constexpr int kLanes = 16;
 #else
@@ -1742,7 +1748,14 @@ constexpr int kLanes = 8;
 #endif
 typedef float vnf __attribute__((vector_size(4 * kLanes)));
 typedef uint32_t vnu __attribute__((vector_size(4 * kLanes)));
-constexpr int kPanelVecs = kPanel / kLanes;
+constexpr int kPanelVecs = 2;                    // a panel row's vectors
+constexpr int64_t kPanel = kPanelVecs * kLanes;  // columns a panel
+// cache lines a panel's stream advances a step (a float32 row or a bfloat16 pair of rows)
+constexpr int kPanelLines = kPanel * 4 / 64;
+// x rows one pass over a panel serves: their accumulators (kPanelVecs each), the panel row's
+// vectors and a broadcast stay in registers: 8 x 2 + 3 of AVX-512's 32, 6 x 2 + 3 of AVX2's 16
+constexpr int kPackedRows = kLanes == 16 ? 8 : 6;
+constexpr auto kPackedRowSeq = std::make_integer_sequence<int, kPackedRows>();
 // loads and stores of them anywhere (memcpy would make GCC keep the accumulators in memory)
 typedef float vnf_u __attribute__((vector_size(4 * kLanes), aligned(4)));
 typedef uint32_t vnu_u __attribute__((vector_size(4 * kLanes), aligned(4)));
@@ -1768,19 +1781,20 @@ inline vnf fma_n(float a, vnf b, vnf acc) {
 #endif
 }
 
-// One panel of a bfloat16 w: rows m0..m0+MB of out (columns n0..n0+32) from x's pairs (x + m *
-// KG: row m's KG pairs); w: the panel, KG * 64 bf16. `Dot`: vdpbf16ps, else widened FMAs.
+// One panel of a bfloat16 w: rows m0..m0+MB of out (columns n0..n0+kPanel); w: the panel,
+// KG * 2 * kPanel bf16. `Dot` (vdpbf16ps): x holds rows of KG pairs (uint32); else x holds rows
+// of 2 * KG floats, widened once by the caller, and w is widened a vector at a time.
 template <int MB, bool Dot>
 void packed_panel_bf16(const void* x, int64_t KG, int64_t m0, const void* panel,
                        const char* w_end, float* out, int64_t N, int64_t n0) {
   vnf acc[MB][kPanelVecs] = {};
-  const uint32_t* xm[MB];
-  for (int m = 0; m < MB; ++m) xm[m] = static_cast<const uint32_t*>(x) + (m0 + m) * KG;
   const bf16* w = static_cast<const bf16*>(panel);
-  for (int64_t kp = 0; kp < KG; ++kp, w += 2 * kPanel) {
-    prefetch_stream<kPackedPrefetchBytes, 2>(w, w_end);
 #ifdef __AVX512BF16__
-    if constexpr (Dot) {
+  if constexpr (Dot) {
+    const uint32_t* xm[MB];
+    for (int m = 0; m < MB; ++m) xm[m] = static_cast<const uint32_t*>(x) + (m0 + m) * KG;
+    for (int64_t kp = 0; kp < KG; ++kp, w += 2 * kPanel) {
+      prefetch_stream<kPackedPrefetchBytes, kPanelLines>(w, w_end);
       const __m512bh w0 = as_bh(_mm512_loadu_si512(w)), w1 = as_bh(_mm512_loadu_si512(w + 32));
       for (int m = 0; m < MB; ++m) {
         const __m512bh xv = as_bh(_mm512_set1_epi32(static_cast<int32_t>(xm[m][kp])));
@@ -1789,27 +1803,33 @@ void packed_panel_bf16(const void* x, int64_t KG, int64_t m0, const void* panel,
         acc[m][1] = __builtin_bit_cast(
             vnf, _mm512_dpbf16_ps(__builtin_bit_cast(__m512, acc[m][1]), xv, w1));
       }
-      continue;
     }
+    for (int m = 0; m < MB; ++m) store_panel_row(out + (m0 + m) * N + n0, acc[m]);
+    return;
+  }
 #endif
-    float x0[MB], x1[MB];  // row m's pair (x[m, k], x[m, k + 1]), each widened by its bits
-    for (int m = 0; m < MB; ++m) {
-      x0[m] = __builtin_bit_cast(float, xm[m][kp] << 16);
-      x1[m] = __builtin_bit_cast(float, xm[m][kp] & 0xFFFF0000u);
-    }
-    for (int v = 0; v < kPanelVecs; ++v) {
-      // lane c: the pair (w[k, c] low, w[k + 1, c] high), each widened by its bits
-      const vnu u = reinterpret_cast<const vnu_u*>(w)[v];
-      const vnf lo = __builtin_bit_cast(vnf, u << 16);
-      const vnf hi = __builtin_bit_cast(vnf, u & 0xFFFF0000u);
-      for (int m = 0; m < MB; ++m)  // k, then k + 1: two roundings, as the [K, N] walk's
-        acc[m][v] = fma_n(x1[m], hi, fma_n(x0[m], lo, acc[m][v]));
-    }
+  const float* xm[MB];
+  for (int m = 0; m < MB; ++m) xm[m] = static_cast<const float*>(x) + (m0 + m) * 2 * KG;
+  for (int64_t kp = 0; kp < KG; ++kp, w += 2 * kPanel) {
+    prefetch_stream<kPackedPrefetchBytes, kPanelLines>(w, w_end);
+    // lane c of a panel row: the pair (w[k, c] low, w[k + 1, c] high), each widened by its
+    // bits; every row's k, then every row's k + 1 (each sum in k's order, as the [K, N] walk's),
+    // so that one widened half at a time is live
+    vnf wv[kPanelVecs];
+    for (int v = 0; v < kPanelVecs; ++v)
+      wv[v] = __builtin_bit_cast(vnf, reinterpret_cast<const vnu_u*>(w)[v] << 16);
+    for (int m = 0; m < MB; ++m)
+      for (int v = 0; v < kPanelVecs; ++v) acc[m][v] = fma_n(xm[m][2 * kp], wv[v], acc[m][v]);
+    for (int v = 0; v < kPanelVecs; ++v)
+      wv[v] = __builtin_bit_cast(vnf, reinterpret_cast<const vnu_u*>(w)[v] & 0xFFFF0000u);
+    for (int m = 0; m < MB; ++m)
+      for (int v = 0; v < kPanelVecs; ++v)
+        acc[m][v] = fma_n(xm[m][2 * kp + 1], wv[v], acc[m][v]);
   }
   for (int m = 0; m < MB; ++m) store_panel_row(out + (m0 + m) * N + n0, acc[m]);
 }
 
-// One panel of a float32 w (KG = K rows of 32 floats), rows m0..m0+MB of x [M][K].
+// One panel of a float32 w (KG = K rows of kPanel floats), rows m0..m0+MB of x [M][K].
 template <int MB>
 void packed_panel_f32(const void* x, int64_t K, int64_t m0, const void* panel, const char* w_end,
                       float* out, int64_t N, int64_t n0) {
@@ -1818,7 +1838,7 @@ void packed_panel_f32(const void* x, int64_t K, int64_t m0, const void* panel, c
   for (int m = 0; m < MB; ++m) xm[m] = static_cast<const float*>(x) + (m0 + m) * K;
   const float* w = static_cast<const float*>(panel);
   for (int64_t k = 0; k < K; ++k, w += kPanel) {
-    prefetch_stream<kPackedPrefetchBytes, 2>(w, w_end);
+    prefetch_stream<kPackedPrefetchBytes, kPanelLines>(w, w_end);
     vnf wv[kPanelVecs];
     for (int v = 0; v < kPanelVecs; ++v) wv[v] = reinterpret_cast<const vnf_u*>(w)[v];
     for (int m = 0; m < MB; ++m)
@@ -1843,21 +1863,27 @@ PackedPanelFn packed_pick(int mb, std::integer_sequence<int, MB...>) {
 }
 
 struct PackedWork {
-  const void* x = nullptr;         // [M][KG]: float32 rows, or bfloat16 rows as pairs
-  std::vector<uint32_t> x_padded;  // an odd K's bfloat16 x, a zero appended to each row
+  // what the panel functions read as x: float32 rows [M][K], or bfloat16 rows as KG pairs
+  // (vdpbf16ps), or bfloat16 rows widened to 2 KG floats
+  const void* x = nullptr;
+  std::vector<uint32_t> x_pairs;  // an odd K's bfloat16 x, a zero appended to each row
+  std::vector<float> x_wide;      // bfloat16 x widened (an odd K's with a zero appended)
   const char* w = nullptr;
   const char* w_end = nullptr;
   float* out = nullptr;
   int64_t M = 0, KG = 0, N = 0, panel_bytes = 0, panels = 0, unit_panels = 0, units = 0;
-  PackedPanelFn fns[kMaxRowBlock] = {};  // by rows in the block, less one
+  PackedPanelFn fns[kPackedRows] = {};  // by rows in the pass, less one
 
   void run() {
+    // M's rows in as few passes over a panel as kPackedRows allows, as even as can be (8 rows
+    // on AVX2: 4 + 4, not 6 + 2, whose 2-row pass would wait on its FMAs' latency)
+    const int64_t passes = (M + kPackedRows - 1) / kPackedRows;
     for (int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) {
       const int64_t last = std::min(panels, (u + 1) * unit_panels);
       for (int64_t p = u * unit_panels; p < last; ++p)
-        for (int64_t m0 = 0; m0 < M; m0 += kMaxRowBlock) {  // the panel from L2 after the first
-          const int64_t mb = std::min<int64_t>(kMaxRowBlock, M - m0);
-          fns[mb - 1](x, KG, m0, w + p * panel_bytes, w_end, out, N, p * kPanel);
+        for (int64_t b = 0; b < passes; ++b) {  // the panel from cache after the first
+          const int64_t m0 = b * M / passes, m1 = (b + 1) * M / passes;
+          fns[m1 - m0 - 1](x, KG, m0, w + p * panel_bytes, w_end, out, N, p * kPanel);
         }
       done.fetch_add(1, std::memory_order_release);
     }
@@ -1882,8 +1908,8 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
   const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
   if (xd.size() != 2 || wd.size() != 4 || wd[2] != kPanel || wd[3] != G)
     return InvalidPacked("x " + shape_string(xd) + " must be a matrix and w " +
-                         shape_string(wd) + " [panels, K / " + std::to_string(G) + ", 32, " +
-                         std::to_string(G) + "]");
+                         shape_string(wd) + " [panels, K / " + std::to_string(G) + ", " +
+                         std::to_string(kPanel) + ", " + std::to_string(G) + "]");
   const int64_t M = xd[0], K = xd[1], P = wd[0], KG = wd[1], N = P * kPanel;
   if ((K + G - 1) / G != KG)
     return InvalidPacked("x " + shape_string(xd) + " does not contract with w " +
@@ -1903,18 +1929,26 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
   if (K == 0 || rows == 0) return ffi::Error::Success();
   auto work = std::make_shared<PackedWork>();
   work->x = x.untyped_data();  // read by the helpers, all done before this call returns
-  if (!f32 && K % 2) {
-    work->x_padded.assign(static_cast<size_t>(rows * KG), 0u);
-    for (int64_t m = 0; m < rows; ++m)
-      std::memcpy(work->x_padded.data() + m * KG,
-                  static_cast<const bf16*>(x.untyped_data()) + m * K, K * sizeof(bf16));
-    work->x = work->x_padded.data();
-  }
   const bool dot = !f32 && bf16_dot != 0 && kHaveBf16Dot;
-  for (int mb = 1; mb <= kMaxRowBlock; ++mb)
-    work->fns[mb - 1] = f32   ? packed_pick<true, false>(mb, kRowSeq)
-                        : dot ? packed_pick<false, true>(mb, kRowSeq)
-                              : packed_pick<false, false>(mb, kRowSeq);
+  if (!f32 && !dot) {  // each x element widened once here, not once per panel
+    const uint16_t* xb = static_cast<const uint16_t*>(x.untyped_data());
+    work->x_wide.assign(static_cast<size_t>(rows * 2 * KG), 0.0f);
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t k = 0; k < K; ++k)
+        work->x_wide[m * 2 * KG + k] =
+            __builtin_bit_cast(float, static_cast<uint32_t>(xb[m * K + k]) << 16);
+    work->x = work->x_wide.data();
+  } else if (dot && K % 2) {
+    work->x_pairs.assign(static_cast<size_t>(rows * KG), 0u);
+    for (int64_t m = 0; m < rows; ++m)
+      std::memcpy(work->x_pairs.data() + m * KG,
+                  static_cast<const bf16*>(x.untyped_data()) + m * K, K * sizeof(bf16));
+    work->x = work->x_pairs.data();
+  }
+  for (int mb = 1; mb <= kPackedRows; ++mb)
+    work->fns[mb - 1] = f32   ? packed_pick<true, false>(mb, kPackedRowSeq)
+                        : dot ? packed_pick<false, true>(mb, kPackedRowSeq)
+                              : packed_pick<false, false>(mb, kPackedRowSeq);
   work->w = static_cast<const char*>(w.untyped_data());
   work->panel_bytes = KG * kPanel * G * (f32 ? 4 : 2);
   work->w_end = work->w + P * work->panel_bytes;
@@ -1986,6 +2020,9 @@ extern "C" int JaxpagePagedAttentionBf16Dot() { return kHaveBf16Dot ? 1 : 0; }
 // The packed panels' vector width in floats: 16 where the build targets AVX-512, else 8 (the
 // other kernels' 16-float vectors are the machine's own only in the first case).
 extern "C" int JaxpageVectorLanes() { return kLanes; }
+
+// Columns in a packed weight's panel: two vectors, 32 where the build targets AVX-512, else 16.
+extern "C" int JaxpagePanelColumns() { return kPanel; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageSetRows, SetRows,
                               ffi::Ffi::Bind()

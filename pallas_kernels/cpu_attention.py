@@ -323,7 +323,15 @@ def small_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
         bf16_dot=np.int64(_default_bf16_dot() if bf16_dot is None else bool(bf16_dot)))
 
 
-PANEL = 32  # columns in a packed weight's panel (cpu_attention.cc kPanel)
+def panel_columns() -> int:
+    """Columns in a packed weight's panel: two of the kernel's vectors (cpu_attention.cc
+    kPanel), 32 where the library was built for AVX-512, else 16. It is the build's, so a
+    packing is for the machine that made it, as the runner's is. The kernel must be
+    `available()`."""
+    library = _loaded()
+    if library is None:
+        raise RuntimeError("the CPU kernel library is not available")
+    return int(library.JaxpagePanelColumns())
 
 
 def _group(dtype) -> int:
@@ -333,33 +341,35 @@ def _group(dtype) -> int:
 
 def packable(w: jax.Array) -> bool:
     """Whether `pack_weight` takes w: a float32 or bfloat16 [K, N] matrix, N a multiple of
-    PANEL."""
+    `panel_columns()`, and the kernel available."""
     return (w.ndim == 2 and jnp.dtype(w.dtype) in (jnp.float32, jnp.bfloat16)
-            and w.shape[1] % PANEL == 0)
+            and available() and w.shape[1] % panel_columns() == 0)
 
 
 def pack_weight(w: jax.Array) -> jax.Array:
-    """w [K, N] (float32 or bfloat16, N a multiple of PANEL) -> [N / PANEL, ceil(K / G), PANEL,
-    G], the layout `packed_matmul` streams: panel p holds columns p * PANEL.., row after row in
-    groups of G rows interleaved column by column (G = 2 for bfloat16, the pairs the dot product
-    instruction takes, an odd K's last row paired with zeros; 1 for float32). The same bytes as w
-    (plus one zero row for a bfloat16 w of odd K); a NumPy array in, a NumPy array out."""
+    """w [K, N] (float32 or bfloat16, N a multiple of PANEL = `panel_columns()`) -> [N / PANEL,
+    ceil(K / G), PANEL, G], the layout `packed_matmul` streams: panel p holds columns p *
+    PANEL.., row after row in groups of G rows interleaved column by column (G = 2 for
+    bfloat16, the pairs the dot product instruction takes, an odd K's last row paired with
+    zeros; 1 for float32). The same bytes as w (plus one zero row for a bfloat16 w of odd K); a
+    NumPy array in, a NumPy array out."""
     if not packable(w):
+        panel = panel_columns()  # raises where the kernel is not available
         raise ValueError(f"pack_weight takes a float32 or bfloat16 [K, N] matrix with N a "
-                         f"multiple of {PANEL}, got {jnp.dtype(w.dtype).name} {tuple(w.shape)}")
+                         f"multiple of {panel}, got {jnp.dtype(w.dtype).name} {tuple(w.shape)}")
     k, n = w.shape
-    g = _group(w.dtype)
+    g, panel = _group(w.dtype), panel_columns()
     xp = np if isinstance(w, np.ndarray) else jnp  # a host array packs on the host
     if k % g:
         w = xp.concatenate([w, xp.zeros((g - k % g, n), w.dtype)])
-    packed = w.reshape(-1, g, n // PANEL, PANEL).transpose(2, 0, 3, 1)
+    packed = w.reshape(-1, g, n // panel, panel).transpose(2, 0, 3, 1)
     return np.ascontiguousarray(packed) if xp is np else packed
 
 
 def unpack_weight(packed: jax.Array, k: int | None = None) -> jax.Array:
     """`pack_weight`'s inverse: [P, KG, PANEL, G] -> [k, P * PANEL] (k defaults to KG * G)."""
-    p, kg, _, g = packed.shape
-    w = packed.transpose(1, 3, 0, 2).reshape(kg * g, p * PANEL)
+    p, kg, panel, g = packed.shape
+    w = packed.transpose(1, 3, 0, 2).reshape(kg * g, p * panel)
     return w if k is None else w[:k]
 
 
@@ -367,8 +377,9 @@ def packed_matmul(x: jax.Array, packed: jax.Array, *, live_rows: jax.Array | int
                   bf16_dot: bool | None = None) -> jax.Array:
     """x [M, K] @ w, given `pack_weight(w)` (x of w's dtype), as float32 [M, N]: products and
     sums as `small_matmul(x, w, bf16_dot=...)`'s [K, N] tiles', bit for bit (float32 sums in k's
-    order; `bf16_dot` as there). Any M: up to 8 rows (2 on a CPU without AVX-512) are computed
-    in one pass over each panel, more re-read it from cache. `live_rows` (an int32 scalar,
+    order; `bf16_dot` as there). Any M: up to 8 rows (6 on a CPU without AVX-512) are computed
+    in one pass over each panel, more re-read it from cache (the rows split evenly among the
+    passes). `live_rows` (an int32 scalar,
     traced or not; default M): only x's first `live_rows` rows are multiplied, the output's
     other rows are zeros (a shape bucket's padding rows, whose products no one reads). The
     kernel must be `available()`."""
@@ -378,13 +389,13 @@ def packed_matmul(x: jax.Array, packed: jax.Array, *, live_rows: jax.Array | int
     if dtype not in (jnp.float32, jnp.bfloat16) or jnp.dtype(packed.dtype) != dtype:
         raise ValueError(f"packed_matmul takes x and a packed weight of one dtype, float32 or "
                          f"bfloat16, got {dtype.name} and {jnp.dtype(packed.dtype).name}")
-    g = _group(dtype)
-    if (x.ndim != 2 or packed.ndim != 4 or packed.shape[2:] != (PANEL, g)
+    g, panel = _group(dtype), panel_columns()
+    if (x.ndim != 2 or packed.ndim != 4 or packed.shape[2:] != (panel, g)
             or -(-x.shape[1] // g) != packed.shape[1]):
         raise ValueError(f"packed_matmul takes x [M, K] and a packed {dtype.name} weight "
-                         f"[N / {PANEL}, ceil(K / {g}), {PANEL}, {g}], got x {tuple(x.shape)} "
+                         f"[N / {panel}, ceil(K / {g}), {panel}, {g}], got x {tuple(x.shape)} "
                          f"and {tuple(packed.shape)}")
-    n = packed.shape[0] * PANEL
+    n = packed.shape[0] * panel
     live = jnp.asarray(x.shape[0] if live_rows is None else live_rows, jnp.int32).reshape(())
     return jax.ffi.ffi_call(_TARGET_PACKED_MATMUL,
                             jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(

@@ -275,10 +275,12 @@ def bad_inputs():
         return lambda: call(jnp.ones((2, 8), jnp.float32), jnp.ones((8, 3), w_dtype),
                             transpose_w=np.int64(0), bf16_dot=np.int64(1))
 
+    panel = cpu_attention.panel_columns()  # 32 columns (AVX-512) or 16
+
     def packed_matmul(out_shape, k=8):
         call = jax.ffi.ffi_call(cpu_attention._TARGET_PACKED_MATMUL,
                                 jax.ShapeDtypeStruct(out_shape, jnp.float32))
-        w = jnp.ones((1, 4, 32, 2), jnp.bfloat16)  # K = 8 packed, N = 32
+        w = jnp.ones((1, 4, panel, 2), jnp.bfloat16)  # K = 8 packed, N = one panel
         return lambda: call(jnp.ones((2, k), jnp.bfloat16), w, np.int32(2), bf16_dot=np.int64(1))
 
     def set_rows(index, values_shape=(1, 1, 8)):
@@ -316,9 +318,9 @@ def bad_inputs():
         ("small_matmul: output of another shape", small_matmul((2, 4)), "small matmul: output"),
         ("small_matmul: x and w of two dtypes", small_matmul((2, 3), jnp.bfloat16),
          "small matmul: x is float32 but w bfloat16"),
-        ("packed_matmul: output of another shape", packed_matmul((2, 64)),
+        ("packed_matmul: output of another shape", packed_matmul((2, 2 * panel)),
          "packed matmul: output"),
-        ("packed_matmul: K groups that do not match x", packed_matmul((2, 32), k=12),
+        ("packed_matmul: K groups that do not match x", packed_matmul((2, panel), k=12),
          "does not contract"),
         ("quantized: K and V of two types", attend_quantized(int8, e5m2),
          "K values are int8 but V values float8_e5m2"),
@@ -408,8 +410,8 @@ def check_small_matmul(rng) -> int:
 
 def check_packed_matmul(rng) -> int:
     """`packed_matmul` on weights packed by `pack_weight` (float32, and bfloat16 on both paths),
-    an odd K (bfloat16's last pair padded), one panel and several, 1 to 17 rows (row blocks of
-    8 and a rest), against float64 NumPy within the float32 bound, and each again with only
+    an odd K (bfloat16's last pair padded), one panel and several, 1 to 17 rows (passes of up
+    to 8 rows, 6 on AVX2, the rows split evenly among them), against float64 NumPy within the float32 bound, and each again with only
     its first half of the rows live (the rest zeros). Returns the calls."""
     import jax.numpy as jnp
     import numpy as np
@@ -418,7 +420,8 @@ def check_packed_matmul(rng) -> int:
 
     calls = 0
     for dtype, bf16_dot in ((jnp.float32, False), (jnp.bfloat16, True), (jnp.bfloat16, False)):
-        for m, k, n in ((1, 7, 32), (9, 33, 64), (17, 64, 96), (8, 576, 960), (3, 1, 32)):
+        for m, k, n in ((1, 7, 32), (9, 33, 64), (17, 64, 96), (8, 576, 960), (3, 1, 32),
+                        (6, 40, 64), (13, 15, 32)):
             x = jnp.asarray(rng.standard_normal((m, k)), dtype)
             w = jnp.asarray(rng.standard_normal((k, n)), dtype)
             out = np.asarray(cpu_attention.packed_matmul(x, cpu_attention.pack_weight(w),

@@ -67,8 +67,9 @@ PACKED_WEIGHTS = ("qkv", "o", "gate_up", "down")
 def pack_params(params: Params) -> Params:
     """The params with each layer's projections (PACKED_WEIGHTS) and the LM head (`lm_head`, or
     a tied `embed` as [H, V]), where `cpu_attention.packable` (float32 or bfloat16, N a
-    multiple of 32), packed by `cpu_attention.pack_weight`: the layout a CPU runner keeps them
-    in, so that every matmul of them, decode and prefill alike, streams its weights in order
+    multiple of the build's panel width: 32 columns with AVX-512, else 16), packed by
+    `cpu_attention.pack_weight`: the layout a CPU runner keeps them in, so that every matmul
+    of them, decode and prefill alike, streams its weights in order
     (`cpu_attention.packed_matmul`; a 1-8 row step ~25% faster than on the [K, N] walk, and
     from 64 to 256 rows 1.1-2x XLA's dot, 0.94x bfloat16 / 1.04x float32 at 1024). `linear`,
     `embed` and `compute_logits` take packed weights as they take the others; the engine packs
@@ -180,10 +181,11 @@ class LlamaModel:
     def embed(self, params: Params, token_ids: jax.Array) -> jax.Array:
         """[T] ids -> [T, H]; tensor-parallel, each device looks up the ids in its vocabulary
         range and the partial rows are summed. A table packed as a tied head (`pack_params`:
-        [V / 32, ceil(H / G), 32, G]) gives id v's row from panel v // 32, column v % 32."""
+        [V / P, ceil(H / G), P, G], P columns a panel) gives id v's row from panel v // P,
+        column v % P."""
         table = params["embed"]
         if table.ndim == 4:
-            panel = cpu_attention.PANEL
+            panel = table.shape[2]  # the packing's panel width (the build's)
             # [T, ceil(H / G), G], gathered as bits (XLA:CPU would convert a bfloat16 table
             # whole to gather from it)
             rows = bits.take(table, (token_ids // panel, slice(None), token_ids % panel,

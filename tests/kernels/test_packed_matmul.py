@@ -45,24 +45,26 @@ def operands(rng, m, k, n, dtype=jnp.bfloat16):
 def test_pack_weight_round_trips(dtype, k, n):
     w = operands(np.random.default_rng(k + n), 1, k, n, dtype)[1]
     packed = cpu_attention.pack_weight(w)
-    g = 2 if dtype == jnp.bfloat16 else 1
-    assert packed.shape == ((n // 32), -(-k // g), 32, g)
+    g, panel = 2 if dtype == jnp.bfloat16 else 1, cpu_attention.panel_columns()
+    assert panel == 2 * cpu_attention._loaded().JaxpageVectorLanes() in (16, 32)
+    assert packed.shape == ((n // panel), -(-k // g), panel, g)
     np.testing.assert_array_equal(np.asarray(cpu_attention.unpack_weight(packed, k)),
                                   np.asarray(w))
-    # panel p, group j, column c, member i: w[g * j + i, 32 p + c]
-    p, j, c = n // 32 - 1, (k - 1) // g, 5
-    assert packed[p, j, c, 0] == w[g * j, 32 * p + c]
+    # panel p, group j, column c, member i: w[g * j + i, panel * p + c]
+    p, j, c = n // panel - 1, (k - 1) // g, 5
+    assert packed[p, j, c, 0] == w[g * j, panel * p + c]
     if g == 2 and k > 1:
-        assert packed[p, 0, c, 1] == w[1, 32 * p + c]
+        assert packed[p, 0, c, 1] == w[1, panel * p + c]
 
 
 @pytest.mark.parametrize("dtype,bf16_dot", MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("k,n", SHAPES)
 def test_packed_matmul_matches_float64_and_small_matmul(dtype, bf16_dot, k, n):
     rng = np.random.default_rng(k * 1000 + n)
-    # one row, one 8-row block and its edges, several blocks (the big shapes: fewer, their
-    # float64 oracle is a [M, K, N] array)
-    for m in (1, 8, 9, 17) if k * n > 100_000 else (1, 2, 5, 8, 9, 16, 17, 40):
+    # one row; one pass over a panel and its edges (up to 6 rows on AVX2, 8 on AVX-512);
+    # several passes, their rows split evenly (the big shapes: fewer, their float64 oracle is a
+    # [M, K, N] array)
+    for m in (1, 8, 9, 17) if k * n > 100_000 else (1, 2, 5, 6, 7, 8, 9, 12, 16, 17, 40):
         x, w = operands(rng, m, k, n, dtype)
         out = cpu_attention.packed_matmul(x, cpu_attention.pack_weight(w), bf16_dot=bf16_dot)
         check(out, x, w, False)
@@ -95,7 +97,8 @@ def test_empty_rows_and_bad_operands():
         cpu_attention.packed_matmul(jnp.ones((2, 8), jnp.float32), w)
     with pytest.raises(ValueError, match="float32"):  # a bfloat16 packing read as float32
         cpu_attention.packed_matmul(jnp.ones((2, 8), jnp.float32), w.astype(jnp.float32))
-    with pytest.raises(ValueError, match="multiple of 32"):
+    panel = cpu_attention.panel_columns()
+    with pytest.raises(ValueError, match=f"multiple of {panel}"):
         cpu_attention.pack_weight(jnp.ones((8, 40), jnp.bfloat16))
     with pytest.raises(ValueError, match="float16"):
         cpu_attention.pack_weight(jnp.ones((8, 64), jnp.float16))
@@ -109,7 +112,7 @@ def test_empty_rows_and_bad_operands():
         jax.block_until_ready(call(jnp.ones((2, 12), jnp.bfloat16), w, two, bf16_dot=np.int64(1)))
     with pytest.raises(Exception, match="one dtype"):
         jax.block_until_ready(call(jnp.ones((2, 8), jnp.float32), w, two, bf16_dot=np.int64(1)))
-    with pytest.raises(Exception, match=r"K / 1, 32, 1"):  # bfloat16's pairs read as float32
+    with pytest.raises(Exception, match=rf"K / 1, {panel}, 1"):  # bfloat16's pairs read as float32
         jax.block_until_ready(call(jnp.ones((2, 8), jnp.float32), w.astype(jnp.float32), two,
                                    bf16_dot=np.int64(1)))
     good = jax.ffi.ffi_call(cpu_attention._TARGET_PACKED_MATMUL,
@@ -139,13 +142,15 @@ def test_live_rows_computes_only_those_rows(dtype):
 def test_pack_params_leaves_what_it_cannot_pack():
     params = {"embed": jnp.ones((50, 64), jnp.bfloat16), "final_norm": jnp.ones(64, jnp.bfloat16),
               "layers": [{"qkv": jnp.ones((64, 96), jnp.bfloat16),      # packed
-                          "o": jnp.ones((64, 40), jnp.bfloat16),        # N not a multiple of 32
+                          "o": jnp.ones((64, 40), jnp.bfloat16),        # N not a multiple of 16
                           "gate_up": jnp.ones((64, 128), jnp.float16),  # not a kernel dtype
                           "down": jnp.ones((63, 64), jnp.bfloat16),     # odd K: packed, padded
                           "attn_norm": jnp.ones(64, jnp.bfloat16)}]}
     packed = llama.pack_params(params)
     layer = packed["layers"][0]
-    assert layer["qkv"].shape == (3, 32, 32, 2) and layer["down"].shape == (2, 32, 32, 2)
+    panel = cpu_attention.panel_columns()  # 32 (AVX-512) or 16
+    assert layer["qkv"].shape == (96 // panel, 32, panel, 2)
+    assert layer["down"].shape == (64 // panel, 32, panel, 2)
     for name in ("o", "gate_up", "attn_norm"):
         assert layer[name] is params["layers"][0][name]
     assert packed["embed"] is params["embed"]
