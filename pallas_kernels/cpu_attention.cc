@@ -1871,7 +1871,7 @@ struct PackedWork {
   const char* w = nullptr;
   const char* w_end = nullptr;
   float* out = nullptr;
-  int64_t M = 0, KG = 0, N = 0, panel_bytes = 0, panels = 0, unit_panels = 0, units = 0;
+  int64_t M = 0, KG = 0, N = 0, panel_bytes = 0, panels = 0, units = 0;
   PackedPanelFn fns[kPackedRows] = {};  // by rows in the pass, less one
 
   void run() {
@@ -1879,8 +1879,8 @@ struct PackedWork {
     // on AVX2: 4 + 4, not 6 + 2, whose 2-row pass would wait on its FMAs' latency)
     const int64_t passes = (M + kPackedRows - 1) / kPackedRows;
     for (int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) {
-      const int64_t last = std::min(panels, (u + 1) * unit_panels);
-      for (int64_t p = u * unit_panels; p < last; ++p)
+      // unit u: panels [u P / units, (u + 1) P / units), as even as can be
+      for (int64_t p = u * panels / units, last = (u + 1) * panels / units; p < last; ++p)
         for (int64_t b = 0; b < passes; ++b) {  // the panel from cache after the first
           const int64_t m0 = b * M / passes, m1 = (b + 1) * M / passes;
           fns[m1 - m0 - 1](x, KG, m0, w + p * panel_bytes, w_end, out, N, p * kPanel);
@@ -1955,8 +1955,10 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
   work->out = out->typed_data();
   work->M = rows, work->KG = KG, work->N = N, work->panels = P;
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  work->unit_panels = std::max<int64_t>(1, P / (threads * kPackedUnitsPerThread));
-  work->units = (P + work->unit_panels - 1) / work->unit_panels;
+  // a multiple of the threads' count of units (where there are enough panels), so that each
+  // thread has as many: whole units of P / (4 threads) panels left SmolLM2's 36-panel o and
+  // down projections 5 units of 4 for one thread and 4 for the other (AVX2's 16-column panels)
+  work->units = std::min(P, threads * kPackedUnitsPerThread);
   const int64_t total = work->units;
   run_shared(pool, work, total);
   return ffi::Error::Success();
