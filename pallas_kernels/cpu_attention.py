@@ -379,10 +379,9 @@ def packed_matmul(x: jax.Array, packed: jax.Array, *, live_rows: jax.Array | int
     sums as `small_matmul(x, w, bf16_dot=...)`'s [K, N] tiles', bit for bit (float32 sums in k's
     order; `bf16_dot` as there). Any M: up to 8 rows (6 on a CPU without AVX-512) are computed
     in one pass over each panel, more re-read it from cache (the rows split evenly among the
-    passes). `live_rows` (an int32 scalar,
-    traced or not; default M): only x's first `live_rows` rows are multiplied, the output's
-    other rows are zeros (a shape bucket's padding rows, whose products no one reads). The
-    kernel must be `available()`."""
+    passes). `live_rows` (an int32 scalar, traced or not; default M): only x's first
+    `live_rows` rows are multiplied, the output's other rows are zeros (a shape bucket's
+    padding rows, whose products no one reads). The kernel must be `available()`."""
     if not available():
         raise RuntimeError("the CPU kernel library is not available")
     dtype = jnp.dtype(x.dtype)

@@ -411,8 +411,9 @@ def check_small_matmul(rng) -> int:
 def check_packed_matmul(rng) -> int:
     """`packed_matmul` on weights packed by `pack_weight` (float32, and bfloat16 on both paths),
     an odd K (bfloat16's last pair padded), one panel and several, 1 to 17 rows (passes of up
-    to 8 rows, 6 on AVX2, the rows split evenly among them), against float64 NumPy within the float32 bound, and each again with only
-    its first half of the rows live (the rest zeros). Returns the calls."""
+    to 8 rows, 6 on AVX2, the rows split evenly among them), against float64 NumPy within the
+    float32 bound, and each again with only its first half of the rows live (the rest zeros).
+    Returns the calls."""
     import jax.numpy as jnp
     import numpy as np
 
