@@ -1932,12 +1932,10 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
   work->x = x.untyped_data();  // read by the helpers, all done before this call returns
   const bool dot = !f32 && bf16_dot != 0 && kHaveBf16Dot;
   if (!f32 && !dot) {  // each x element widened once here, not once per panel
-    const uint16_t* xb = static_cast<const uint16_t*>(x.untyped_data());
+    const bf16* xb = static_cast<const bf16*>(x.untyped_data());
     work->x_wide.assign(static_cast<size_t>(rows * 2 * KG), 0.0f);
     for (int64_t m = 0; m < rows; ++m)
-      for (int64_t k = 0; k < K; ++k)
-        work->x_wide[m * 2 * KG + k] =
-            __builtin_bit_cast(float, static_cast<uint32_t>(xb[m * K + k]) << 16);
+      for (int64_t k = 0; k < K; ++k) work->x_wide[m * 2 * KG + k] = widen(xb[m * K + k]);
     work->x = work->x_wide.data();
   } else if (dot && K % 2) {
     work->x_pairs.assign(static_cast<size_t>(rows * KG), 0u);
