@@ -3,13 +3,21 @@
 The default model (SmolLM2-135M) runs one decode step (every sequence at the same context,
 greedy sampling included) at each batch size and dtype, in one process, after measuring this
 machine's read bandwidth (sums over 512 MiB, a thread a core) and its matmul rate per dtype
-(2048^3; a bfloat16 matmul accumulates in float32, as the model's projections do). Beside
-each step:
+(XLA's 2048^3 dot; a bfloat16 matmul accumulates in float32, as the model's projections do).
+Beside each step:
 - the weight-read bound: every weight is read once per step (bytes of the params / read
   bandwidth), what a small batch cannot beat;
-- the matmul bound: the step's FLOPs at the dtype's matmul rate, what a big batch cannot beat;
-and the step's time over the larger of the two. Then the same step, same process, with the
-weights as a runner kept them before it packed them (`--no-unpacked` skips it): unpacked
+- the matmul bound: the step's FLOPs at the cores' multiply-add peak (`fma_peak_gflops`: a C
+  loop of independent FMAs on every core, measured here; twice that for bfloat16 where the
+  kernels run AVX512-BF16's `vdpbf16ps`, two multiply-adds a lane), what a big batch cannot
+  beat. Not XLA's dot rate: the packed kernels beat XLA's bfloat16 dot where the CPU has no
+  bfloat16 dot product (AVX2: XLA widens on the way, the kernels run float32 FMAs), and a
+  bound they beat bounds nothing;
+- `w+m`: the two added, what a step costs if reading the weights and the arithmetic never
+  overlap (at 8 rows on a 2-core AVX2 box the two are about equal, and a step lands between
+  the larger and the sum);
+and the step's time over the larger of the two bounds. Then the same step, same process, with
+the weights as a runner kept them before it packed them (`--no-unpacked` skips it): unpacked
 (`cpu_attention.unpack_weight`) into new buffers that nobody advised to use huge pages, the
 two alternating, and the packed step's speedup over it. The engine pads decode batches below
 8 rows to 8, so batch 1 runs 8 rows: as long as a step is bound by reading the weights, rows are
@@ -78,6 +86,78 @@ def paired_step_seconds(llm, batch: int, context: int, other_params, rounds: int
     return float(np.median(times[0])), float(np.median(times[1]))
 
 
+FMA_LOOP = r"""
+#include <pthread.h>
+#include <time.h>
+#ifdef __AVX512F__
+typedef float vf __attribute__((vector_size(64)));
+#else
+typedef float vf __attribute__((vector_size(32)));
+#endif
+enum { kAcc = 12 };  /* independent chains: more than FMA units x latency on any x86 core */
+
+static void* run(void* arg) {
+  long n = *(long*)arg;
+  vf a[kAcc], b, c;
+  for (int i = 0; i < kAcc; ++i) a[i] = (vf){} + 1e-3f * i;
+  b = (vf){} + 0.999f;
+  c = (vf){} + 1e-4f;
+  for (long it = 0; it < n; ++it)
+#pragma GCC unroll 12
+    for (int i = 0; i < kAcc; ++i) a[i] = a[i] * b + c;  /* contracted into one FMA */
+  float s = 0.0f;
+  for (int i = 0; i < kAcc; ++i) s += a[i][0];
+  *(float*)arg = s;  /* keep the loop */
+  return 0;
+}
+
+/* FLOP/s of `threads` threads, each n rounds of kAcc vector FMAs */
+double fma_flops(int threads, long n) {
+  pthread_t t[256];
+  long args[256];
+  struct timespec t0, t1;
+  if (threads > 256) threads = 256;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  for (int i = 0; i < threads; ++i) {
+    args[i] = n;
+    pthread_create(&t[i], 0, run, &args[i]);
+  }
+  for (int i = 0; i < threads; ++i) pthread_join(t[i], 0);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  double s = (t1.tv_sec - t0.tv_sec) + 1e-9 * (t1.tv_nsec - t0.tv_nsec);
+  return 2.0 * kAcc * (sizeof(vf) / sizeof(float)) * n * threads / s;
+}
+"""
+
+
+def fma_peak_gflops() -> float:
+    """The cores' float32 multiply-add peak in GFLOP/s: a C loop of 12 independent vector FMAs
+    (the machine's widest vectors, -march=native) on one thread per core, the best of 9 runs
+    of ~0.1 s (a ceiling: this box's neighbours slow some runs by up to 1.7x); what no matmul
+    on float32 FMAs can beat on these cores. NaN where no C compiler is found."""
+    import ctypes
+    import shutil
+    import subprocess
+    import tempfile
+
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        return float("nan")
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        source, library = os.path.join(tmp, "fma.c"), os.path.join(tmp, "fma.so")
+        with open(source, "w") as f:
+            f.write(FMA_LOOP)
+        subprocess.run([compiler, "-O2", "-march=native", "-ffp-contract=fast", "-shared",
+                        "-fPIC", "-pthread", "-o", library, source], check=True, timeout=120)
+        fma = ctypes.CDLL(library)
+        fma.fma_flops.argtypes = [ctypes.c_int, ctypes.c_long]
+        fma.fma_flops.restype = ctypes.c_double
+        fma.fma_flops(threads, 1_000_000)  # wake the cores
+        return max(fma.fma_flops(threads, 20_000_000) for _ in range(9)) / 1e9
+
+
 def read_gbps() -> float:
     """Read bandwidth: NumPy sums over 512 MiB of float32, one thread per core (NumPy drops
     the GIL while it sums), each a slice once; the median of 9 (runs here read 33-36 GB/s,
@@ -120,30 +200,39 @@ def main() -> None:
 
     import jax
 
+    from pallas_kernels import cpu_attention
+
     bandwidth = read_gbps()
     print(f"read bandwidth {bandwidth:.1f} GB/s; context {args.context}")
+    peak = fma_peak_gflops()
+    print(f"FMA peak {peak:.1f} GFLOP/s (every core); XLA's float32 2048^3 dot "
+          f"{matmul_gflops('float32'):.1f}")
     print(f"{'dtype':>9}{'batch':>6}{'ms/step':>9}{'ms/seq':>8}{'weights':>9}{'matmul':>8}"
-          f"{'bound':>7}{'x bound':>9}" + ("" if args.no_unpacked else
+          f"{'w+m':>7}{'bound':>7}{'x bound':>9}" + ("" if args.no_unpacked else
                                             f"{'unpacked':>10}{'speedup':>9}")
           + "   (bounds and unpacked in ms)")
     for dtype in dtypes:
         rate = matmul_gflops(dtype)
+        # vdpbf16ps: two multiply-adds a lane where the kernels use it
+        dtype_peak = peak * (2 if dtype == "bfloat16" and cpu_attention.bf16_dot_compiled()
+                             else 1)
         llm = make_llm(max(batches), dtype=dtype)
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.params))
         weights_ms = weight_bytes / (bandwidth * 1e9) * 1e3
         params = llm.engine.runner.params
         packed = any(w.ndim == 4 for w in jax.tree.leaves(params))
         print(f"{dtype}: params {weight_bytes / 2**20:.0f} MiB "
-              f"({'packed' if packed else 'not packed'}), matmul {rate:.1f} GFLOP/s, "
+              f"({'packed' if packed else 'not packed'}), XLA's 2048^3 dot {rate:.1f} GFLOP/s, "
               f"decode buckets {llm.engine.runner.decode_buckets}")
         compare = packed and not args.no_unpacked
         other = unpacked(params) if compare else None
         for batch in batches:
             seconds, flops = decode_step_rate(llm, batch, args.context)
-            matmul_ms = flops / (rate * 1e9) * 1e3
+            matmul_ms = flops / (dtype_peak * 1e9) * 1e3
             bound = max(weights_ms, matmul_ms)
             line = (f"{dtype:>9}{batch:>6}{seconds * 1e3:>9.1f}{seconds * 1e3 / batch:>8.2f}"
-                    f"{weights_ms:>9.1f}{matmul_ms:>8.1f}{bound:>7.1f}"
+                    f"{weights_ms:>9.1f}{matmul_ms:>8.1f}{weights_ms + matmul_ms:>7.1f}"
+                    f"{bound:>7.1f}"
                     f"{seconds * 1e3 / bound:>9.2f}")
             if compare:
                 ours, theirs = paired_step_seconds(llm, batch, args.context, other)

@@ -7,8 +7,9 @@ every weight once. This runs SmolLM2-135M's shapes (30 layers of qkv [576, 960],
 tied head [49152, 576] read as [N, K]) at a given row count, jitted as chains of one kind
 (30 calls) and all together (121), and prints each chain's milliseconds, the GB/s it streams
 the weights at and its share of the read bandwidth (`bench_decode_step.read_gbps`: NumPy sums
-on one thread per core). The weights total 256 MiB in bfloat16, 513 MiB in float32, far
-beyond the caches, as in a real step.
+on one thread per core); the packed chains also their FLOP rate's share of the cores' FMA peak
+(`bench_decode_step.fma_peak_gflops`), the other bound a few-row matmul meets. The weights
+total 256 MiB in bfloat16, 513 MiB in float32, far beyond the caches, as in a real step.
 
     python scripts/bench_small_matmul.py                    # 8 rows, bfloat16 and float32
     python scripts/bench_small_matmul.py --rows 1,8,16 --dtypes bfloat16
@@ -31,7 +32,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_decode_step import read_gbps  # noqa: E402
+from bench_decode_step import fma_peak_gflops, read_gbps  # noqa: E402
 from bench_throughput import median_seconds  # noqa: E402
 
 LAYERS, HIDDEN, QKV, INTERMEDIATE, VOCAB = 30, 576, 960, 1536, 49152
@@ -56,10 +57,10 @@ def main() -> None:
 
     if not cpu_attention.available():
         raise SystemExit("the CPU kernel library is not available")
-    bandwidth = read_gbps()
-    print(f"read bandwidth {bandwidth:.1f} GB/s")
+    bandwidth, peak = read_gbps(), fma_peak_gflops()
+    print(f"read bandwidth {bandwidth:.1f} GB/s; FMA peak {peak:.1f} GFLOP/s (every core)")
     print(f"{'dtype':>9}{'rows':>5}  {'chain':<24}{'ms':>8}{'GB/s':>7}{'of read':>9}"
-          f"{'packed ms':>11}{'GB/s':>7}{'speedup':>9}"
+          f"{'packed ms':>11}{'GB/s':>7}{'of FMA':>8}{'speedup':>9}"
           + (f"{'XLA ms':>9}{'speedup':>9}" if args.vs_xla else ""))
     rng = np.random.default_rng(0)
     for dtype in [jnp.dtype(d) for d in args.dtypes.split(",") if d]:
@@ -109,7 +110,9 @@ def main() -> None:
                         f"{rate / bandwidth:>9.0%}")
                 packed_seconds = median_seconds(chain(kinds, with_head), x, packed,
                                                 packed_head, runs=15)
+                flops = 2 * rows * nbytes / dtype.itemsize
                 line += (f"{packed_seconds * 1e3:>11.2f}{nbytes / packed_seconds / 1e9:>7.1f}"
+                         f"{flops / packed_seconds / 1e9 / peak:>8.0%}"
                          f"{seconds / packed_seconds:>8.2f}x")
                 if args.vs_xla:
                     xla_seconds = median_seconds(chain(kinds, with_head, xla), x, layers, head,
