@@ -277,7 +277,8 @@ inline void prefetch_blocks(const Problem& P, const int32_t* table, int64_t j, i
   }
 }
 
-// The blocks an item reads: [first, n) of its sequence's row of the block tables.
+// The blocks an item reads: [first, n) of its sequence's row of the block tables (the first
+// its first row sees: rows are in position order; up to the last key its last row sees).
 struct ItemBlocks {
   const int32_t* table;
   int64_t first, n;
@@ -315,10 +316,8 @@ struct TilePump {
       const ItemBlocks b = item_blocks(P, *next);
       if (b.first + j + 2 - n < b.n) {
         far = b.table[b.first + j + 2 - n];
-        const int64_t heads = (next->head - (k_head - static_cast<const T*>(P.k)) /
-                                                (P.num_blocks * tile));
-        k_head += heads * P.num_blocks * tile;
-        v_head += heads * P.num_blocks * tile;
+        k_head = static_cast<const T*>(P.k) + next->head * P.num_blocks * tile;
+        v_head = static_cast<const T*>(P.v) + next->head * P.num_blocks * tile;
       }
     }
     issued = lines = 0;
@@ -433,9 +432,9 @@ bool attend(const Problem& P, const Item& it, Scratch& s) {
     s.pos[r] = first_pos + it.tok_begin + static_cast<int32_t>(r / G);
   }
 
-  const int32_t* table = P.tables + static_cast<int64_t>(it.seq) * P.max_blocks;
-  const int64_t num_key_blocks = (reach + B - 1) / B;
-  const int64_t first_block = first_key(P, s.pos[0]) / B;  // rows are in position order
+  const ItemBlocks blocks = item_blocks(P, it);
+  const int32_t* table = blocks.table;
+  const int64_t num_key_blocks = blocks.n, first_block = blocks.first;
   const int64_t head_offset = it.head * P.num_blocks;
   float* __restrict scores = s.scores.data();
   float* __restrict probs = s.probs.data();
@@ -706,9 +705,9 @@ bool attend_dot(const Problem& P, const Item& it, Scratch& s) {
     s.pos[r] = first_pos + it.tok_begin + static_cast<int32_t>(r / G);
   }
 
-  const int32_t* table = P.tables + static_cast<int64_t>(it.seq) * P.max_blocks;
-  const int64_t num_key_blocks = (reach + B - 1) / B;
-  const int64_t first_block = first_key(P, s.pos[0]) / B;  // rows are in position order
+  const ItemBlocks blocks = item_blocks(P, it);
+  const int32_t* table = blocks.table;
+  const int64_t num_key_blocks = blocks.n, first_block = blocks.first;
   const int64_t head_offset = it.head * P.num_blocks;
   const bf16* const k_pool = static_cast<const bf16*>(P.k);
   const bf16* const v_pool = static_cast<const bf16*>(P.v);
