@@ -95,6 +95,7 @@ typedef float vf __attribute__((vector_size(64)));
 typedef float vf __attribute__((vector_size(32)));
 #endif
 enum { kAcc = 12 };  /* independent chains: more than FMA units x latency on any x86 core */
+volatile float sink; /* keeps the loop */
 
 static void* run(void* arg) {
   long n = *(long*)arg;
@@ -107,7 +108,7 @@ static void* run(void* arg) {
     for (int i = 0; i < kAcc; ++i) a[i] = a[i] * b + c;  /* contracted into one FMA */
   float s = 0.0f;
   for (int i = 0; i < kAcc; ++i) s += a[i][0];
-  *(float*)arg = s;  /* keep the loop */
+  sink = s;
   return 0;
 }
 
@@ -134,7 +135,7 @@ def fma_peak_gflops() -> float:
     """The cores' float32 multiply-add peak in GFLOP/s: a C loop of 12 independent vector FMAs
     (the machine's widest vectors, -march=native) on one thread per core, the best of 9 runs
     of ~0.1 s (a ceiling: this box's neighbours slow some runs by up to 1.7x); what no matmul
-    on float32 FMAs can beat on these cores. NaN where no C compiler is found."""
+    on float32 FMAs can beat on these cores. NaN where no C compiler builds it."""
     import ctypes
     import shutil
     import subprocess
@@ -149,8 +150,11 @@ def fma_peak_gflops() -> float:
         source, library = os.path.join(tmp, "fma.c"), os.path.join(tmp, "fma.so")
         with open(source, "w") as f:
             f.write(FMA_LOOP)
-        subprocess.run([compiler, "-O2", "-march=native", "-ffp-contract=fast", "-shared",
-                        "-fPIC", "-pthread", "-o", library, source], check=True, timeout=120)
+        built = subprocess.run([compiler, "-O2", "-march=native", "-ffp-contract=fast",
+                                "-shared", "-fPIC", "-pthread", "-o", library, source],
+                               capture_output=True, timeout=120)
+        if built.returncode:
+            return float("nan")
         fma = ctypes.CDLL(library)
         fma.fma_flops.argtypes = [ctypes.c_int, ctypes.c_long]
         fma.fma_flops.restype = ctypes.c_double
