@@ -86,6 +86,13 @@ def paired_step_seconds(llm, batch: int, context: int, other_params, rounds: int
     return float(np.median(times[0])), float(np.median(times[1]))
 
 
+def cores() -> int:
+    """The cores this process may run on: one thread each for the bandwidth and FMA probes."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 FMA_LOOP = r"""
 #include <pthread.h>
 #include <time.h>
@@ -144,8 +151,7 @@ def fma_peak_gflops() -> float:
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         return float("nan")
-    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-        os.cpu_count() or 1)
+    threads = cores()
     with tempfile.TemporaryDirectory() as tmp:
         source, library = os.path.join(tmp, "fma.c"), os.path.join(tmp, "fma.so")
         with open(source, "w") as f:
@@ -162,6 +168,15 @@ def fma_peak_gflops() -> float:
         return max(fma.fma_flops(threads, 20_000_000) for _ in range(9)) / 1e9
 
 
+def matmul_peak_gflops(fma_peak: float, dtype: str) -> float:
+    """The arithmetic ceiling of the kernels' matmuls in `dtype` from the FMA peak: twice it for
+    bfloat16 where they run AVX512-BF16's `vdpbf16ps` (two multiply-adds a lane), else it."""
+    from pallas_kernels import cpu_attention
+
+    bf16_dot = dtype == "bfloat16" and cpu_attention.bf16_dot_compiled()
+    return fma_peak * (2 if bf16_dot else 1)
+
+
 def read_gbps() -> float:
     """Read bandwidth: NumPy sums over 512 MiB of float32, one thread per core (NumPy drops
     the GIL while it sums), each a slice once; the median of 9 (runs here read 33-36 GB/s,
@@ -172,8 +187,7 @@ def read_gbps() -> float:
 
     import numpy as np
 
-    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-        os.cpu_count() or 1)
+    threads = cores()
     rows = np.ones((threads, (128 << 20) // threads), np.float32)
 
     def read_all() -> None:
@@ -204,22 +218,19 @@ def main() -> None:
 
     import jax
 
-    from pallas_kernels import cpu_attention
-
     bandwidth = read_gbps()
     print(f"read bandwidth {bandwidth:.1f} GB/s; context {args.context}")
     peak = fma_peak_gflops()
+    xla_rates = {"float32": matmul_gflops("float32")}
     print(f"FMA peak {peak:.1f} GFLOP/s (every core); XLA's float32 2048^3 dot "
-          f"{matmul_gflops('float32'):.1f}")
+          f"{xla_rates['float32']:.1f}")
     print(f"{'dtype':>9}{'batch':>6}{'ms/step':>9}{'ms/seq':>8}{'weights':>9}{'matmul':>8}"
           f"{'w+m':>7}{'bound':>7}{'x bound':>9}" + ("" if args.no_unpacked else
                                             f"{'unpacked':>10}{'speedup':>9}")
           + "   (bounds and unpacked in ms)")
     for dtype in dtypes:
-        rate = matmul_gflops(dtype)
-        # vdpbf16ps: two multiply-adds a lane where the kernels use it
-        dtype_peak = peak * (2 if dtype == "bfloat16" and cpu_attention.bf16_dot_compiled()
-                             else 1)
+        rate = xla_rates.get(dtype) or matmul_gflops(dtype)
+        dtype_peak = matmul_peak_gflops(peak, dtype)
         llm = make_llm(max(batches), dtype=dtype)
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.params))
         weights_ms = weight_bytes / (bandwidth * 1e9) * 1e3

@@ -8,7 +8,7 @@ tied head [49152, 576] read as [N, K]) at a given row count, jitted as chains of
 (30 calls) and all together (121), and prints each chain's milliseconds, the GB/s it streams
 the weights at and its share of the read bandwidth (`bench_decode_step.read_gbps`: NumPy sums
 on one thread per core); the packed chains also their FLOP rate's share of the cores' FMA peak
-(`bench_decode_step.fma_peak_gflops`), the other bound a few-row matmul meets. The weights
+(`bench_decode_step.matmul_peak_gflops`), the other bound a few-row matmul meets. The weights
 total 256 MiB in bfloat16, 513 MiB in float32, far beyond the caches, as in a real step.
 
     python scripts/bench_small_matmul.py                    # 8 rows, bfloat16 and float32
@@ -32,7 +32,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_decode_step import fma_peak_gflops, read_gbps  # noqa: E402
+from bench_decode_step import fma_peak_gflops, matmul_peak_gflops, read_gbps  # noqa: E402
 from bench_throughput import median_seconds  # noqa: E402
 
 LAYERS, HIDDEN, QKV, INTERMEDIATE, VOCAB = 30, 576, 960, 1536, 49152
@@ -75,6 +75,7 @@ def main() -> None:
         packed_head = cpu_attention.pack_weight(head.T)  # as llama.pack_params packs it
         collapsed = huge_pages.advise(jax.tree.leaves((layers, head, packed, packed_head)))
         print(f"{dtype.name}: {collapsed >> 20} MiB of weights collapsed into huge pages")
+        dtype_peak = matmul_peak_gflops(peak, dtype.name)
         for rows in [int(r) for r in args.rows.split(",")]:
             x = jnp.asarray(rng.standard_normal((rows, INTERMEDIATE), np.float32), dtype)
 
@@ -112,7 +113,7 @@ def main() -> None:
                                                 packed_head, runs=15)
                 flops = 2 * rows * nbytes / dtype.itemsize
                 line += (f"{packed_seconds * 1e3:>11.2f}{nbytes / packed_seconds / 1e9:>7.1f}"
-                         f"{flops / packed_seconds / 1e9 / peak:>8.0%}"
+                         f"{flops / packed_seconds / 1e9 / dtype_peak:>8.0%}"
                          f"{seconds / packed_seconds:>8.2f}x")
                 if args.vs_xla:
                     xla_seconds = median_seconds(chain(kinds, with_head, xla), x, layers, head,
