@@ -9,7 +9,9 @@ reuse it 30 times. Cases: decode batches with uniform and long-tailed (log-norma
 and prefill steps mixing chunk lengths as the scheduler packs them. Prints milliseconds for
 each path, the blockwise/cpp ratio, the K/V bytes the step must read and the rate the cpp
 kernel reads them at, and the largest difference of each path from the dense one (they
-compute the same function).
+compute the same function); then the cpp kernel on the same step over block tables in pool
+order (a sequence's blocks adjacent) and the permuted step's time over that: what the blocks'
+placement costs (a permuted table puts each next block pages away).
 First it prints this machine's memory ceilings in the same process: a `jnp.sum` over all K
 pools (read only) and an elementwise copy of them (read + write, the traffic of
 materializing gathered K/V).
@@ -55,11 +57,16 @@ def cases(rng):
     ]
 
 
-def make_step(rng, lens, new, dtype=np.float32):
+def make_step(rng, lens, new, dtype=np.float32, ordered=False):
+    """One step's (q, block tables, lengths, query_start_loc, K/V bytes read over all layers):
+    each sequence's blocks taken from a permutation of the pool, or with `ordered` in pool
+    order (a sequence's blocks adjacent, as the allocator hands out a prompt's)."""
     num_seqs = len(lens)
     width = max(4, 1 << (-(-max(lens) // BLOCK) - 1).bit_length())
     tables = np.zeros((num_seqs, width), np.int32)
-    physical = rng.permutation(np.arange(1, POOL_BLOCKS))
+    physical = np.arange(1, POOL_BLOCKS)
+    if not ordered:
+        physical = rng.permutation(physical)
     used = 0
     for s, length in enumerate(lens):
         n = -(-length // BLOCK)
@@ -111,7 +118,7 @@ def main() -> None:
     elif args.cpp_only:
         raise SystemExit("the CPU kernel library is not available")
     print(f"{'case':<34}{'dense ms':>10}{'blockwise ms':>14}{'cpp ms':>8}{'blockw/cpp':>11}"
-          f"{'KV MB':>7}{'cpp GB/s':>9}{'max diff':>10}")
+          f"{'KV MB':>7}{'cpp GB/s':>9}{'max diff':>10}{'cpp ordered':>12}{'perm/ord':>9}")
     for name, lens, new, max_query_len in cases(rng):
         q, tables, seq_lens, qsl, kv_bytes = make_step(rng, lens, new, dtype)
         seconds, outs = {}, {}
@@ -123,6 +130,9 @@ def main() -> None:
             fn = jax.jit(layers)
             seconds[label] = timed(fn, q, k_pools, v_pools, tables, seq_lens, qsl)
             outs[label] = fn(q, k_pools, v_pools, tables, seq_lens, qsl)
+            if label == "cpp":  # the same step over tables in pool order: where blocks lie
+                ordered = make_step(np.random.default_rng(0), lens, new, dtype, ordered=True)[1]
+                seconds["cpp ordered"] = timed(fn, q, k_pools, v_pools, ordered, seq_lens, qsl)
         nan = float("nan")
         diff = nan if "dense" not in outs else max(
             float(jnp.abs(outs["dense"] - out).max()) / LAYERS for out in outs.values())
@@ -136,7 +146,9 @@ def main() -> None:
               f"{column(seconds.get('blockwise', nan) / cpp, 10, '.2f')}"
               f"{'x' if 'blockwise' in seconds else ' '}"
               f"{kv_bytes / 1e6:>7.0f}{column(kv_bytes / cpp / 1e9, 9, '.1f')}"
-              f"{column(diff, 10, '.1e')}", flush=True)
+              f"{column(diff, 10, '.1e')}"
+              f"{column(seconds.get('cpp ordered', nan) * 1e3, 12, '.1f')}"
+              f"{column(cpp / seconds.get('cpp ordered', nan), 9, '.2f')}", flush=True)
 
 if __name__ == "__main__":
     main()
