@@ -221,15 +221,14 @@ def main() -> None:
     bandwidth = read_gbps()
     print(f"read bandwidth {bandwidth:.1f} GB/s; context {args.context}")
     peak = fma_peak_gflops()
-    xla_rates = {"float32": matmul_gflops("float32")}
-    print(f"FMA peak {peak:.1f} GFLOP/s (every core); XLA's float32 2048^3 dot "
-          f"{xla_rates['float32']:.1f}")
+    f32_rate = matmul_gflops("float32")
+    print(f"FMA peak {peak:.1f} GFLOP/s (every core); XLA's float32 2048^3 dot {f32_rate:.1f}")
     print(f"{'dtype':>9}{'batch':>6}{'ms/step':>9}{'ms/seq':>8}{'weights':>9}{'matmul':>8}"
           f"{'w+m':>7}{'bound':>7}{'x bound':>9}" + ("" if args.no_unpacked else
                                             f"{'unpacked':>10}{'speedup':>9}")
           + "   (bounds and unpacked in ms)")
     for dtype in dtypes:
-        rate = xla_rates.get(dtype) or matmul_gflops(dtype)
+        rate = f32_rate if dtype == "float32" else matmul_gflops(dtype)
         dtype_peak = matmul_peak_gflops(peak, dtype)
         llm = make_llm(max(batches), dtype=dtype)
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.params))
