@@ -43,6 +43,8 @@
 // Built on first use by pallas_kernels/cpu_attention.py (g++ -O3 -march=native).
 
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -1896,6 +1898,118 @@ PackedPanelFn packed_pick(int mb, std::integer_sequence<int, MB...>) {
   }
 }
 
+// bfloat16 on AMX tiles (Intel's Advanced Matrix Extensions, where the build targets a CPU with
+// AMX-BF16 and Linux lets the process use the tile registers): one `tdpbf16ps` multiplies a
+// 16-row x 32 tile of x by a 32 x 16 tile of w and adds it to a 16 x 16 float32 tile, 16 times
+// the multiply-adds of a `vdpbf16ps`. The packed panels are already the layout it reads for w: a
+// panel row of pairs is 32 columns x 2 bf16 (128 bytes), the left 16 columns' pairs its first 64
+// bytes, so 16 consecutive pair rows at a stride of 128 bytes are one w tile (its 16 rows: pairs
+// of k, its 64 bytes: 16 columns' pairs), and the panel's two halves two tiles. x is copied once
+// a call into rows of a multiple of 16 pairs (zeros after K), 16-row blocks (zero rows after
+// M), so every tile is whole: one tile configuration for every call (a panel's last, partial
+// k-step reads w through a zeroed copy of its pair rows). A pass over a panel serves two row
+// blocks (32 rows): four output tiles, two of x, two of w, the machine's eight. Products exact,
+// sums in float32 (subnormals flushed, as vdpbf16ps), in an order of the hardware's: within the
+// float64 oracle's bound, not bit for bit the vdpbf16ps panels'.
+constexpr int64_t kTileRows = 16, kTilePairs = 16;  // an x tile: 16 rows of 16 pairs
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__linux__)
+constexpr bool kHaveTiles = true;
+
+// Linux hands out the tile registers' state only to a process that asks (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, once for all its threads).
+bool tiles_permitted() {
+  static const bool permitted = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// every tile 16 rows of 64 bytes (tdpbf16ps takes them as 16 x 16 float32 or 16 x 16 pairs)
+inline void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+  _tile_loadconfig(&config);
+}
+
+constexpr int64_t kTileStepBytes = kTilePairs * kPanel * 2 * 2;  // a k-step of a panel: 2 KB
+static_assert(kPanel == 32, "a panel is two 16-column tiles wide");
+
+// out[r0 .. r0 + rows, n0 .. n0 + 32] from output tiles 0 and 1 (`lower`: 2 and 3; the
+// intrinsics take a tile's number as a literal)
+inline void store_tiles(bool lower, float* out, int64_t N, int64_t r0, int64_t rows,
+                        int64_t n0) {
+  alignas(64) float buf[kTileRows][kPanel];
+  const bool whole = rows == kTileRows;
+  float* dst = whole ? out + r0 * N + n0 : &buf[0][0];
+  const int64_t stride = (whole ? N : kPanel) * 4;
+  if (lower) {
+    _tile_stored(2, dst, stride);
+    _tile_stored(3, dst + 16, stride);
+  } else {
+    _tile_stored(0, dst, stride);
+    _tile_stored(1, dst + 16, stride);
+  }
+  if (!whole)
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(out + (r0 + r) * N + n0, buf[r], kPanel * 4);
+}
+
+// One panel (KG pairs) for row blocks b and, where `Two`, b + 1 of x_tiles (rows of KGT pairs,
+// KGT a multiple of 16); `rows`: the live rows of x, `tail`: the panel's last k-step's pair
+// rows zero-padded (used where KG % 16).
+template <bool Two>
+void tile_panel(const uint32_t* xt, int64_t KGT, int64_t KG, int64_t b, int64_t rows,
+                const char* panel, const char* w_end, float* out, int64_t N, int64_t n0) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (Two) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const uint32_t* a0 = xt + b * kTileRows * KGT;
+  const uint32_t* a1 = a0 + kTileRows * KGT;
+  const int64_t a_stride = KGT * 4, steps = KGT / kTilePairs, whole = KG / kTilePairs;
+  alignas(64) char tail[kTileStepBytes];
+  for (int64_t s = 0; s < steps; ++s) {
+    const char* wt = panel + s * kTileStepBytes;
+    if (s == whole) {  // the last pairs, then zeros (x is zeros there too)
+      const int64_t bytes = (KG - whole * kTilePairs) * kPanel * 2 * 2;
+      std::memcpy(tail, wt, bytes);
+      std::memset(tail + bytes, 0, kTileStepBytes - bytes);
+      wt = tail;
+    } else {
+      for (int64_t line = 0; line < kTileStepBytes; line += 64)
+        if (wt + 2 * kTileStepBytes + line < w_end)
+          __builtin_prefetch(wt + 2 * kTileStepBytes + line, 0, 2);
+    }
+    _tile_loadd(6, wt, kPanel * 4);
+    _tile_loadd(7, wt + 64, kPanel * 4);
+    _tile_loadd(4, a0 + s * kTilePairs, a_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (Two) {
+      _tile_loadd(5, a1 + s * kTilePairs, a_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  const int64_t r0 = b * kTileRows;
+  store_tiles(false, out, N, r0, std::min(kTileRows, rows - r0), n0);
+  if constexpr (Two)
+    store_tiles(true, out, N, r0 + kTileRows, std::min(kTileRows, rows - r0 - kTileRows), n0);
+}
+#else
+constexpr bool kHaveTiles = false;
+bool tiles_permitted() { return false; }
+#endif
+
 struct PackedWork {
   // what the panel functions read as x: float32 rows [M][K], or bfloat16 rows as KG pairs
   // (vdpbf16ps), or bfloat16 rows widened to 2 KG floats
@@ -1907,8 +2021,28 @@ struct PackedWork {
   float* out = nullptr;
   int64_t M = 0, KG = 0, N = 0, panel_bytes = 0, panels = 0, units = 0;
   PackedPanelFn fns[kPackedRows] = {};  // by rows in the pass, less one
+  // AMX tiles (`tiles`): x as rows of KGT pairs (a multiple of 16), 16-row blocks
+  bool tiles = false;
+  std::vector<uint32_t> x_tiles;
+  int64_t KGT = 0;
 
   void run() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__linux__)
+    if (tiles) {
+      configure_tiles();  // this thread's tile registers, released (zeroed) when done
+      const int64_t blocks = (M + kTileRows - 1) / kTileRows;
+      for (int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) {
+        for (int64_t p = u * panels / units, last = (u + 1) * panels / units; p < last; ++p)
+          for (int64_t b = 0; b < blocks; b += 2)  // the panel from cache after the first
+            (b + 1 < blocks ? tile_panel<true> : tile_panel<false>)(
+                x_tiles.data(), KGT, KG, b, M, w + p * panel_bytes, w_end, out, N, p * kPanel);
+        done.fetch_add(1, std::memory_order_release);
+      }
+      _tile_release();
+      return;
+    }
+#endif
     // M's rows in as few passes over a panel as kPackedRows allows, as even as can be (8 rows
     // on AVX2: 4 + 4, not 6 + 2, whose 2-row pass waits on its FMAs' latency; bfloat16 on one
     // cached [576, 3072] weight, Zen 3: 182-190 us against 202-218)
@@ -1952,8 +2086,8 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
   if (od.size() != 2 || od[0] != M || od[1] != N)
     return InvalidPacked("output " + shape_string(od) + " is not [" +
                          std::to_string(M) + ", " + std::to_string(N) + "]");
-  if (bf16_dot != 0 && bf16_dot != 1)
-    return InvalidPacked("bf16_dot must be 0 or 1, got " + std::to_string(bf16_dot));
+  if (bf16_dot < 0 || bf16_dot > 2)
+    return InvalidPacked("bf16_dot must be 0, 1 or 2, got " + std::to_string(bf16_dot));
   if (live.element_count() != 1)
     return InvalidPacked("live rows must be one int32, got " + shape_string(live.dimensions()));
   if (M == 0 || N == 0) return ffi::Error::Success();
@@ -1965,7 +2099,15 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
   auto work = std::make_shared<PackedWork>();
   work->x = x.untyped_data();  // read by the helpers, all done before this call returns
   const bool dot = !f32 && bf16_dot != 0 && kHaveBf16Dot;
-  if (!f32 && !dot) {  // each x element widened once here, not once per panel
+  work->tiles = dot && bf16_dot == 2 && kHaveTiles && tiles_permitted();
+  if (work->tiles) {  // x's rows as whole tiles: pairs to a multiple of 16, rows of 16
+    work->KGT = (KG + kTilePairs - 1) / kTilePairs * kTilePairs;
+    const int64_t padded_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
+    work->x_tiles.assign(static_cast<size_t>(padded_rows * work->KGT), 0u);
+    for (int64_t m = 0; m < rows; ++m)
+      std::memcpy(work->x_tiles.data() + m * work->KGT,
+                  static_cast<const bf16*>(x.untyped_data()) + m * K, K * sizeof(bf16));
+  } else if (!f32 && !dot) {  // each x element widened once here, not once per panel
     const bf16* xb = static_cast<const bf16*>(x.untyped_data());
     work->x_wide.assign(static_cast<size_t>(rows * 2 * KG), 0.0f);
     for (int64_t m = 0; m < rows; ++m)
@@ -2058,6 +2200,10 @@ extern "C" int JaxpageVectorLanes() { return kLanes; }
 
 // Columns in a packed weight's panel: two vectors, 32 where the build targets AVX-512, else 16.
 extern "C" int JaxpagePanelColumns() { return kPanel; }
+
+// Whether the packed bfloat16 matmul can run on AMX tiles: built for a CPU with AMX-BF16, and
+// Linux lets this process use them.
+extern "C" int JaxpagePackedTiles() { return kHaveTiles && tiles_permitted() ? 1 : 0; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageSetRows, SetRows,
                               ffi::Ffi::Bind()

@@ -180,6 +180,21 @@ def bf16_dot_compiled() -> bool:
     return library is not None and bool(library.JaxpagePagedAttentionBf16Dot())
 
 
+def packed_tiles() -> bool:
+    """Whether `packed_matmul` runs bfloat16 on AMX tiles where asked (`tiles`): the kernel
+    built for a CPU with AMX-BF16 (Sapphire Rapids and later) and Linux letting this process use
+    the tile registers (False when the kernel is not available)."""
+    library = _loaded()
+    return library is not None and bool(library.JaxpagePackedTiles())
+
+
+def _default_tiles() -> bool:
+    value = os.environ.get("JAXPAGE_CPU_KERNEL_TILES", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"JAXPAGE_CPU_KERNEL_TILES must be '0' or '1', got {value!r}")
+    return value == "1"
+
+
 def _default_bf16_dot() -> bool:
     value = os.environ.get("JAXPAGE_CPU_KERNEL_BF16", "dot")
     if value not in ("dot", "portable"):
@@ -374,7 +389,7 @@ def unpack_weight(packed: jax.Array, k: int | None = None) -> jax.Array:
 
 
 def packed_matmul(x: jax.Array, packed: jax.Array, *, live_rows: jax.Array | int | None = None,
-                  bf16_dot: bool | None = None) -> jax.Array:
+                  bf16_dot: bool | None = None, tiles: bool | None = None) -> jax.Array:
     """x [M, K] @ w, given `pack_weight(w)` (x of w's dtype), as float32 [M, N]: products and
     sums as `small_matmul(x, w, bf16_dot=...)`'s [K, N] tiles', bit for bit (float32 sums in k's
     order; `bf16_dot` as there). Any M: up to 8 rows (6 on a CPU without AVX-512) are computed
@@ -399,4 +414,12 @@ def packed_matmul(x: jax.Array, packed: jax.Array, *, live_rows: jax.Array | int
     return jax.ffi.ffi_call(_TARGET_PACKED_MATMUL,
                             jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
         x, packed, live,
-        bf16_dot=np.int64(_default_bf16_dot() if bf16_dot is None else bool(bf16_dot)))
+        bf16_dot=np.int64(_bf16_dot_mode(bf16_dot, tiles)))
+
+
+def _bf16_dot_mode(bf16_dot: bool | None, tiles: bool | None) -> int:
+    """The packed handler's `bf16_dot`: 0 portable, 1 vdpbf16ps, 2 AMX tiles (each falling back
+    to the one before where the build or the process lacks it)."""
+    if not (_default_bf16_dot() if bf16_dot is None else bool(bf16_dot)):
+        return 0
+    return 2 if (_default_tiles() if tiles is None else bool(tiles)) else 1

@@ -23,10 +23,16 @@ pytestmark = [pytest.mark.kernels,
               pytest.mark.skipif(not cpu_attention.available(),
                                  reason="the CPU kernel library is not available")]
 
-# (dtype, bf16_dot): bfloat16 on both paths (the dot one is the portable one where the build
-# has no AVX512-BF16)
-MODES = [(jnp.float32, None), (jnp.bfloat16, True), (jnp.bfloat16, False)]
-MODE_IDS = ["float32", "bfloat16-dot", "bfloat16-portable"]
+# (dtype, bf16_dot, tiles): bfloat16 on every path (the dot one is the portable one where the
+# build has no AVX512-BF16; the tiles one runs only where `packed_tiles()`: AMX-BF16)
+MODES = [(jnp.float32, None, False), (jnp.bfloat16, True, False), (jnp.bfloat16, False, False),
+         (jnp.bfloat16, True, True)]
+MODE_IDS = ["float32", "bfloat16-dot", "bfloat16-portable", "bfloat16-tiles"]
+
+
+def _skip_unless_tiles(tiles):
+    if tiles and not cpu_attention.packed_tiles():
+        pytest.skip("no AMX tiles here (a CPU without AMX-BF16, or Linux refused them)")
 # (K, N): an odd K (its last pair padded), one panel, several units of panels with the
 # threads' share uneven, and SmolLM2-135M's projections qkv, o, gate_up, down
 SLOW = pytest.mark.slow
@@ -57,33 +63,37 @@ def test_pack_weight_round_trips(dtype, k, n):
         assert packed[p, 0, c, 1] == w[1, panel * p + c]
 
 
-@pytest.mark.parametrize("dtype,bf16_dot", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("dtype,bf16_dot,tiles", MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("k,n", SHAPES)
-def test_packed_matmul_matches_float64_and_small_matmul(dtype, bf16_dot, k, n):
+def test_packed_matmul_matches_float64_and_small_matmul(dtype, bf16_dot, tiles, k, n):
+    _skip_unless_tiles(tiles)
     rng = np.random.default_rng(k * 1000 + n)
-    # one row; one pass over a panel and its edges (up to 6 rows on AVX2, 8 on AVX-512);
-    # several passes, their rows split evenly (the big shapes: fewer, their float64 oracle is a
-    # [M, K, N] array)
-    for m in (1, 8, 9, 17) if k * n > 100_000 else (1, 2, 5, 6, 7, 8, 9, 12, 16, 17, 40):
+    # one row; one pass over a panel and its edges (up to 6 rows on AVX2, 8 on AVX-512, 32 on
+    # AMX tiles: two blocks of 16); several passes, their rows split evenly (the big shapes:
+    # fewer, their float64 oracle is a [M, K, N] array)
+    for m in (1, 8, 9, 17, 33) if k * n > 100_000 else (1, 2, 5, 6, 7, 8, 9, 12, 16, 17, 40):
         x, w = operands(rng, m, k, n, dtype)
-        out = cpu_attention.packed_matmul(x, cpu_attention.pack_weight(w), bf16_dot=bf16_dot)
+        out = cpu_attention.packed_matmul(x, cpu_attention.pack_weight(w), bf16_dot=bf16_dot,
+                                          tiles=tiles)
         check(out, x, w, False)
         # the [K, N] tiles' result, bit for bit (where N is whole tiles of small_matmul's, 64
         # columns up to 4 rows, else 32: the columns past them take its scalar tail, which
-        # rounds in another order)
-        if n % (64 if m <= 4 else 32) == 0:
+        # rounds in another order); not AMX's, which sums in an order of its own
+        if not tiles and n % (64 if m <= 4 else 32) == 0:
             np.testing.assert_array_equal(
                 np.asarray(out), np.asarray(cpu_attention.small_matmul(x, w, bf16_dot=bf16_dot)))
 
 
-@pytest.mark.parametrize("dtype,bf16_dot", MODES, ids=MODE_IDS)
-def test_nan_and_inf_propagate(dtype, bf16_dot):
+@pytest.mark.parametrize("dtype,bf16_dot,tiles", MODES, ids=MODE_IDS)
+def test_nan_and_inf_propagate(dtype, bf16_dot, tiles):
+    _skip_unless_tiles(tiles)
     rng = np.random.default_rng(2)
     m, k, n = 9, 69, 96
     x, w = operands(rng, m, k, n, dtype)
     x = x.at[2, 5].set(jnp.nan).at[4, 68].set(jnp.inf)  # the odd K's last, padded pair
     w = w.at[1, 3].set(jnp.inf).at[20, 69].set(-jnp.inf).at[33, 40].set(jnp.nan)
-    out = cpu_attention.packed_matmul(x, cpu_attention.pack_weight(w), bf16_dot=bf16_dot)
+    out = cpu_attention.packed_matmul(x, cpu_attention.pack_weight(w), bf16_dot=bf16_dot,
+                                      tiles=tiles)
     check(out, x, w, False)
     assert np.isnan(np.asarray(out)[2]).all()
 
@@ -171,9 +181,11 @@ def _step(model, params, pool, table, num_computed, tokens):
     return STEP(model, params, jnp.asarray(tokens, jnp.int32), positions, pool, metadata)
 
 
+@pytest.mark.parametrize("tiles", [False, True], ids=["vector", "tiles"])
 @pytest.mark.parametrize("tied", [False, pytest.param(True, marks=SLOW)],
                          ids=["lm_head", "tied"])
-def test_packed_model_errs_as_the_unpacked_one_and_decodes_alike(tied, hf_model_dir):
+def test_packed_model_errs_as_the_unpacked_one_and_decodes_alike(tied, tiles, hf_model_dir,
+                                                                  monkeypatch):
     """bfloat16 with packed projections and head: a 37-token prefill (more rows than the
     [K, N] kernel takes, so the unpacked model runs XLA's dot there) against HF transformers'
     float32, within the bound test_llama_parity puts on the unpacked bfloat16 model (1.5x HF
@@ -181,10 +193,15 @@ def test_packed_model_errs_as_the_unpacked_one_and_decodes_alike(tied, hf_model_
     small_matmul's [K, N] tiles: the same logits bit for bit, but for a tied head, which the
     unpacked model reads as [N, K] (dot products summed across lanes): within twice the float32
     bound of the exact product (test_small_matmul) of each other. (Built without AVX-512, the
-    unpacked model takes XLA's dot: the decode steps are held to HF as the prefill is.)"""
+    unpacked model takes XLA's dot, and on AMX tiles the packed one sums in the hardware's
+    order: there the decode steps are held to HF as the prefill is.)"""
     import copy
 
     import torch
+
+    _skip_unless_tiles(tiles)
+    monkeypatch.setenv("JAXPAGE_CPU_KERNEL_TILES", "1" if tiles else "0")
+    jax.clear_caches()  # read when a step is traced: no step traced under another setting
 
     path, hf_model = hf_model_dir("llama", **PACKABLE, tie_word_embeddings=tied)
     config, params = load_hf_dir(path, "bfloat16")
@@ -205,10 +222,11 @@ def test_packed_model_errs_as_the_unpacked_one_and_decodes_alike(tied, hf_model_
     hlo = STEP.lower(model, packed, jnp.asarray([7], jnp.int32), positions, pool,
                      metadata).as_text()
     assert hlo.count("jaxpage_packed_matmul") >= 4 * config.num_layers  # four per layer
-    if not cpu_attention.wide_vectors():
+    if not cpu_attention.wide_vectors() or tiles:
         # built without AVX-512 the unpacked model's few-row matmuls are XLA's dot, not
-        # small_matmul's tiles (llama._matmul_f32): then each decode step against HF, as the
-        # prefill (bfloat16 activations round differently along the two paths)
+        # small_matmul's tiles (llama._matmul_f32), and AMX sums in its own order: then each
+        # decode step against HF, as the prefill (bfloat16 activations round differently along
+        # the two paths)
         steps = [7, 11, 13]
         truth = hf_logits(hf_model, tokens + steps)
         hf_err = np.abs(hf_logits(copy.deepcopy(hf_model).to(torch.bfloat16), tokens + steps)
@@ -246,8 +264,12 @@ def test_a_cpu_runner_packs_the_weights_and_generates_as_unpacked(dtype, hf_mode
                                                                    monkeypatch):
     """The runner packs (JAXPAGE_CPU_PACKED_WEIGHTS unset) or not (=0): greedy tokens and their
     logprobs are the same, the prompts short enough (<= 32 rows a step) that the unpacked model
-    takes small_matmul's [K, N] tiles, which round as the packed kernel does."""
+    takes small_matmul's [K, N] tiles, which round as the packed kernel does on vectors (AMX
+    tiles off: they sum in the hardware's order; the model test above holds them to HF)."""
     from jaxpage import LLM, SamplingParams
+
+    monkeypatch.setenv("JAXPAGE_CPU_KERNEL_TILES", "0")
+    jax.clear_caches()  # read when a step is traced: no step traced under another setting
 
     path, _ = hf_model_dir("llama", **PACKABLE)
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17, 30)]
