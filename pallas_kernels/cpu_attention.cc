@@ -2227,5 +2227,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagePackedMatmul, PackedMatmul,
                                   .Arg<ffi::AnyBuffer>()          // x [M, K]
                                   .Arg<ffi::AnyBuffer>()          // w [N / 32, ceil(K / G), 32, G]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // live rows: the rest zeros
-                                  .Attr<int64_t>("bf16_dot")      // 1: vdpbf16ps if built
+                                  .Attr<int64_t>("bf16_dot")      // 1: vdpbf16ps, 2: AMX tiles
                                   .Ret<ffi::Buffer<ffi::F32>>());  // [M, N]

@@ -28,7 +28,12 @@ The same library holds `small_matmul`: x [M, K] times weights [K, N] (or [N, K])
 (decode steps), streaming the weights once at about the memory's read bandwidth; XLA:CPU's
 own matmuls stream them at about half of it with 8 rows. And `packed_matmul`: weights packed
 once (`pack_weight`) into column panels, each one sequential stream, for any number of rows
-(what the engine uses for a model's projections on CPU).
+(what the engine uses for a model's projections on CPU). On a CPU with AMX-BF16 (Intel's
+Sapphire Rapids and later) `packed_matmul` runs bfloat16 on the AMX tiles (`packed_tiles()`):
+the panels are the layout `tdpbf16ps` reads, 16x the multiply-adds of `vdpbf16ps` an
+instruction; its sums run in the hardware's order, so there it is held to the float64 bound,
+not bit for bit to `small_matmul` (`tiles=False` or `JAXPAGE_CPU_KERNEL_TILES=0` keeps the
+vector path).
 
 Environment: `JAXPAGE_NO_CPU_KERNEL` (any value) turns the kernel off; `JAXPAGE_CACHE_DIR`
 (or the older `JAXPAGE_CACHE`) moves the build cache; `JAXPAGE_CPU_KERNEL_LIB` names a
@@ -394,9 +399,13 @@ def packed_matmul(x: jax.Array, packed: jax.Array, *, live_rows: jax.Array | int
     sums as `small_matmul(x, w, bf16_dot=...)`'s [K, N] tiles', bit for bit (float32 sums in k's
     order; `bf16_dot` as there). Any M: up to 8 rows (6 on a CPU without AVX-512) are computed
     in one pass over each panel, more re-read it from cache (the rows split evenly among the
-    passes). `live_rows` (an int32 scalar, traced or not; default M): only x's first
-    `live_rows` rows are multiplied, the output's other rows are zeros (a shape bucket's
-    padding rows, whose products no one reads). The kernel must be `available()`."""
+    passes). `tiles` (default: `JAXPAGE_CPU_KERNEL_TILES`, "1" unless set to "0"): bfloat16 on
+    the dot path runs on AMX tiles where `packed_tiles()`, 32 rows a pass (two blocks of 16),
+    products exact and sums in float32 in the hardware's order (within the float32 bound of the
+    exact product, not bit for bit the vector path's); elsewhere it has no effect. `live_rows`
+    (an int32 scalar, traced or not; default M): only x's first `live_rows` rows are
+    multiplied, the output's other rows are zeros (a shape bucket's padding rows, whose
+    products no one reads). The kernel must be `available()`."""
     if not available():
         raise RuntimeError("the CPU kernel library is not available")
     dtype = jnp.dtype(x.dtype)

@@ -9,7 +9,8 @@ Beside each step:
   bandwidth), what a small batch cannot beat;
 - the matmul bound: the step's FLOPs at the cores' multiply-add peak (`fma_peak_gflops`: a C
   loop of independent FMAs on every core, measured here; twice that for bfloat16 where the
-  kernels run AVX512-BF16's `vdpbf16ps`, two multiply-adds a lane), what a big batch cannot
+  kernels run AVX512-BF16's `vdpbf16ps`, two multiply-adds a lane; 16 times it where they
+  run on AMX tiles: `matmul_peak_gflops`), what a big batch cannot
   beat. Not XLA's dot rate: the packed kernels beat XLA's bfloat16 dot where the CPU has no
   bfloat16 dot product (AVX2: XLA widens on the way, the kernels run float32 FMAs), and a
   bound they beat bounds nothing;
@@ -169,12 +170,18 @@ def fma_peak_gflops() -> float:
 
 
 def matmul_peak_gflops(fma_peak: float, dtype: str) -> float:
-    """The arithmetic ceiling of the kernels' matmuls in `dtype` from the FMA peak: twice it for
-    bfloat16 where they run AVX512-BF16's `vdpbf16ps` (two multiply-adds a lane), else it."""
+    """The arithmetic ceiling of the kernels' matmuls in `dtype` from the FMA peak: for bfloat16
+    16 times it where they run on AMX tiles (`packed_tiles()`: a `tdpbf16ps`, 16 x 16 x 32
+    multiply-adds, issues once per 16 cycles, Intel's figure: 1024 flops a cycle a core against
+    the two 16-lane FMA ports' 64), twice it where they run AVX512-BF16's `vdpbf16ps` (two
+    multiply-adds a lane), else it."""
     from pallas_kernels import cpu_attention
 
-    bf16_dot = dtype == "bfloat16" and cpu_attention.bf16_dot_compiled()
-    return fma_peak * (2 if bf16_dot else 1)
+    if dtype != "bfloat16":
+        return fma_peak
+    if cpu_attention.packed_tiles() and cpu_attention._default_tiles():
+        return fma_peak * 16
+    return fma_peak * (2 if cpu_attention.bf16_dot_compiled() else 1)
 
 
 def read_gbps() -> float:

@@ -409,30 +409,36 @@ def check_small_matmul(rng) -> int:
 
 
 def check_packed_matmul(rng) -> int:
-    """`packed_matmul` on weights packed by `pack_weight` (float32, and bfloat16 on both paths),
-    an odd K (bfloat16's last pair padded), one panel and several, 1 to 17 rows (passes of up
-    to 8 rows, 6 on AVX2, the rows split evenly among them), against float64 NumPy within the
-    float32 bound, and each again with only its first half of the rows live (the rest zeros).
-    Returns the calls."""
+    """`packed_matmul` on weights packed by `pack_weight` (float32, and bfloat16 on both paths
+    and on AMX tiles where `packed_tiles()`), an odd K (bfloat16's last pair padded), one panel
+    and several, 1 to 40 rows (passes of up to 8 rows, 6 on AVX2, 32 on tiles, the rows split
+    evenly among them; tiles: partial 16-row blocks, a K that is not whole tiles), against
+    float64 NumPy within the float32 bound, and each again with only its first half of the rows
+    live (the rest zeros). Returns the calls."""
     import jax.numpy as jnp
     import numpy as np
 
     from pallas_kernels import cpu_attention
 
     calls = 0
-    for dtype, bf16_dot in ((jnp.float32, False), (jnp.bfloat16, True), (jnp.bfloat16, False)):
+    paths = [(jnp.float32, False, False), (jnp.bfloat16, True, False),
+             (jnp.bfloat16, False, False)]
+    if cpu_attention.packed_tiles():
+        paths.append((jnp.bfloat16, True, True))
+    for dtype, bf16_dot, tiles in paths:
         for m, k, n in ((1, 7, 32), (9, 33, 64), (17, 64, 96), (8, 576, 960), (3, 1, 32),
-                        (6, 40, 64), (13, 15, 32)):
+                        (6, 40, 64), (13, 15, 32), (40, 99, 96)):
             x = jnp.asarray(rng.standard_normal((m, k)), dtype)
             w = jnp.asarray(rng.standard_normal((k, n)), dtype)
             out = np.asarray(cpu_attention.packed_matmul(x, cpu_attention.pack_weight(w),
-                                                         bf16_dot=bf16_dot))
+                                                         bf16_dot=bf16_dot, tiles=tiles))
             if not within_float32_bound(out, x, np.asarray(w, np.float64)):
                 raise AssertionError(f"packed_matmul {jnp.dtype(dtype).name} {(m, k, n)} "
-                                     f"bf16_dot={bf16_dot}")
+                                     f"bf16_dot={bf16_dot} tiles={tiles}")
             # a bucket's padding: only the first rows computed, the rest zeros
             live = np.asarray(cpu_attention.packed_matmul(
-                x, cpu_attention.pack_weight(w), live_rows=m // 2, bf16_dot=bf16_dot))
+                x, cpu_attention.pack_weight(w), live_rows=m // 2, bf16_dot=bf16_dot,
+                tiles=tiles))
             if not (np.array_equal(live[: m // 2], out[: m // 2]) and not live[m // 2:].any()):
                 raise AssertionError(f"packed_matmul live_rows {m // 2} of {m}")
             calls += 2
