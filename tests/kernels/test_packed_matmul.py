@@ -1,6 +1,7 @@
 """cpu_attention.packed_matmul (cpu_attention.cc's JaxpagePackedMatmul) on weights packed by
 `pack_weight`: against the float64 oracle and bit for bit against small_matmul's [K, N] tiles
-(same products, same float32 sums in k's order); llama's `pack_params` through a whole model
+(same products, same float32 sums in k's order; on AMX tiles, which sum in the hardware's
+order, against the oracle only); llama's `pack_params` through a whole model
 against HF transformers; and what a CPU runner does with a bfloat16 model's weights (packed,
 backed by huge pages where Linux can)."""
 
