@@ -10,10 +10,9 @@ Beside each step:
 - the matmul bound: the step's FLOPs at the cores' multiply-add peak (`fma_peak_gflops`: a C
   loop of independent FMAs on every core, measured here; twice that for bfloat16 where the
   kernels run AVX512-BF16's `vdpbf16ps`, two multiply-adds a lane; 16 times it where they
-  run on AMX tiles: `matmul_peak_gflops`), what a big batch cannot
-  beat. Not XLA's dot rate: the packed kernels beat XLA's bfloat16 dot where the CPU has no
-  bfloat16 dot product (AVX2: XLA widens on the way, the kernels run float32 FMAs), and a
-  bound they beat bounds nothing;
+  run on AMX tiles: `matmul_peak_gflops`), what a big batch cannot beat. Not XLA's dot rate:
+  the packed kernels beat XLA's bfloat16 dot where the CPU has no bfloat16 dot product (AVX2:
+  XLA widens on the way, the kernels run float32 FMAs), and a bound they beat bounds nothing;
 - `w+m`: the two added, what a step costs if reading the weights and the arithmetic never
   overlap (at 8 rows on a 2-core AVX2 box the two are about equal, and a step lands between
   the larger and the sum);

@@ -34,6 +34,8 @@ MODE_IDS = ["float32", "bfloat16-dot", "bfloat16-portable", "bfloat16-tiles"]
 def _skip_unless_tiles(tiles):
     if tiles and not cpu_attention.packed_tiles():
         pytest.skip("no AMX tiles here (a CPU without AMX-BF16, or Linux refused them)")
+
+
 # (K, N): an odd K (its last pair padded), one panel, several units of panels with the
 # threads' share uneven, and SmolLM2-135M's projections qkv, o, gate_up, down
 SLOW = pytest.mark.slow
