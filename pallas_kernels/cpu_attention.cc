@@ -1914,6 +1914,7 @@ PackedPanelFn packed_pick(int mb, std::integer_sequence<int, MB...>) {
 constexpr int64_t kTileRows = 16, kTilePairs = 16;  // an x tile: 16 rows of 16 pairs
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__linux__)
+#define JAXPAGE_TILES 1  // this build has the AMX tile path (PackedWork::run takes it too)
 constexpr bool kHaveTiles = true;
 
 // Linux hands out the tile registers' state only to a process that asks (arch_prctl
@@ -2027,8 +2028,7 @@ struct PackedWork {
   int64_t KGT = 0;
 
   void run() {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    defined(__linux__)
+#ifdef JAXPAGE_TILES
     if (tiles) {
       configure_tiles();  // this thread's tile registers, released (zeroed) when done
       const int64_t blocks = (M + kTileRows - 1) / kTileRows;
