@@ -2,8 +2,9 @@
 
 The default model (SmolLM2-135M) runs one decode step (every sequence at the same context,
 greedy sampling included) at each batch size and dtype, in one process, after measuring this
-machine's read bandwidth (sums over 512 MiB, a thread a core) and its matmul rate per dtype
-(XLA's 2048^3 dot; a bfloat16 matmul accumulates in float32, as the model's projections do).
+machine's read bandwidth (a C loop streaming 512 MiB, a thread a core) and its matmul rate
+per dtype (XLA's 2048^3 dot; a bfloat16 matmul accumulates in float32, as the model's
+projections do).
 Beside each step:
 - the weight-read bound: every weight is read once per step (bytes of the params / read
   bandwidth), what a small batch cannot beat;
@@ -26,11 +27,17 @@ its own cost.
 
     python scripts/bench_decode_step.py                      # context 128, float32 and bf16
     python scripts/bench_decode_step.py --context 256 --batches 8,64 --dtypes float32
+    python scripts/bench_decode_step.py --no-unpacked --profile   # and where each step goes
+
+With --profile each step's line is followed by where its time goes (`jax.profiler` over 5
+steps): the forward's span, the sampler and the host's share (Python, dispatch), the matmuls
+by shape (K -> N) beside the weight-read bound, attention, the pool writes and XLA's own ops.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -93,8 +100,9 @@ def cores() -> int:
     return os.cpu_count() or 1
 
 
-FMA_LOOP = r"""
+PROBES = r"""
 #include <pthread.h>
+#include <stddef.h>
 #include <time.h>
 #ifdef __AVX512F__
 typedef float vf __attribute__((vector_size(64)));
@@ -102,10 +110,15 @@ typedef float vf __attribute__((vector_size(64)));
 typedef float vf __attribute__((vector_size(32)));
 #endif
 enum { kAcc = 12 };  /* independent chains: more than FMA units x latency on any x86 core */
-volatile float sink; /* keeps the loop */
+volatile float sink; /* keeps the loops */
 
-static void* run(void* arg) {
-  long n = *(long*)arg;
+typedef struct {
+  long n;          /* FMA rounds, or vectors to read */
+  const vf* data;  /* the slice to read; 0 for the FMA loop */
+} job;
+
+static void* fma_run(void* arg) {
+  long n = ((job*)arg)->n;
   vf a[kAcc], b, c;
   for (int i = 0; i < kAcc; ++i) a[i] = (vf){} + 1e-3f * i;
   b = (vf){} + 0.999f;
@@ -119,30 +132,55 @@ static void* run(void* arg) {
   return 0;
 }
 
-/* FLOP/s of `threads` threads, each n rounds of kAcc vector FMAs */
-double fma_flops(int threads, long n) {
+/* one pass over the slice, front to back, a vector a load into 8 running sums: the way the
+   packed kernels stream a panel (sequential 64-byte lines, hardware prefetch, no stores) */
+static void* read_run(void* arg) {
+  const vf* p = ((job*)arg)->data;
+  long n = ((job*)arg)->n;
+  vf s[8] = {};
+  for (long i = 0; i + 8 <= n; i += 8)
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) s[j] += p[i + j];
+  for (int j = 1; j < 8; ++j) s[0] += s[j];
+  sink = s[0][0];
+  return 0;
+}
+
+static double run_threads(void* (*fn)(void*), job* jobs, int threads) {
   pthread_t t[256];
-  long args[256];
   struct timespec t0, t1;
-  if (threads > 256) threads = 256;
   clock_gettime(CLOCK_MONOTONIC, &t0);
-  for (int i = 0; i < threads; ++i) {
-    args[i] = n;
-    pthread_create(&t[i], 0, run, &args[i]);
-  }
+  for (int i = 0; i < threads; ++i) pthread_create(&t[i], 0, fn, &jobs[i]);
   for (int i = 0; i < threads; ++i) pthread_join(t[i], 0);
   clock_gettime(CLOCK_MONOTONIC, &t1);
-  double s = (t1.tv_sec - t0.tv_sec) + 1e-9 * (t1.tv_nsec - t0.tv_nsec);
+  return (t1.tv_sec - t0.tv_sec) + 1e-9 * (t1.tv_nsec - t0.tv_nsec);
+}
+
+/* FLOP/s of `threads` threads, each n rounds of kAcc vector FMAs */
+double fma_flops(int threads, long n) {
+  job jobs[256];
+  if (threads > 256) threads = 256;
+  for (int i = 0; i < threads; ++i) jobs[i] = (job){n, 0};
+  double s = run_threads(fma_run, jobs, threads);
   return 2.0 * kAcc * (sizeof(vf) / sizeof(float)) * n * threads / s;
+}
+
+/* bytes/s of `threads` threads reading `bytes` at `data` (64-byte aligned) once between them,
+   a contiguous slice each */
+double read_bytes(int threads, const void* data, long bytes) {
+  job jobs[256];
+  if (threads > 256) threads = 256;
+  long per = bytes / (long)sizeof(vf) / threads / 8 * 8;
+  for (int i = 0; i < threads; ++i) jobs[i] = (job){per, (const vf*)data + (long)i * per};
+  double s = run_threads(read_run, jobs, threads);
+  return (double)per * sizeof(vf) * threads / s;
 }
 """
 
 
-def fma_peak_gflops() -> float:
-    """The cores' float32 multiply-add peak in GFLOP/s: a C loop of 12 independent vector FMAs
-    (the machine's widest vectors, -march=native) on one thread per core, the best of 9 runs
-    of ~0.1 s (a ceiling: this box's neighbours slow some runs by up to 1.7x); what no matmul
-    on float32 FMAs can beat on these cores. NaN where no C compiler builds it."""
+@functools.cache
+def _probes():
+    """The probes' C library (-O2 -march=native), or None where no C compiler builds it."""
     import ctypes
     import shutil
     import subprocess
@@ -150,22 +188,35 @@ def fma_peak_gflops() -> float:
 
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
-        return float("nan")
-    threads = cores()
-    with tempfile.TemporaryDirectory() as tmp:
-        source, library = os.path.join(tmp, "fma.c"), os.path.join(tmp, "fma.so")
+        return None
+    with tempfile.TemporaryDirectory() as tmp:  # loaded, the library outlives its file
+        source, library = os.path.join(tmp, "probes.c"), os.path.join(tmp, "probes.so")
         with open(source, "w") as f:
-            f.write(FMA_LOOP)
+            f.write(PROBES)
         built = subprocess.run([compiler, "-O2", "-march=native", "-ffp-contract=fast",
                                 "-shared", "-fPIC", "-pthread", "-o", library, source],
                                capture_output=True, timeout=120)
         if built.returncode:
-            return float("nan")
-        fma = ctypes.CDLL(library)
-        fma.fma_flops.argtypes = [ctypes.c_int, ctypes.c_long]
-        fma.fma_flops.restype = ctypes.c_double
-        fma.fma_flops(threads, 1_000_000)  # wake the cores
-        return max(fma.fma_flops(threads, 20_000_000) for _ in range(9)) / 1e9
+            return None
+        lib = ctypes.CDLL(library)
+    lib.fma_flops.argtypes = [ctypes.c_int, ctypes.c_long]
+    lib.fma_flops.restype = ctypes.c_double
+    lib.read_bytes.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long]
+    lib.read_bytes.restype = ctypes.c_double
+    return lib
+
+
+def fma_peak_gflops() -> float:
+    """The cores' float32 multiply-add peak in GFLOP/s: a C loop of 12 independent vector FMAs
+    (the machine's widest vectors, -march=native) on one thread per core, the best of 9 runs
+    of ~0.1 s (a ceiling: this box's neighbours slow some runs by up to 1.7x); what no matmul
+    on float32 FMAs can beat on these cores. NaN where no C compiler builds it."""
+    lib = _probes()
+    if lib is None:
+        return float("nan")
+    threads = cores()
+    lib.fma_flops(threads, 1_000_000)  # wake the cores
+    return max(lib.fma_flops(threads, 20_000_000) for _ in range(9)) / 1e9
 
 
 def matmul_peak_gflops(fma_peak: float, dtype: str) -> float:
@@ -184,31 +235,134 @@ def matmul_peak_gflops(fma_peak: float, dtype: str) -> float:
 
 
 def read_gbps() -> float:
-    """Read bandwidth: NumPy sums over 512 MiB of float32, one thread per core (NumPy drops
-    the GIL while it sums), each a slice once; the median of 9 (runs here read 33-36 GB/s,
-    with a rare outlier far above, which the best of a few would take). A single-threaded
-    reduction (XLA's jnp.sum here) reads at ~60% of what the cores together can, and a bound
-    from it would flatter the step."""
+    """Read bandwidth in GB/s: a C loop streaming 512 MiB front to back, a vector a load into
+    running sums (the way the packed kernels stream their panels), one thread per core, each a
+    contiguous slice once; the median of 9. The buffer is NumPy's, which asks for huge pages for
+    large arrays, as the runner does for its weights. Where no C compiler builds the probe,
+    NumPy sums on the same threads (NumPy drops the GIL while it sums): they read slower than
+    the kernels stream (10-14 against 19.5 GB/s on one box; 25-44 against ~33 on another), and a
+    bound from them would flatter the step, as would a single-threaded reduction."""
     import threading
 
     import numpy as np
 
     threads = cores()
     rows = np.ones((threads, (128 << 20) // threads), np.float32)
+    lib = _probes()
 
-    def read_all() -> None:
+    def read_all() -> float:
+        if lib is not None:
+            return lib.read_bytes(threads, rows.ctypes.data, rows.nbytes)
         workers = [threading.Thread(target=row.sum) for row in rows]
+        start = time.perf_counter()
         for worker in workers:
             worker.start()
         for worker in workers:
             worker.join()
+        return rows.nbytes / (time.perf_counter() - start)
 
-    times = []
-    for _ in range(9):
-        start = time.perf_counter()
-        read_all()
-        times.append(time.perf_counter() - start)
-    return rows.nbytes / sorted(times)[len(times) // 2] / 1e9
+    read_all()  # fault in and warm the pages
+    rates = sorted(read_all() for _ in range(9))
+    return rates[len(rates) // 2] / 1e9
+
+
+def _op_kinds(hlo_text: str) -> dict[str, str]:
+    """Each op of a compiled step's HLO text by name -> what it does: the kernel library's
+    custom calls by target (a matmul named by its K and N, read from its operand and result
+    shapes), everything else "XLA's own ops"."""
+    import re
+
+    kinds = {}
+    for line in hlo_text.splitlines():
+        op = re.match(r"\s*(?:ROOT )?%?([\w.-]+) = (\S+) ", line)
+        if op is None:
+            continue
+        target = re.search(r'custom_call_target="(\w+)"', line)
+        if target is None:
+            kinds[op.group(1)] = "XLA's own ops"
+        elif "matmul" in target.group(1):
+            x = re.search(r"operand_layout_constraints=\{\w+\[(\d+),(\d+)\]", line)
+            n = re.match(r"f32\[\d+,(\d+)\]", op.group(2))
+            kinds[op.group(1)] = (f"matmul {x.group(2)} -> {n.group(1)}" if x and n
+                                  else "matmul")
+        elif "attention" in target.group(1):
+            kinds[op.group(1)] = "attention"
+        elif "set_rows" in target.group(1):
+            kinds[op.group(1)] = "pool writes"
+        else:
+            kinds[op.group(1)] = target.group(1)
+    return kinds
+
+
+def step_profile(llm, batch: int, context: int, steps: int = 5) -> dict[str, float]:
+    """Milliseconds a decode step spends per kind of op (`_op_kinds`), the mean of `steps`
+    steps under `jax.profiler` (which adds a little to each op), with "forward" (its first op's
+    start to its last op's end), "sampler" and "step" (`runner.execute`, host work included)."""
+    import collections
+    import glob
+    import gzip
+    import json
+    import tempfile
+
+    import jax
+
+    from jaxpage.engine import runner as runner_module
+
+    runner = llm.engine.runner
+    seqs = decode_seqs(runner, batch, context)
+    forward, captured = runner_module._FORWARD, []
+
+    def capture(*args):  # the step's own arguments, to read the compiled step's HLO
+        captured.append(args)
+        return forward(*args)
+
+    runner_module._FORWARD = capture
+    try:
+        runner.execute(seqs)
+    finally:
+        runner_module._FORWARD = forward
+    kinds = _op_kinds(forward.lower(*captured[0]).compile().as_text())
+    runner.execute(seqs)
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            start = time.perf_counter()
+            for _ in range(steps):
+                runner.execute(seqs)
+            wall = time.perf_counter() - start
+        path, = glob.glob(os.path.join(tmp, "**", "*.trace.json.gz"), recursive=True)
+        with gzip.open(path) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    ms = collections.Counter({"step": wall * 1e6})  # microseconds, as the trace's
+    spans = collections.defaultdict(list)  # the forward's ops by run
+    for e in events:
+        args = e.get("args", {})
+        module, op = args.get("hlo_module", ""), args.get("hlo_op")
+        if op is None or e["name"].startswith("end:"):
+            continue
+        if module.startswith("jit__forward_fn"):
+            ms[kinds.get(op, "unmapped")] += e["dur"]
+            spans[args.get("run_id")].append(e)
+        elif module.startswith("jit_sample"):
+            ms["sampler"] += e["dur"]
+    ms["forward"] = sum(max(e["ts"] + e["dur"] for e in ops) - min(e["ts"] for e in ops)
+                        for ops in spans.values())
+    return {kind: us / steps / 1e3 for kind, us in ms.items()}
+
+
+def print_profile(ms: dict[str, float], weights_ms: float) -> None:
+    """step_profile's figures as lines under a step's: the matmuls by shape and together
+    (beside the weight-read bound), the other ops by kind, and what no op accounts for."""
+    matmuls = {kind: v for kind, v in ms.items() if kind.startswith("matmul")}
+    total = sum(matmuls.values())
+    others = {kind: v for kind, v in ms.items()
+              if kind not in matmuls and kind not in ("step", "forward", "sampler")}
+    print(f"{'':>15}profiled step {ms['step']:.2f} ms: forward {ms['forward']:.2f}, sampler "
+          f"{ms.get('sampler', 0.0):.2f}, host and dispatch "
+          f"{ms['step'] - ms['forward'] - ms.get('sampler', 0.0):.2f}")
+    print(f"{'':>15}matmuls {total:.2f} ({total / weights_ms:.2f}x the weight-read bound): "
+          + ", ".join(f"{kind[7:]} {v:.2f}" for kind, v in sorted(matmuls.items())))
+    print(f"{'':>15}" + ", ".join(f"{kind} {v:.2f}" for kind, v in sorted(others.items())),
+          flush=True)
 
 
 def main() -> None:
@@ -218,6 +372,9 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--no-unpacked", action="store_true",
                     help="skip the same step on the unpacked [K, N] weights")
+    ap.add_argument("--profile", action="store_true",
+                    help="after each step's line, where its time goes by kind of op "
+                         "(jax.profiler, 5 steps)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     dtypes = [d for d in args.dtypes.split(",") if d]
@@ -258,6 +415,8 @@ def main() -> None:
                 ours, theirs = paired_step_seconds(llm, batch, args.context, other)
                 line += f"{theirs * 1e3:>10.1f}{theirs / ours:>8.2f}x"
             print(line, flush=True)
+            if args.profile:
+                print_profile(step_profile(llm, batch, args.context), weights_ms)
         del llm, other
 
 

@@ -6,10 +6,12 @@ every weight once. This runs SmolLM2-135M's shapes (30 layers of qkv [576, 960],
 [576, 576], gate_up [576, 3072], down [1536, 576], each layer its own random weights, and the
 tied head [49152, 576] read as [N, K]) at a given row count, jitted as chains of one kind
 (30 calls) and all together (121), and prints each chain's milliseconds, the GB/s it streams
-the weights at and its share of the read bandwidth (`bench_decode_step.read_gbps`: NumPy sums
-on one thread per core); the packed chains also their FLOP rate's share of the cores' FMA peak
-(`bench_decode_step.matmul_peak_gflops`), the other bound a few-row matmul meets. The weights
-total 256 MiB in bfloat16, 513 MiB in float32, far beyond the caches, as in a real step.
+the weights at and its share of the read bandwidth (`bench_decode_step.read_gbps`: a C loop
+streaming memory on one thread per core); the packed chains also their FLOP rate's share of the
+cores' FMA peak (`bench_decode_step.matmul_peak_gflops`), the other bound a few-row matmul
+meets. The weights total 256 MiB in bfloat16, 513 MiB in float32, far beyond the caches, as in
+a real step. The chains' calls are independent of one another (XLA may run two at once); a real
+step's are not (`bench_decode_step.py --profile` times them there).
 
     python scripts/bench_small_matmul.py                    # 8 rows, bfloat16 and float32
     python scripts/bench_small_matmul.py --rows 1,8,16 --dtypes bfloat16
