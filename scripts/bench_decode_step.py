@@ -133,7 +133,7 @@ static void* fma_run(void* arg) {
 }
 
 /* one pass over the slice, front to back, a vector a load into 8 running sums: the way the
-   packed kernels stream a panel (sequential 64-byte lines, hardware prefetch, no stores) */
+   packed kernels stream a panel (sequential 64-byte lines, no stores) */
 static void* read_run(void* arg) {
   const vf* p = ((job*)arg)->data;
   long n = ((job*)arg)->n;
@@ -239,9 +239,9 @@ def read_gbps() -> float:
     running sums (the way the packed kernels stream their panels), one thread per core, each a
     contiguous slice once; the median of 9. The buffer is NumPy's, which asks for huge pages for
     large arrays, as the runner does for its weights. Where no C compiler builds the probe,
-    NumPy sums on the same threads (NumPy drops the GIL while it sums): they read slower than
-    the kernels stream (10-14 against 19.5 GB/s on one box; 25-44 against ~33 on another), and a
-    bound from them would flatter the step, as would a single-threaded reduction."""
+    NumPy sums on the same threads (NumPy drops the GIL while it sums), which can read slower
+    than the kernels stream (10-14 against 19.5 GB/s on the AMX box), and a bound from them
+    would flatter the step, as would a single-threaded reduction."""
     import threading
 
     import numpy as np
