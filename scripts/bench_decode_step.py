@@ -102,19 +102,19 @@ def cores() -> int:
 
 PROBES = r"""
 #include <pthread.h>
-#include <stddef.h>
 #include <time.h>
 #ifdef __AVX512F__
 typedef float vf __attribute__((vector_size(64)));
 #else
 typedef float vf __attribute__((vector_size(32)));
 #endif
+typedef float vf_u __attribute__((vector_size(sizeof(vf)), aligned(4))); /* loads anywhere */
 enum { kAcc = 12 };  /* independent chains: more than FMA units x latency on any x86 core */
 volatile float sink; /* keeps the loops */
 
 typedef struct {
   long n;          /* FMA rounds, or vectors to read */
-  const vf* data;  /* the slice to read; 0 for the FMA loop */
+  const vf_u* data;  /* the slice to read; 0 for the FMA loop */
 } job;
 
 static void* fma_run(void* arg) {
@@ -135,7 +135,7 @@ static void* fma_run(void* arg) {
 /* one pass over the slice, front to back, a vector a load into 8 running sums: the way the
    packed kernels stream a panel (sequential 64-byte lines, no stores) */
 static void* read_run(void* arg) {
-  const vf* p = ((job*)arg)->data;
+  const vf_u* p = ((job*)arg)->data;
   long n = ((job*)arg)->n;
   vf s[8] = {};
   for (long i = 0; i + 8 <= n; i += 8)
@@ -165,13 +165,13 @@ double fma_flops(int threads, long n) {
   return 2.0 * kAcc * (sizeof(vf) / sizeof(float)) * n * threads / s;
 }
 
-/* bytes/s of `threads` threads reading `bytes` at `data` (64-byte aligned) once between them,
-   a contiguous slice each */
+/* bytes/s of `threads` threads reading `bytes` at `data` once between them, a contiguous
+   slice each (NumPy's buffers are 16-byte aligned, not 64: the loads take any address) */
 double read_bytes(int threads, const void* data, long bytes) {
   job jobs[256];
   if (threads > 256) threads = 256;
   long per = bytes / (long)sizeof(vf) / threads / 8 * 8;
-  for (int i = 0; i < threads; ++i) jobs[i] = (job){per, (const vf*)data + (long)i * per};
+  for (int i = 0; i < threads; ++i) jobs[i] = (job){per, (const vf_u*)data + (long)i * per};
   double s = run_threads(read_run, jobs, threads);
   return (double)per * sizeof(vf) * threads / s;
 }
@@ -322,7 +322,6 @@ def step_profile(llm, batch: int, context: int, steps: int = 5) -> dict[str, flo
     finally:
         runner_module._FORWARD = forward
     kinds = _op_kinds(forward.lower(*captured[0]).compile().as_text())
-    runner.execute(seqs)
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
             start = time.perf_counter()
