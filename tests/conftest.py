@@ -13,6 +13,40 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# One persistent compilation cache for the whole run, shared by its pytest-xdist workers
+# (`pytest_configure` names it before they start): many tests step the same tiny models at the
+# same shapes, and a step found there loads in milliseconds instead of compiling. Only the test
+# processes read it (the variable is ours, not JAX's, so the CLIs and servers the tests start
+# compile as users' do); it is removed when the run ends.
+_CACHE_VARIABLE = "JAXPAGE_TEST_COMPILE_CACHE"
+if os.environ.get(_CACHE_VARIABLE):
+    jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_VARIABLE])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_configure(config):
+    """The run's compilation cache (see above): made by the process that starts the run (the
+    xdist controller, or the only process), inherited by the workers it spawns."""
+    if hasattr(config, "workerinput") or os.environ.get(_CACHE_VARIABLE):
+        return
+    import tempfile
+
+    config._jaxpage_cache = tempfile.mkdtemp(prefix="jaxpage-test-xla-")
+    os.environ[_CACHE_VARIABLE] = config._jaxpage_cache
+    jax.config.update("jax_compilation_cache_dir", config._jaxpage_cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    cache = getattr(config, "_jaxpage_cache", None)
+    if cache:
+        import shutil
+
+        shutil.rmtree(cache, ignore_errors=True)
+        os.environ.pop(_CACHE_VARIABLE, None)
+
 
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject's addopts): one pytest-xdist worker per core this process may run
