@@ -20,14 +20,17 @@ Beside each step:
 and the step's time over the larger of the two bounds. Then the same step, same process, with
 the weights as a runner kept them before it packed them (`--no-unpacked` skips it): unpacked
 (`cpu_attention.unpack_weight`) into new buffers that nobody advised to use huge pages, the
-two alternating, and the packed step's speedup over it. The engine pads decode batches below
-8 rows to 8, so batch 1 runs 8 rows: as long as a step is bound by reading the weights, rows are
-nearly free (the regime of the vLLM paper's GPUs); once bound by arithmetic, each row adds
-its own cost.
+two alternating, and the packed step's speedup over it. As long as a step is bound by reading
+the weights, rows are nearly free (the regime of the vLLM paper's GPUs); once bound by
+arithmetic, each row adds its own cost. On CPU the engine's decode buckets start at one row (1,
+2, 4, 8, 12, ...); `--vs-bucket 8` times each smaller batch against the same step padded to 8
+rows, the smallest bucket before (XLA:CPU splits a step's elementwise ops over threads from 8
+rows on, and the sampler reads every padded row).
 
     python scripts/bench_decode_step.py                      # context 128, float32 and bf16
     python scripts/bench_decode_step.py --context 256 --batches 8,64 --dtypes float32
     python scripts/bench_decode_step.py --no-unpacked --profile   # and where each step goes
+    python scripts/bench_decode_step.py --no-unpacked --batches 1,2,4,8 --vs-bucket 8
 
 With --profile each step's line is followed by where its time goes (`jax.profiler` over 5
 steps): the forward's span, the sampler and the host's share (Python, dispatch), the matmuls
@@ -69,28 +72,51 @@ def unpacked(params):
     return out
 
 
-def paired_step_seconds(llm, batch: int, context: int, other_params, rounds: int = 7):
-    """Median seconds of a decode step with the runner's params and with `other_params`, the
-    two alternating step by step (the machine's drift falls on both)."""
+def _alternating(runner, seqs, settings, rounds: int) -> list[float]:
+    """Median seconds of a decode step under each of `settings` (functions that set the runner
+    up, each called before each of its steps), the settings alternating step by step (the
+    machine's drift falls on all of them); each compiles before the timing."""
     import numpy as np
 
+    times = [[] for _ in settings]
+    for setting in settings:
+        setting()
+        runner.execute(seqs)
+    for _ in range(rounds):
+        for setting, out in zip(settings, times, strict=True):
+            setting()
+            start = time.perf_counter()
+            runner.execute(seqs)
+            out.append(time.perf_counter() - start)
+    return [float(np.median(t)) for t in times]
+
+
+def paired_step_seconds(llm, batch: int, context: int, other_params, rounds: int = 7):
+    """Median seconds of a decode step with the runner's params and with `other_params`, the
+    two alternating step by step."""
     runner = llm.engine.runner
     mine = runner.params
-    seqs = decode_seqs(runner, batch, context)
-    times = ([], [])
     try:
-        for params in (mine, other_params):  # compile both
-            runner.params = params
-            runner.execute(seqs)
-        for _ in range(rounds):
-            for params, out in zip((mine, other_params), times, strict=True):
-                runner.params = params
-                start = time.perf_counter()
-                runner.execute(seqs)
-                out.append(time.perf_counter() - start)
+        return tuple(_alternating(runner, decode_seqs(runner, batch, context),
+                                  [lambda p=p: setattr(runner, "params", p)
+                                   for p in (mine, other_params)], rounds))
     finally:
         runner.params = mine
-    return float(np.median(times[0])), float(np.median(times[1]))
+
+
+def padded_step_seconds(llm, batch: int, context: int, rows: int, rounds: int = 25):
+    """Median seconds of a decode step of `batch` sequences in the runner's own bucket for it
+    and padded to a bucket of `rows` (the smallest decode bucket before 2026-12-03 was 8), the
+    two alternating step by step."""
+    runner = llm.engine.runner
+    own = runner.decode_buckets
+    padded = [b for b in own if b >= rows]
+    try:
+        return tuple(_alternating(runner, decode_seqs(runner, batch, context),
+                                  [lambda b=b: setattr(runner, "decode_buckets", b)
+                                   for b in (own, padded)], rounds))
+    finally:
+        runner.decode_buckets = own
 
 
 def cores() -> int:
@@ -371,6 +397,9 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--no-unpacked", action="store_true",
                     help="skip the same step on the unpacked [K, N] weights")
+    ap.add_argument("--vs-bucket", type=int, default=0, metavar="ROWS",
+                    help="for batches below ROWS, also the step padded to a ROWS-row bucket "
+                         "(alternating with the step in its own bucket, 25 each)")
     ap.add_argument("--profile", action="store_true",
                     help="after each step's line, where its time goes by kind of op "
                          "(jax.profiler, 5 steps)")
@@ -392,7 +421,7 @@ def main() -> None:
     for dtype in dtypes:
         rate = f32_rate if dtype == "float32" else matmul_gflops(dtype)
         dtype_peak = matmul_peak_gflops(peak, dtype)
-        llm = make_llm(max(batches), dtype=dtype)
+        llm = make_llm(max(batches + [args.vs_bucket]), dtype=dtype)
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.params))
         weights_ms = weight_bytes / (bandwidth * 1e9) * 1e3
         params = llm.engine.runner.params
@@ -414,6 +443,11 @@ def main() -> None:
                 ours, theirs = paired_step_seconds(llm, batch, args.context, other)
                 line += f"{theirs * 1e3:>10.1f}{theirs / ours:>8.2f}x"
             print(line, flush=True)
+            if batch < args.vs_bucket:
+                own, padded = padded_step_seconds(llm, batch, args.context, args.vs_bucket)
+                print(f"{'':>15}in its own bucket {own * 1e3:.1f} ms, padded to "
+                      f"{args.vs_bucket} rows {padded * 1e3:.1f} ms: {padded / own:.2f}x",
+                      flush=True)
             if args.profile:
                 print_profile(step_profile(llm, batch, args.context), weights_ms)
         del llm, other

@@ -209,13 +209,20 @@ class ModelRunner:
         if config.debug_nan_pool and num_host_blocks:  # a read of a host block nobody
             self.host_kv.fill(np.nan)                   # wrote shows too
         max_blocks = -(-max_model_len // block_size)
-        # Smallest buckets are set where padding is nearly free (a decode step of 8 rows costs
-        # what one row costs: both read every weight once) to keep compilations few. Above 8
-        # rows a decode step costs about linearly in its rows on CPU, so its buckets are 1.5x
-        # apart rather than 2x (padding 33 sequences to 48 rows instead of 64).
+        # Smallest buckets are set where padding is nearly free, to keep compilations few. On
+        # CPU, decode steps are the exception: they start at one row (1, 2, 4, 8, then 1.5x
+        # apart, vLLM's CUDA-graph sizes). Such a step reads every weight once whatever its
+        # rows, but XLA:CPU splits its elementwise ops over threads from 8 rows on and the
+        # sampler reads every padded row's logits: SmolLM2 bfloat16, one sequence, 14.3 ms
+        # a step in its own bucket against 17.4 padded to 8 (2 rows 14.6 vs 17.1, 4 rows
+        # 15.6 vs 17.2), and a lone request (the CLI, a chat) decodes at one row. On an
+        # accelerator 8 rows cost what one does, and each bucket is a slower compilation.
+        # Above 8 rows a decode step costs about linearly in its rows on CPU, so its
+        # buckets are 1.5x apart rather than 2x (padding 33 sequences to 48 rows, not 64).
         self.token_buckets = power_of_two_buckets(min(16, max_num_batched_tokens),
                                                   max_num_batched_tokens)
-        self.decode_buckets = power_of_two_buckets(min(8, max_num_seqs), max_num_seqs,
+        smallest_decode = 1 if devices[0].platform == "cpu" else min(8, max_num_seqs)
+        self.decode_buckets = power_of_two_buckets(smallest_decode, max_num_seqs,
                                                    midpoints=True)
         self.prefill_seq_buckets = power_of_two_buckets(min(4, max_num_seqs), max_num_seqs)
         self.width_buckets = power_of_two_buckets(

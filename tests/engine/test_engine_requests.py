@@ -224,3 +224,27 @@ def test_soak(path, policy, num_requests, max_model_len, swap):
     assert (stats["num_swapped_preemptions"] > 0) == swap
     assert all(aborted_where.values()), aborted_where
     assert stats["compiles"] <= engine.runner.max_compiles
+
+
+def test_cpu_decode_steps_run_in_their_own_small_buckets(hf_model_dir):
+    """On CPU a decode step of 1-4 sequences is not padded to 8 rows (XLA:CPU splits a padded
+    step's elementwise ops over threads, and its sampler reads the padded rows): requests that
+    finish one after another leave the batch at 3, 2 and 1 sequences, each step in the bucket
+    of its size, and every request's greedy tokens are HF transformers'."""
+    from conftest import hf_greedy
+
+    path, model = hf_model_dir("llama")
+    llm = LLM(path, block_size=4, num_blocks=96, max_model_len=160, max_num_seqs=16)
+    runner = llm.engine.runner
+    assert runner.decode_buckets[:4] == [1, 2, 4, 8]
+    prompts = [list(range(3, 12)), list(range(20, 27)), list(range(40, 53))]
+    lengths = [3, 7, 12]
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+                                  for n in lengths], use_tqdm=False)
+    for prompt, n, out in zip(prompts, lengths, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, n)
+    # ("forward", num_tokens, max_query_len, num_seqs, width, logits rows); a decode step has
+    # one query a sequence and as many tokens as sequences
+    decode_rows = {key[3] for key in runner.compiled
+                   if key[0] == "forward" and key[2] == 1 and key[1] == key[3]}
+    assert decode_rows == {4, 2, 1}, decode_rows
