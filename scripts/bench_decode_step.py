@@ -72,51 +72,43 @@ def unpacked(params):
     return out
 
 
-def _alternating(runner, seqs, settings, rounds: int) -> list[float]:
-    """Median seconds of a decode step under each of `settings` (functions that set the runner
-    up, each called before each of its steps), the settings alternating step by step (the
-    machine's drift falls on all of them); each compiles before the timing."""
+def _alternating(llm, batch: int, context: int, name: str, values, rounds: int) -> tuple:
+    """Median seconds of a decode step of `batch` sequences with the runner's attribute `name`
+    set to each of `values` in turn, alternating step by step (the machine's drift falls on
+    all of them; each compiles first); the attribute is restored after."""
     import numpy as np
 
-    times = [[] for _ in settings]
-    for setting in settings:
-        setting()
-        runner.execute(seqs)
-    for _ in range(rounds):
-        for setting, out in zip(settings, times, strict=True):
-            setting()
-            start = time.perf_counter()
+    runner = llm.engine.runner
+    before = getattr(runner, name)
+    seqs = decode_seqs(runner, batch, context)
+    times = [[] for _ in values]
+    try:
+        for value in values:
+            setattr(runner, name, value)
             runner.execute(seqs)
-            out.append(time.perf_counter() - start)
-    return [float(np.median(t)) for t in times]
+        for _ in range(rounds):
+            for value, out in zip(values, times, strict=True):
+                setattr(runner, name, value)
+                start = time.perf_counter()
+                runner.execute(seqs)
+                out.append(time.perf_counter() - start)
+    finally:
+        setattr(runner, name, before)
+    return tuple(float(np.median(t)) for t in times)
 
 
 def paired_step_seconds(llm, batch: int, context: int, other_params, rounds: int = 7):
-    """Median seconds of a decode step with the runner's params and with `other_params`, the
-    two alternating step by step."""
-    runner = llm.engine.runner
-    mine = runner.params
-    try:
-        return tuple(_alternating(runner, decode_seqs(runner, batch, context),
-                                  [lambda p=p: setattr(runner, "params", p)
-                                   for p in (mine, other_params)], rounds))
-    finally:
-        runner.params = mine
+    """Median seconds of a decode step with the runner's params and with `other_params`."""
+    return _alternating(llm, batch, context, "params",
+                        (llm.engine.runner.params, other_params), rounds)
 
 
 def padded_step_seconds(llm, batch: int, context: int, rows: int, rounds: int = 25):
     """Median seconds of a decode step of `batch` sequences in the runner's own bucket for it
-    and padded to a bucket of `rows` (the smallest decode bucket before 2026-12-03 was 8), the
-    two alternating step by step."""
-    runner = llm.engine.runner
-    own = runner.decode_buckets
-    padded = [b for b in own if b >= rows]
-    try:
-        return tuple(_alternating(runner, decode_seqs(runner, batch, context),
-                                  [lambda b=b: setattr(runner, "decode_buckets", b)
-                                   for b in (own, padded)], rounds))
-    finally:
-        runner.decode_buckets = own
+    and padded to a bucket of `rows` (the smallest decode bucket before 2026-12-03 was 8)."""
+    own = llm.engine.runner.decode_buckets
+    return _alternating(llm, batch, context, "decode_buckets",
+                        (own, [b for b in own if b >= rows]), rounds)
 
 
 def cores() -> int:
