@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxpage.buckets import bucket_for
 from jaxpage.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingRow
+from pallas_kernels import cpu_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +199,8 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> dict[str, jax.Array]:
         logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
     if md.use_penalties:
         logits = apply_penalties(logits, md)
+    if md.all_greedy and not md.num_logprobs and logits is raw_logits:
+        return _greedy_outputs(raw_logits)
     greedy_tokens = argmax(logits)
     if md.all_greedy:
         return _outputs(greedy_tokens, raw_logits, md)
@@ -220,6 +223,26 @@ def argmax(x: jax.Array) -> jax.Array:
     hit = (x == top) | jnp.isnan(x)
     index = jnp.arange(x.shape[-1], dtype=jnp.int32)
     return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
+
+
+def greedy_xla(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(tokens, log-probabilities) of greedy rows of unprocessed logits [R, V], in jnp."""
+    tokens = argmax(logits)
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    return tokens, chosen - jax.nn.logsumexp(logits, axis=-1)
+
+
+def _greedy_outputs(logits: jax.Array) -> dict[str, jax.Array]:
+    """Greedy rows of unprocessed logits, no top logprobs: `_outputs(argmax(logits), ...)`. On
+    CPU, where the kernel library is available, in one call of it (`cpu_attention.greedy_draw`:
+    the same tokens, the log-probability to float32 rounding), which reads each row once where
+    XLA:CPU makes three passes over it (`scripts/bench_sampler.py`)."""
+    if cpu_attention.available():
+        tokens, logprob = jax.lax.platform_dependent(logits, cpu=cpu_attention.greedy_draw,
+                                                     default=greedy_xla)
+    else:
+        tokens, logprob = greedy_xla(logits)
+    return {"tokens": tokens, "logprob": logprob}
 
 
 def _outputs(tokens: jax.Array, raw_logits: jax.Array, md: SamplingMetadata):

@@ -35,6 +35,9 @@ instruction; its sums run in the hardware's order, so there it is held to the fl
 not bit for bit to `small_matmul` (`tiles=False` or `JAXPAGE_CPU_KERNEL_TILES=0` keeps the
 vector path).
 
+And `greedy_draw`: each row's argmax and its log-probability in one vector pass over the
+logits (and one more from L2), what the sampler's greedy rows take on CPU.
+
 Environment: `JAXPAGE_NO_CPU_KERNEL` (any value) turns the kernel off; `JAXPAGE_CACHE_DIR`
 (or the older `JAXPAGE_CACHE`) moves the build cache; `JAXPAGE_CPU_KERNEL_LIB` names a
 prebuilt shared library of `cpu_attention.cc` to register instead of building one (for
@@ -69,6 +72,7 @@ _TARGET_SET_ROWS = "jaxpage_set_rows"
 _TARGET_QUANTIZED = "jaxpage_paged_attention_quantized"
 _TARGET_SMALL_MATMUL = "jaxpage_small_matmul"
 _TARGET_PACKED_MATMUL = "jaxpage_packed_matmul"
+_TARGET_GREEDY_DRAW = "jaxpage_greedy_draw"
 # Query tokens per work item in prefill (x the GQA group = rows contracted against each
 # K/V tile while it is in cache). Decode items have one token.
 QUERY_TILE = 32
@@ -156,6 +160,8 @@ def _loaded() -> ctypes.CDLL | None:
         jax.ffi.register_ffi_target(
             _TARGET_PACKED_MATMUL, jax.ffi.pycapsule(library.JaxpagePackedMatmul),
             platform="cpu")
+        jax.ffi.register_ffi_target(
+            _TARGET_GREEDY_DRAW, jax.ffi.pycapsule(library.JaxpageGreedyDraw), platform="cpu")
     except Exception as e:  # noqa: BLE001 - any failure means: use the jnp path
         warnings.warn(f"jaxpage: CPU attention kernel unavailable, using the jnp path ({e})",
                       stacklevel=3)
@@ -307,6 +313,24 @@ def set_rows(pool: jax.Array, index: jax.Array, values: jax.Array) -> jax.Array:
     return jax.ffi.ffi_call(_TARGET_SET_ROWS, jax.ShapeDtypeStruct(pool.shape, pool.dtype),
                             input_output_aliases={0: 0})(
         pool, index.astype(jnp.int32), values.astype(pool.dtype))
+
+
+def greedy_draw(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(tokens [R] int32, log-probabilities [R] float32) of logits [R, V] float32: each row's
+    first maximum (its first NaN where it has one), as `jnp.argmax`, and that token's
+    log-probability `logit - jax.nn.logsumexp(row)` (NaN where the row's maximum is not finite,
+    as that formula gives). The sum of exponentials runs in the kernel's order, so the
+    log-probability is that formula's to float32 rounding, not bit for bit. The kernel must be
+    `available()`."""
+    if not available():
+        raise RuntimeError("the CPU kernel library is not available")
+    if logits.ndim != 2 or logits.shape[1] < 1:
+        raise ValueError(f"greedy_draw takes logits [R, V >= 1], got {logits.shape}")
+    rows = logits.shape[0]
+    return jax.ffi.ffi_call(_TARGET_GREEDY_DRAW,
+                            (jax.ShapeDtypeStruct((rows,), jnp.int32),
+                             jax.ShapeDtypeStruct((rows,), jnp.float32)))(
+        logits.astype(jnp.float32))
 
 
 SMALL_MATMUL_DTYPES = (jnp.float32, jnp.bfloat16)

@@ -27,7 +27,8 @@ and V of two types, scales of the wrong shape; a small matmul's wrong output sha
 dtypes, a packed matmul's wrong output shape or weight) and checks each is an error. It also
 runs `small_matmul` (both weight layouts, float32 and bfloat16 on both bfloat16 paths, odd
 sizes) and `packed_matmul` (weights packed by `pack_weight`, the same dtypes and paths)
-against float64 NumPy.
+against float64 NumPy, and `greedy_draw` (rows with ties, NaN and infinities, vocabularies with
+and without a tail) against NumPy's argmax and float64 log-sum-exp.
 
 Prints a one-line summary. Exit status: 0 clean; 1 a sanitizer finding (its report is printed)
 or a wrong result; 2 this machine cannot run the check (no C++ compiler or sanitizer runtime).
@@ -315,6 +316,10 @@ def bad_inputs():
         ("set_rows: negative index", set_rows([-1]), "set_rows: index outside the pool"),
         ("set_rows: rows that do not tile the pool", set_rows([0], (1, 1, 5)),
          "set_rows: rows do not tile the pool"),
+        ("greedy_draw: outputs of another length", lambda: jax.ffi.ffi_call(
+            cpu_attention._TARGET_GREEDY_DRAW, (jax.ShapeDtypeStruct((3,), jnp.int32),
+                                                jax.ShapeDtypeStruct((2,), jnp.float32)))(
+            np.zeros((2, 8), np.float32)), "greedy draw: logits must be [R, V >= 1]"),
         ("small_matmul: output of another shape", small_matmul((2, 4)), "small matmul: output"),
         ("small_matmul: x and w of two dtypes", small_matmul((2, 3), jnp.bfloat16),
          "small matmul: x is float32 but w bfloat16"),
@@ -445,6 +450,38 @@ def check_packed_matmul(rng) -> int:
     return calls
 
 
+def check_greedy_draw(rng) -> int:
+    """`greedy_draw` on vocabularies below a vector, of whole vectors and with a tail, rows with
+    tied maxima, NaN, -inf and +inf: the tokens np.argmax's, the log-probabilities within 1e-4
+    of float64's (NaN where the maximum is not finite). Returns the calls."""
+    import numpy as np
+
+    from pallas_kernels import cpu_attention
+
+    calls = 0
+    for rows, vocab in ((1, 1), (3, 15), (2, 16), (5, 97), (9, 4099)):
+        x = (rng.standard_normal((rows, vocab)) * 4).astype(np.float32)
+        if vocab > 2:
+            x[0, 1] = x[0, vocab - 1] = x[0].max() + 1.0
+        if rows > 2:
+            x[1, rng.integers(vocab)] = np.nan
+            x[2] = -np.inf
+        if rows > 3:
+            x[3, rng.integers(vocab)] = np.inf
+        tokens, logprob = (np.asarray(a) for a in cpu_attention.greedy_draw(x))
+        x64 = x.astype(np.float64)
+        want = np.argmax(x64, axis=-1)
+        top = x64.max(axis=-1)
+        with np.errstate(invalid="ignore", over="ignore"):
+            want_lp = x64[np.arange(rows), want] - (
+                np.log(np.exp(x64 - top[:, None]).sum(axis=-1)) + top)
+        if not (np.array_equal(tokens, want) and np.allclose(logprob, want_lp, rtol=0,
+                                                             atol=1e-4, equal_nan=True)):
+            raise AssertionError(f"greedy_draw {(rows, vocab)}: {tokens} {logprob}")
+        calls += 1
+    return calls
+
+
 def child(seeds: int) -> int:
     sys.path.insert(0, str(REPO))
     import warnings
@@ -529,6 +566,7 @@ def child(seeds: int) -> int:
     set_rows_calls = check_set_rows(rng)
     small_matmul_calls = check_small_matmul(rng)
     packed_matmul_calls = check_packed_matmul(rng)
+    greedy_draw_calls = check_greedy_draw(rng)
     rejected = 0
     for name, call, message in bad_inputs():
         try:
@@ -544,7 +582,8 @@ def child(seeds: int) -> int:
                       "bf16_worst_ratio": worst_bf16, "quantized": quantized_counts,
                       "quantized_max_error": worst_quantized, "set_rows": set_rows_calls,
                       "small_matmul": small_matmul_calls,
-                      "packed_matmul": packed_matmul_calls}),
+                      "packed_matmul": packed_matmul_calls,
+                      "greedy_draw": greedy_draw_calls}),
           flush=True)
     return 0
 
