@@ -15,6 +15,8 @@ scatters take narrow floats, as a plain scatter.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -39,16 +41,20 @@ def take(array: jax.Array, index) -> jax.Array:
         jax.lax.bitcast_convert_type(array, bits)[index], array.dtype)
 
 
-def set_rows(pool: jax.Array, index: jax.Array, values) -> jax.Array:
+def set_rows(pool: jax.Array, index: jax.Array, values, *, token_major: bool = False
+             ) -> jax.Array:
     """``pool.at[:, index].set(values)`` with the pool [K, ...] read as [K, N, *row]:
-    values [K, T, *row] (cast to the pool's dtype), index [T] int32 within [0, N) (every
-    entry: padding points at a real row, e.g. the reserved block 0). A [K, blocks,
-    block_size, D] pool takes slot indices and [K, T, D] values as it is; pass it unreshaped
-    (XLA:CPU copies a reshaped operand of the in-place call)."""
+    values [K, T, *row] (cast to the pool's dtype; [T, K, *row] with `token_major`, which the
+    CPU kernel reads as they lie and other platforms transpose), index [T] int32 within
+    [0, N) (every entry: padding points at a real row, e.g. the reserved block 0). A [K,
+    blocks, block_size, D] pool takes slot indices and [K, T, D] values as it is; pass it
+    unreshaped (XLA:CPU copies a reshaped operand of the in-place call)."""
     values = jnp.asarray(values).astype(pool.dtype)
     index = jnp.asarray(index, jnp.int32)
 
     def scatter(p, i, v, as_bits=False):
+        if token_major:
+            v = v.swapaxes(0, 1)
         rows = p.reshape(p.shape[0], -1, *v.shape[2:])
         if as_bits:
             return _set_as_bits(rows, (slice(None), i), v).reshape(p.shape)
@@ -57,8 +63,8 @@ def set_rows(pool: jax.Array, index: jax.Array, values) -> jax.Array:
     if _bits_dtype(pool.dtype) is None:
         return scatter(pool, index, values)
     # only XLA:CPU lacks narrow-float scatters; accelerators scatter them as they are
-    cpu = (cpu_attention.set_rows if cpu_attention.available()
-           else lambda p, i, v: scatter(p, i, v, as_bits=True))
+    cpu = (functools.partial(cpu_attention.set_rows, token_major=token_major)
+           if cpu_attention.available() else lambda p, i, v: scatter(p, i, v, as_bits=True))
     return jax.lax.platform_dependent(pool, index, values, cpu=cpu, default=scatter)
 
 

@@ -32,12 +32,11 @@ def write_kv(
         point into the reserved block 0.
     """
     def scatter(pool, new):  # new: [T, K, D] -> written at [:, slot, :] of [K, slots, D]
-        new = new.transpose(1, 0, 2)
         if quantized.is_quantized(pool):
-            values, scales = quantized.quantize(new, pool.dtype)
+            values, scales = quantized.quantize(new.transpose(1, 0, 2), pool.dtype)
             return quantized.QuantizedPool(bits.set_rows(pool.values, slot_mapping, values),
                                            bits.set_rows(pool.scales, slot_mapping, scales))
-        return bits.set_rows(jnp.asarray(pool), slot_mapping, new)
+        return bits.set_rows(jnp.asarray(pool), slot_mapping, new, token_major=True)
 
     return scatter(k_pool, k), scatter(v_pool, v)
 

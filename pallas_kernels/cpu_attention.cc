@@ -1171,11 +1171,15 @@ ffi::Error PagedAttentionQuantized(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q
 // reshape of the operand would make XLA copy the pool before the call). Rows are written in
 // t order (a later duplicate wins; callers never rely on it).
 ffi::Error SetRows(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> index, ffi::AnyBuffer values,
-                   ffi::Result<ffi::AnyBuffer> out) {
+                   int64_t token_major, ffi::Result<ffi::AnyBuffer> out) {
   const auto pd = pool.dimensions();
   const auto vd = values.dimensions();
+  // values [K, T, *row], or [T, K, *row] with token_major (a step's new K/V as the projection
+  // leaves them: no transposing copy before the write)
+  const int64_t head_axis = token_major ? 1 : 0, token_axis = 1 - head_axis;
   if (pool.element_type() != values.element_type() || pd.size() < 1 || vd.size() < 2 ||
-      index.dimensions().size() != 1 || vd[0] != pd[0] || vd[1] != index.dimensions()[0])
+      index.dimensions().size() != 1 || vd[head_axis] != pd[0] ||
+      vd[token_axis] != index.dimensions()[0])
     return Invalid("set_rows: inconsistent shapes or element types");
   int64_t row_elems = 1;
   for (size_t i = 2; i < vd.size(); ++i) row_elems *= vd[i];
@@ -1184,7 +1188,7 @@ ffi::Error SetRows(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> index, ffi::AnyBuf
     return Invalid("set_rows: rows do not tile the pool");
   const int64_t rows = per_head / row_elems;
   const int64_t row_bytes = row_elems * static_cast<int64_t>(ffi::ByteWidth(pool.element_type()));
-  const int64_t heads = pd[0], count = vd[1];
+  const int64_t heads = pd[0], count = vd[token_axis];
   char* dst = static_cast<char*>(out->untyped_data());
   if (dst != pool.untyped_data())  // XLA did not alias: start from a copy of the pool
     std::memcpy(dst, pool.untyped_data(), static_cast<size_t>(heads * rows * row_bytes));
@@ -1194,7 +1198,8 @@ ffi::Error SetRows(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> index, ffi::AnyBuf
     if (idx[t] < 0 || idx[t] >= rows) return Invalid("set_rows: index outside the pool");
   for (int64_t k = 0; k < heads; ++k)
     for (int64_t t = 0; t < count; ++t)
-      std::memcpy(dst + (k * rows + idx[t]) * row_bytes, src + (k * count + t) * row_bytes,
+      std::memcpy(dst + (k * rows + idx[t]) * row_bytes,
+                  src + (token_major ? t * heads + k : k * count + t) * row_bytes,
                   static_cast<size_t>(row_bytes));
   return ffi::Error::Success();
 }
@@ -2313,6 +2318,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageSetRows, SetRows,
                                   .Arg<ffi::AnyBuffer>()          // pool
                                   .Arg<ffi::Buffer<ffi::S32>>()   // index
                                   .Arg<ffi::AnyBuffer>()          // values
+                                  .Attr<int64_t>("token_major")   // values [T, K, ...]
                                   .Ret<ffi::AnyBuffer>());        // the pool, written
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageSmallMatmul, SmallMatmul,

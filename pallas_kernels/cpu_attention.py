@@ -301,18 +301,22 @@ def paged_attention_cpu(
     return out.astype(q.dtype)
 
 
-def set_rows(pool: jax.Array, index: jax.Array, values: jax.Array) -> jax.Array:
+def set_rows(pool: jax.Array, index: jax.Array, values: jax.Array, *,
+             token_major: bool = False) -> jax.Array:
     """`pool.reshape(K, N, *row).at[:, index].set(values)` in pool's shape, written in place
     by the kernel library (the result aliases the pool; XLA copies it first only where the
-    pool is still needed): values [K, T, *row] of the pool's dtype, index [T] int32 within
-    [0, N), the pool any shape [K, ...] whose rows are `row` (pass a [K, blocks, block_size,
-    D] pool as it is, not reshaped: XLA copies an aliased operand that is a reshape). The
-    kernel must be `available()`."""
+    pool is still needed): values [K, T, *row] of the pool's dtype ([T, K, *row] with
+    `token_major`: a step's new K/V as the projection leaves them, read where they lie
+    instead of transposed by XLA first), index [T] int32 within [0, N), the pool any shape
+    [K, ...] whose rows are `row` (pass a [K, blocks, block_size, D] pool as it is, not
+    reshaped: XLA copies an aliased operand that is a reshape). The kernel must be
+    `available()`."""
     if not available():
         raise RuntimeError("the CPU kernel library is not available")
     return jax.ffi.ffi_call(_TARGET_SET_ROWS, jax.ShapeDtypeStruct(pool.shape, pool.dtype),
                             input_output_aliases={0: 0})(
-        pool, index.astype(jnp.int32), values.astype(pool.dtype))
+        pool, index.astype(jnp.int32), values.astype(pool.dtype),
+        token_major=np.int64(bool(token_major)))
 
 
 def greedy_draw(logits: jax.Array) -> tuple[jax.Array, jax.Array]:

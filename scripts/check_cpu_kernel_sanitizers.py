@@ -350,7 +350,7 @@ def check_set_rows(rng) -> int:
     from pallas_kernels import cpu_attention
 
     calls = 0
-    donated = jax.jit(cpu_attention.set_rows, donate_argnums=0)
+    donated = jax.jit(cpu_attention.set_rows, donate_argnums=0, static_argnames="token_major")
     for dtype in ("bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "float32"):
         np_dtype = np.int8 if dtype == "int8" else getattr(ml_dtypes, dtype, np.float32)
         for heads, blocks, block_size, dim in ((3, 9, 16, 64), (1, 5, 1, 8), (2, 7, 4, 3)):
@@ -361,12 +361,17 @@ def check_set_rows(rng) -> int:
                 values = rng.standard_normal((heads, count, *row_shape)).astype(np_dtype)
                 expected = pool.reshape(heads, rows_per_head, *row_shape).copy()
                 expected[:, index] = values
-                for fn in (cpu_attention.set_rows, donated):
-                    out = fn(jnp.asarray(pool), jnp.asarray(index), jnp.asarray(values))
-                    got = np.asarray(out).reshape(expected.shape)
-                    if not np.array_equal(got.view(np.uint8), expected.view(np.uint8)):
-                        raise AssertionError(f"set_rows {dtype} {pool.shape} rows {row_shape}")
-                    calls += 1
+                # head-major values [K, T, *row], and token-major [T, K, *row]
+                for token_major, given in ((False, values), (True, values.swapaxes(0, 1))):
+                    for fn in (cpu_attention.set_rows, donated):
+                        out = fn(jnp.asarray(pool), jnp.asarray(index),
+                                 jnp.asarray(np.ascontiguousarray(given)),
+                                 token_major=token_major)
+                        got = np.asarray(out).reshape(expected.shape)
+                        if not np.array_equal(got.view(np.uint8), expected.view(np.uint8)):
+                            raise AssertionError(f"set_rows {dtype} {pool.shape} rows "
+                                                 f"{row_shape} token_major={token_major}")
+                        calls += 1
     return calls
 
 

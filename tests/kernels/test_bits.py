@@ -30,16 +30,20 @@ def random_values(rng, shape, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("donate", [False, True])
-def test_set_rows_writes_slots_and_blocks_as_numpy_does(dtype, donate):
+@pytest.mark.parametrize("token_major", [False, True])
+def test_set_rows_writes_slots_and_blocks_as_numpy_does(dtype, donate, token_major):
     rng = np.random.default_rng(0)
     pool = random_values(rng, (3, 5, 4, 8), dtype)  # [K, blocks, block_size, D]
-    fn = jax.jit(bits.set_rows, donate_argnums=0) if donate else bits.set_rows
-    # a KV write: slots of [K, blocks * block_size] rows of D, the pool passed unreshaped
+    set_rows = functools.partial(bits.set_rows, token_major=token_major)
+    fn = jax.jit(set_rows, donate_argnums=0) if donate else set_rows
+    # a KV write: slots of [K, blocks * block_size] rows of D, the pool passed unreshaped;
+    # token-major values [T, K, D] as a step's projection leaves them
     slots = np.array([7, 0, 19, 4], np.int32)
     rows = random_values(rng, (3, 4, 8), dtype)
     expected = pool.reshape(3, 20, 8).copy()
     expected[:, slots] = rows
-    out = fn(jnp.asarray(pool), jnp.asarray(slots), jnp.asarray(rows))
+    given = rows.transpose(1, 0, 2).copy() if token_major else rows
+    out = fn(jnp.asarray(pool), jnp.asarray(slots), jnp.asarray(given))
     assert out.dtype == pool.dtype and out.shape == pool.shape
     np.testing.assert_array_equal(np.asarray(out).reshape(3, 20, 8).view(np.uint8),
                                   expected.view(np.uint8))
@@ -48,7 +52,8 @@ def test_set_rows_writes_slots_and_blocks_as_numpy_does(dtype, donate):
     tiles = random_values(rng, (3, 2, 4, 8), dtype)
     expected = np.asarray(out).copy()
     expected[:, blocks] = tiles
-    out = fn(out, jnp.asarray(blocks), jnp.asarray(tiles))
+    given = tiles.transpose(1, 0, 2, 3).copy() if token_major else tiles
+    out = fn(out, jnp.asarray(blocks), jnp.asarray(given))
     np.testing.assert_array_equal(np.asarray(out).view(np.uint8), expected.view(np.uint8))
 
 
@@ -74,7 +79,8 @@ def test_an_index_outside_the_pool_is_an_error():
 def test_the_compiled_kv_write_never_converts_the_pool(dtype):
     """The optimized module of a donated KV write into a narrow-float pool holds no float32
     array of the pool's size and no copy of the pool: before bits.py XLA:CPU converted the
-    whole pool to float32 and back around every scatter."""
+    whole pool to float32 and back around every scatter. Nor a transposed copy of the new
+    K/V: the kernel reads them token-major, as the projection leaves them."""
     if not cpu_attention.available():
         pytest.skip("the in-place write needs the CPU kernel library")
     shape = (3, 64, 16, 64)
@@ -90,6 +96,9 @@ def test_the_compiled_kv_write_never_converts_the_pool(dtype):
     for op in ("copy", "fusion"):  # a pool-shaped copy or loop fusion rewrites the whole pool
         assert not re.search(rf"= \S+\[(3,64,16,64|3,1024,64)\]\S* {op}\(", text), op
     assert "jaxpage_set_rows" in text
+    if jnp.dtype(dtype) == jnp.bfloat16:  # float8 pools convert the values, transposed or not
+        assert not re.search(r"\[3,8,64\]", text), "the new K/V transposed before the write"
+        assert re.search(r"custom-call\(\S+, \S+, %?k\S*\)", text), "k not passed as it is"
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e5m2"])
