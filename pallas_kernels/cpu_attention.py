@@ -36,7 +36,11 @@ not bit for bit to `small_matmul` (`tiles=False` or `JAXPAGE_CPU_KERNEL_TILES=0`
 vector path).
 
 And `greedy_draw`: each row's argmax and its log-probability in one vector pass over the
-logits (and one more from L2), what the sampler's greedy rows take on CPU.
+logits (and one more from L2), what the sampler's greedy rows take on CPU. And a layer's
+elementwise glue between its matmuls, one call each where XLA:CPU runs several loop fusions
+(split over its threads from 8 rows on): `add_rms_norm` (the residual add and the next
+RMSNorm), `silu_mul` (SwiGLU's activation) and `qkv_rope` (q, k, v out of the fused
+projection, q and k rotated), each reading a matmul's float32 output as it lies.
 
 Environment: `JAXPAGE_NO_CPU_KERNEL` (any value) turns the kernel off; `JAXPAGE_CACHE_DIR`
 (or the older `JAXPAGE_CACHE`) moves the build cache; `JAXPAGE_CPU_KERNEL_LIB` names a
@@ -73,6 +77,9 @@ _TARGET_QUANTIZED = "jaxpage_paged_attention_quantized"
 _TARGET_SMALL_MATMUL = "jaxpage_small_matmul"
 _TARGET_PACKED_MATMUL = "jaxpage_packed_matmul"
 _TARGET_GREEDY_DRAW = "jaxpage_greedy_draw"
+_TARGET_ADD_RMS_NORM = "jaxpage_add_rms_norm"
+_TARGET_SILU_MUL = "jaxpage_silu_mul"
+_TARGET_QKV_ROPE = "jaxpage_qkv_rope"
 # Query tokens per work item in prefill (x the GQA group = rows contracted against each
 # K/V tile while it is in cache). Decode items have one token.
 QUERY_TILE = 32
@@ -162,6 +169,10 @@ def _loaded() -> ctypes.CDLL | None:
             platform="cpu")
         jax.ffi.register_ffi_target(
             _TARGET_GREEDY_DRAW, jax.ffi.pycapsule(library.JaxpageGreedyDraw), platform="cpu")
+        for target, handler in ((_TARGET_ADD_RMS_NORM, library.JaxpageAddRmsNorm),
+                                (_TARGET_SILU_MUL, library.JaxpageSiluMul),
+                                (_TARGET_QKV_ROPE, library.JaxpageQkvRope)):
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     except Exception as e:  # noqa: BLE001 - any failure means: use the jnp path
         warnings.warn(f"jaxpage: CPU attention kernel unavailable, using the jnp path ({e})",
                       stacklevel=3)
@@ -460,3 +471,58 @@ def _bf16_dot_mode(bf16_dot: bool | None, tiles: bool | None) -> int:
     if not (_default_bf16_dot() if bf16_dot is None else bool(bf16_dot)):
         return 0
     return 2 if (_default_tiles() if tiles is None else bool(tiles)) else 1
+
+
+def _check_model_dtype(name: str, dtype) -> jnp.dtype:
+    dtype = jnp.dtype(dtype)
+    if dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"{name} runs float32 or bfloat16 models, got {dtype.name}")
+    return dtype
+
+
+def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, eps: float
+                 ) -> tuple[jax.Array, jax.Array]:
+    """(s, RMSNorm(s) * weight) with s = x + delta.astype(x.dtype) (s = x without delta): the
+    residual add and the next layer's (or the final) norm, for x [T, H] float32 or bfloat16,
+    delta [T, H] of x's dtype or float32 (a matmul's output, rounded to x's dtype first, as
+    `.astype` does), weight [H] of x's dtype. The sum is exactly XLA's `x + delta.astype(...)`;
+    the norm computes `jaxpage.models.llama.rms_norm`'s formula with its roundings, summing the
+    squares in the kernel's order (within float32 rounding of it, not bit for bit). The
+    kernel must be `available()`."""
+    if not available():
+        raise RuntimeError("the CPU kernel library is not available")
+    dtype = _check_model_dtype("add_rms_norm", x.dtype)
+    if delta is None:
+        delta = jnp.zeros((0,), dtype)
+    return jax.ffi.ffi_call(_TARGET_ADD_RMS_NORM, (jax.ShapeDtypeStruct(x.shape, dtype),
+                                                   jax.ShapeDtypeStruct(x.shape, dtype)))(
+        x, delta, weight.astype(dtype), eps=np.float32(eps))
+
+
+def silu_mul(gate_up: jax.Array, dtype) -> jax.Array:
+    """silu(gate) * up in `dtype` (float32 or bfloat16) for gate_up [T, 2I] = [gate | up] of
+    `dtype` or float32 (rounded to `dtype` first): silu in float32 and rounded to `dtype` once
+    (HF's bfloat16 silu), then the product rounded. The kernel must be `available()`."""
+    if not available():
+        raise RuntimeError("the CPU kernel library is not available")
+    dtype = _check_model_dtype("silu_mul", dtype)
+    rows, width = gate_up.shape
+    return jax.ffi.ffi_call(_TARGET_SILU_MUL,
+                            jax.ShapeDtypeStruct((rows, width // 2), dtype))(gate_up)
+
+
+def qkv_rope(qkv: jax.Array, cos: jax.Array, sin: jax.Array, num_heads: int,
+             num_kv_heads: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [T, H, D], k and v [T, KH, D] in cos's dtype (float32 or bfloat16) from qkv [T, (H +
+    2 KH) D] (of that dtype or float32, rounded to it first), q and k rotated by the rotary
+    tables cos, sin [T, D] in the rotate-half convention (`jaxpage.models.llama.rotate`), each
+    product and their sum rounded to the dtype as XLA rounds them: bit for bit the jnp path's.
+    The kernel must be `available()`."""
+    if not available():
+        raise RuntimeError("the CPU kernel library is not available")
+    dtype = _check_model_dtype("qkv_rope", cos.dtype)
+    rows, dim = qkv.shape[0], cos.shape[1]
+    return jax.ffi.ffi_call(_TARGET_QKV_ROPE, (
+        jax.ShapeDtypeStruct((rows, num_heads, dim), dtype),
+        jax.ShapeDtypeStruct((rows, num_kv_heads, dim), dtype),
+        jax.ShapeDtypeStruct((rows, num_kv_heads, dim), dtype)))(qkv, cos, sin.astype(dtype))

@@ -25,12 +25,15 @@ the weights, rows are nearly free (the regime of the vLLM paper's GPUs); once bo
 arithmetic, each row adds its own cost. On CPU the engine's decode buckets start at one row (1,
 2, 4, 8, 12, ...); `--vs-bucket 8` times each smaller batch against the same step padded to 8
 rows, the smallest bucket before (XLA:CPU splits a step's elementwise ops over threads from 8
-rows on, and the sampler reads every padded row).
+rows on, and the sampler reads every padded row). `--vs-xla-glue` times each step against the
+same step with a layer's elementwise glue (residual adds and norms, SiLU, rope) as XLA's loop
+fusions instead of the kernel library's calls.
 
     python scripts/bench_decode_step.py                      # context 128, float32 and bf16
     python scripts/bench_decode_step.py --context 256 --batches 8,64 --dtypes float32
     python scripts/bench_decode_step.py --no-unpacked --profile   # and where each step goes
     python scripts/bench_decode_step.py --no-unpacked --batches 1,2,4,8 --vs-bucket 8
+    python scripts/bench_decode_step.py --no-unpacked --batches 1,8,64 --vs-xla-glue
 
 With --profile each step's line is followed by where its time goes (`jax.profiler` over 5
 steps): the forward's span, the sampler and the host's share (Python, dispatch), the matmuls
@@ -109,6 +112,28 @@ def padded_step_seconds(llm, batch: int, context: int, rows: int, rounds: int = 
     own = llm.engine.runner.decode_buckets
     return _alternating(llm, batch, context, "decode_buckets",
                         (own, [b for b in own if b >= rows]), rounds)
+
+
+def glue_step_seconds(llm, batch: int, context: int, rounds: int = 30):
+    """Median seconds of a decode step with the layer glue in the kernel library's calls
+    (`jaxpage.models.llama.add_rms_norm`, `silu_mul`, `split_rotate` on CPU) and as XLA's
+    fusions (the same model traced with the glue's jnp path), alternating."""
+    import dataclasses
+
+    from jaxpage.models import llama
+
+    model = llm.engine.runner.model
+    # an equal model of another class: the jitted step compiles it apart from the runner's
+    xla_glue = dataclasses.make_dataclass("XlaGlue", [], bases=(type(model),), frozen=True)(
+        *(getattr(model, f.name) for f in dataclasses.fields(model)))
+    glue = llama._cpu_glue
+    llama._cpu_glue = lambda cpu, default, *args: default(*args)
+    try:  # traced now, with the jnp glue; compiled steps keep it after
+        llm.engine.runner.model = xla_glue
+        llm.engine.runner.execute(decode_seqs(llm.engine.runner, batch, context))
+    finally:
+        llama._cpu_glue, llm.engine.runner.model = glue, model
+    return _alternating(llm, batch, context, "model", (model, xla_glue), rounds)
 
 
 def cores() -> int:
@@ -392,6 +417,9 @@ def main() -> None:
     ap.add_argument("--vs-bucket", type=int, default=0, metavar="ROWS",
                     help="for batches below ROWS, also the step padded to a ROWS-row bucket "
                          "(alternating with the step in its own bucket, 25 each)")
+    ap.add_argument("--vs-xla-glue", action="store_true",
+                    help="also the step with the layer glue as XLA's fusions instead of the "
+                         "kernel library's calls (alternating, 30 each)")
     ap.add_argument("--profile", action="store_true",
                     help="after each step's line, where its time goes by kind of op "
                          "(jax.profiler, 5 steps)")
@@ -440,6 +468,10 @@ def main() -> None:
                 print(f"{'':>15}in its own bucket {own * 1e3:.1f} ms, padded to "
                       f"{args.vs_bucket} rows {padded * 1e3:.1f} ms: {padded / own:.2f}x",
                       flush=True)
+            if args.vs_xla_glue:
+                kernels, fusions = glue_step_seconds(llm, batch, args.context)
+                print(f"{'':>15}glue in kernel calls {kernels * 1e3:.1f} ms, as XLA's fusions "
+                      f"{fusions * 1e3:.1f} ms: {fusions / kernels:.2f}x", flush=True)
             if args.profile:
                 print_profile(step_profile(llm, batch, args.context), weights_ms)
         del llm, other

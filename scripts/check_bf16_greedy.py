@@ -1,6 +1,7 @@
 """Greedy chat answers of the default model in bfloat16 against float32, token by token.
 
     python scripts/check_bf16_greedy.py [--max-tokens 64]
+    python scripts/check_bf16_greedy.py --logit-error HF_DIR   # how far bfloat16 errs
 
 For each chat prompt: the tokens both dtypes agree on, and at the first divergence (if any)
 float32's top-2 log-prob margin there and bfloat16's: a divergence is explained when the
@@ -53,10 +54,69 @@ def compare(max_tokens: int = 64, prompts=PROMPTS) -> list[dict]:
     return rows
 
 
+HELD_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based ink and a wooden press adapted from wine making. "
+    "Books became cheaper, literacy spread, and ideas travelled faster than ever before. "
+    "def reverse(s):\n    return s[::-1]\n\nprint(reverse('hello world'))\n"
+    "Three tips for staying healthy: sleep well, eat vegetables, and walk every day. "
+    "Twelve times seven is eighty-four; the capital of France is Paris.")
+
+
+def logit_errors(hf_dir: str, tokens: int = 160) -> dict[str, dict[str, float]]:
+    """How far bfloat16 logits lie from HF transformers' float32 ones (the truth), teacher-forced
+    on HELD_TEXT's first `tokens` tokens: HF's own bfloat16 and jaxpage's bfloat16 and float32
+    (the model from `hf_dir`, an HF directory of the default model, one prefill step through the
+    paged pool). Per implementation: mean and max |logit error|, and the share of positions
+    whose argmax is the truth's."""
+    import copy
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from jaxpage.attention import build_metadata, init_kv_pool
+    from jaxpage.loading.hf import load_hf_dir
+    from jaxpage.models.llama import LlamaModel
+
+    ids = AutoTokenizer.from_pretrained(hf_dir)(HELD_TEXT)["input_ids"][:tokens]
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    with torch.no_grad():
+        truth = hf(torch.tensor([ids])).logits[0].float().numpy()
+        runs = {"HF bfloat16": copy.deepcopy(hf).to(torch.bfloat16)(
+            torch.tensor([ids])).logits[0].float().numpy()}
+    block = 16
+    blocks = len(ids) // block + 2
+    for dtype in ("float32", "bfloat16"):
+        config, params = load_hf_dir(hf_dir, dtype)
+        pool = jax.tree.map(lambda x, d=dtype: x.astype(d), init_kv_pool(
+            config.num_layers, blocks, block, config.num_kv_heads, config.head_dim))
+        positions, metadata = build_metadata([list(range(1, blocks))], [0], [len(ids)], block,
+                                             logits_indices=list(range(len(ids))))
+        logits, _ = jax.jit(LlamaModel.forward, static_argnums=0)(
+            LlamaModel(config), params, jnp.asarray(ids, jnp.int32), positions, pool, metadata)
+        runs[f"jaxpage {dtype}"] = np.asarray(logits)
+    return {name: {"mean": float(np.abs(x - truth).mean()),
+                   "max": float(np.abs(x - truth).max()),
+                   "argmax": float((x.argmax(-1) == truth.argmax(-1)).mean())}
+            for name, x in runs.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--logit-error", metavar="HF_DIR",
+                        help="instead: bfloat16's logit error against HF's float32 on a held "
+                             "text, HF's own and jaxpage's (HF_DIR: the default model as an HF "
+                             "directory, e.g. the one ../shared/peers/setup_vllm_cpu.sh writes)")
     args = parser.parse_args()
+    if args.logit_error:
+        for name, e in logit_errors(args.logit_error).items():
+            print(f"{name:>18}: |logit error| mean {e['mean']:.4f}, max {e['max']:.3f}; "
+                  f"argmax as float32's at {e['argmax']:.3f} of positions")
+        return
     for row in compare(args.max_tokens):
         where = ("identical" if row["first_divergence"] is None else
                  f"first divergence at token {row['first_divergence']}, top-2 margin float32 "

@@ -28,7 +28,9 @@ dtypes, a packed matmul's wrong output shape or weight) and checks each is an er
 runs `small_matmul` (both weight layouts, float32 and bfloat16 on both bfloat16 paths, odd
 sizes) and `packed_matmul` (weights packed by `pack_weight`, the same dtypes and paths)
 against float64 NumPy, and `greedy_draw` (rows with ties, NaN and infinities, vocabularies with
-and without a tail) against NumPy's argmax and float64 log-sum-exp.
+and without a tail) against NumPy's argmax and float64 log-sum-exp, and the layer glue
+(`add_rms_norm`, `silu_mul`, `qkv_rope`; float32 and bfloat16, a NaN row, rows shared among
+the threads) against float64 NumPy.
 
 Prints a one-line summary. Exit status: 0 clean; 1 a sanitizer finding (its report is printed)
 or a wrong result; 2 this machine cannot run the check (no C++ compiler or sanitizer runtime).
@@ -320,6 +322,20 @@ def bad_inputs():
             cpu_attention._TARGET_GREEDY_DRAW, (jax.ShapeDtypeStruct((3,), jnp.int32),
                                                 jax.ShapeDtypeStruct((2,), jnp.float32)))(
             np.zeros((2, 8), np.float32)), "greedy draw: logits must be [R, V >= 1]"),
+        ("add_rms_norm: outputs of another shape", lambda: jax.ffi.ffi_call(
+            cpu_attention._TARGET_ADD_RMS_NORM, (jax.ShapeDtypeStruct((2, 8), jnp.float32),
+                                                 jax.ShapeDtypeStruct((3, 8), jnp.float32)))(
+            np.ones((2, 8), np.float32), np.ones((2, 8), np.float32), np.ones(8, np.float32),
+            eps=np.float32(1e-6)), "add_rms_norm: x [T, H] [2, 8]"),
+        ("silu_mul: output of another shape", lambda: jax.ffi.ffi_call(
+            cpu_attention._TARGET_SILU_MUL, jax.ShapeDtypeStruct((2, 5), jnp.bfloat16))(
+            np.ones((2, 8), np.float32)), "silu_mul: gate_up [T, 2I] [2, 8]"),
+        ("qkv_rope: outputs of another shape", lambda: jax.ffi.ffi_call(
+            cpu_attention._TARGET_QKV_ROPE, (jax.ShapeDtypeStruct((2, 2, 4), jnp.float32),
+                                             jax.ShapeDtypeStruct((2, 1, 4), jnp.float32),
+                                             jax.ShapeDtypeStruct((2, 2, 4), jnp.float32)))(
+            np.ones((2, 16), np.float32), np.ones((2, 4), np.float32),
+            np.ones((2, 4), np.float32)), "qkv_rope: qkv [T, (H + 2 KH) D] [2, 16]"),
         ("small_matmul: output of another shape", small_matmul((2, 4)), "small matmul: output"),
         ("small_matmul: x and w of two dtypes", small_matmul((2, 3), jnp.bfloat16),
          "small matmul: x is float32 but w bfloat16"),
@@ -487,6 +503,51 @@ def check_greedy_draw(rng) -> int:
     return calls
 
 
+def check_layer_glue(rng) -> int:
+    """`add_rms_norm`, `silu_mul` and `qkv_rope` (float32 and bfloat16, float32 and rounded
+    inputs, a row with NaN, hidden sizes with a tail past the vectors, enough rows to share them
+    among the threads) against float64 NumPy within 2^-6 relative (the tests hold them to the
+    rounding bounds; here the point is the memory they touch), and qkv_rope's v exactly.
+    Returns the calls."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels import cpu_attention
+
+    calls = 0
+    for dtype in (jnp.float32, jnp.bfloat16):
+        def f64(x):
+            return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+        for rows, hidden in ((1, 37), (8, 576), (200, 576)):
+            x = jnp.asarray(rng.standard_normal((rows, hidden)), dtype)
+            delta = rng.standard_normal((rows, hidden)).astype(np.float32)
+            delta[0, 3] = np.nan  # row 0's sum and norm NaN; the others not
+            weight = jnp.asarray(rng.standard_normal(hidden), dtype)
+            s, normed = cpu_attention.add_rms_norm(x, jnp.asarray(delta), weight, 1e-6)
+            s64 = f64(s)
+            want = f64(weight) * s64 / np.sqrt(np.mean(s64 * s64, -1, keepdims=True) + 1e-6)
+            ok = np.isnan(f64(normed)[0]).all() and np.allclose(
+                f64(normed)[1:], want[1:], rtol=2.0**-6, atol=1e-6)
+            gate_up = jnp.asarray(rng.standard_normal((rows, 2 * hidden)) * 3, jnp.float32)
+            out = f64(cpu_attention.silu_mul(gate_up, dtype))
+            g, u = f64(gate_up.astype(dtype)[:, :hidden]), f64(gate_up.astype(dtype)[:, hidden:])
+            ok &= np.allclose(out, g / (1 + np.exp(-g)) * u, rtol=2.0**-6, atol=1e-6)
+            heads, kv_heads, dim = 3, 1, 2 * (hidden // 8 // 2 + 1)
+            qkv = jnp.asarray(rng.standard_normal((rows, (heads + 2 * kv_heads) * dim)),
+                              jnp.float32)
+            angles = rng.standard_normal((rows, dim))
+            q, k, v = cpu_attention.qkv_rope(qkv, jnp.asarray(np.cos(angles), dtype),
+                                             jnp.asarray(np.sin(angles), dtype), heads, kv_heads)
+            ok &= np.array_equal(f64(v).reshape(rows, -1),
+                                 f64(qkv.astype(dtype)[:, (heads + kv_heads) * dim:]))
+            ok &= q.shape == (rows, heads, dim) and k.shape == (rows, kv_heads, dim)
+            if not ok:
+                raise AssertionError(f"layer glue {jnp.dtype(dtype).name} {(rows, hidden)}")
+            calls += 3
+    return calls
+
+
 def child(seeds: int) -> int:
     sys.path.insert(0, str(REPO))
     import warnings
@@ -572,6 +633,7 @@ def child(seeds: int) -> int:
     small_matmul_calls = check_small_matmul(rng)
     packed_matmul_calls = check_packed_matmul(rng)
     greedy_draw_calls = check_greedy_draw(rng)
+    layer_glue_calls = check_layer_glue(rng)
     rejected = 0
     for name, call, message in bad_inputs():
         try:
@@ -588,7 +650,7 @@ def child(seeds: int) -> int:
                       "quantized_max_error": worst_quantized, "set_rows": set_rows_calls,
                       "small_matmul": small_matmul_calls,
                       "packed_matmul": packed_matmul_calls,
-                      "greedy_draw": greedy_draw_calls}),
+                      "greedy_draw": greedy_draw_calls, "layer_glue": layer_glue_calls}),
           flush=True)
     return 0
 
@@ -672,6 +734,8 @@ def main() -> int:
           f"{summary['quantized_max_error']:.1e} of float64, {summary['set_rows']} in-place "
           f"pool writes (set_rows) equal to NumPy's, {summary['small_matmul']} small matmuls "
           f"and {summary['packed_matmul']} packed matmuls within float32's bound of float64, "
+          f"{summary['greedy_draw']} greedy draws as NumPy's argmax and log-sum-exp, "
+          f"{summary['layer_glue']} layer glue calls (add + RMSNorm, SiLU, rope) as float64's, "
           f"{summary['rejected']} bad inputs "
           f"rejected; {timing}")
     return 0

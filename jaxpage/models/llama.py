@@ -134,6 +134,69 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, unit_offset: bool = Fa
     return weight * x32.astype(x.dtype)
 
 
+def _cpu_glue(cpu, default, *args):
+    """`default(*args)`, or `cpu(*args)` (a kernel library call) on CPU where the library is
+    built: a layer's elementwise glue, which XLA:CPU runs as several loop fusions (split over
+    its threads from 8 rows on, ~5-20 us each for a few KB)."""
+    if not cpu_attention.available():
+        return default(*args)
+    return jax.lax.platform_dependent(*args, cpu=cpu, default=default)
+
+
+def _glue_dtype(dtype) -> bool:
+    return jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
+
+
+def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, eps: float
+                 ) -> tuple[jax.Array, jax.Array]:
+    """(s, rms_norm(s, weight, eps)) with s = x + delta.astype(x.dtype) (x without delta): a
+    residual add (delta: a sublayer's output, float32 before rounding or x's dtype) and the
+    norm after it, for x [T, H]. On CPU one kernel call (`cpu_attention.add_rms_norm`: the same
+    sum bit for bit, the norm to float32 rounding of rms_norm's)."""
+    def default(x, delta, weight):
+        s = x if delta is None else x + delta.astype(x.dtype)
+        return s, rms_norm(s, weight, eps)
+
+    if x.ndim != 2 or not _glue_dtype(x.dtype) or weight.dtype != x.dtype:
+        return default(x, delta, weight)
+    return _cpu_glue(functools.partial(cpu_attention.add_rms_norm, eps=eps), default,
+                     x, delta, weight)
+
+
+def silu_mul(gate_up: jax.Array, dtype) -> jax.Array:
+    """silu(gate) * up in `dtype` for gate_up [T, 2I] = [gate | up] (float32 before rounding,
+    or `dtype`), as the MLP computes them. On CPU one kernel call (`cpu_attention.silu_mul`:
+    silu in float32 rounded once, as HF's bfloat16 silu; XLA rounds each of its ops)."""
+    def default(gate_up):
+        gate, up = jnp.split(gate_up.astype(dtype), 2, axis=-1)
+        return jax.nn.silu(gate) * up
+
+    if gate_up.ndim != 2 or not _glue_dtype(dtype):
+        return default(gate_up)
+    return _cpu_glue(functools.partial(cpu_attention.silu_mul, dtype=dtype), default, gate_up)
+
+
+def split_rotate(qkv: jax.Array, cos: jax.Array, sin: jax.Array, num_heads: int,
+                 num_kv_heads: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [T, heads, D], k and v [T, kv_heads, D] in cos's dtype from the fused projection's
+    qkv [T, (heads + 2 kv_heads) D] (float32 before rounding, or that dtype), q and k rotated
+    (`rotate`). On CPU one kernel call (`cpu_attention.qkv_rope`, bit for bit this)."""
+    dim = cos.shape[-1]
+
+    def default(qkv, cos, sin):
+        qkv = qkv.astype(cos.dtype)
+        q = qkv[:, : num_heads * dim].reshape(-1, num_heads, dim)
+        k = qkv[:, num_heads * dim : (num_heads + num_kv_heads) * dim]
+        v = qkv[:, (num_heads + num_kv_heads) * dim :]
+        return (rotate(q, cos, sin), rotate(k.reshape(-1, num_kv_heads, dim), cos, sin),
+                v.reshape(-1, num_kv_heads, dim))
+
+    if qkv.ndim != 2 or not _glue_dtype(cos.dtype) or sin.dtype != cos.dtype or dim % 2:
+        return default(qkv, cos, sin)
+    return _cpu_glue(functools.partial(cpu_attention.qkv_rope, num_heads=num_heads,
+                                       num_kv_heads=num_kv_heads), default, qkv, cos, sin)
+
+
 def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotary embedding in the half-split ("rotate_half") convention.
 
@@ -225,23 +288,31 @@ class LlamaModel:
         cos, sin = rope_cos_sin(cfg, positions, x.dtype)
         new_pool = []
         live = metadata.query_start_loc[-1]  # the step's tokens; the bucket's padding follows
-        for layer, layer_kv, window in zip(params["layers"], kv_pool, cfg.layer_windows,
-                                           strict=True):
+        layers = params["layers"]
+        # each residual add is fused with the norm after it (`add_rms_norm`): the next
+        # sublayer's input norm, and after the last layer the final norm
+        next_norms = [layer["attn_norm"] for layer in layers[1:]] + [params["final_norm"]]
+        x, h = self._add_norm(x, None, layers[0]["attn_norm"])
+        for layer, layer_kv, window, next_norm in zip(layers, kv_pool, cfg.layer_windows,
+                                                      next_norms, strict=True):
             options = {} if window is None else {"sliding_window": window}  # Mistral
-            attn_out, layer_kv = self._attention(layer, self._norm(x, layer["attn_norm"]), cos,
-                                                 sin, layer_kv, metadata, live, **options)
-            x = x + attn_out
-            x = x + self._mlp(layer, self._norm(x, layer["mlp_norm"]), live)
+            attn_out, layer_kv = self._attention(layer, h, cos, sin, layer_kv, metadata, live,
+                                                 unrounded=True, **options)
+            x, h = self._add_norm(x, attn_out, layer["mlp_norm"])
+            x, h = self._add_norm(x, self._mlp(layer, h, live, unrounded=True), next_norm)
             new_pool.append(layer_kv)
-        return self._output(params, x, metadata), new_pool
+        return self._logits(params, h, metadata), new_pool
 
     def _output(self, params: Params, x: jax.Array, metadata: AttentionMetadata) -> jax.Array:
         """The last layer's [T, H] output -> logits of the rows the metadata asks for."""
-        x = self._norm(x, params["final_norm"])
+        return self._logits(params, self._norm(x, params["final_norm"]), metadata)
+
+    def _logits(self, params: Params, h: jax.Array, metadata: AttentionMetadata) -> jax.Array:
+        """The final norm's [T, H] output -> logits of the rows the metadata asks for."""
         if metadata.logits_indices is None:
-            return self.compute_logits(params, x, metadata.query_start_loc[-1])
+            return self.compute_logits(params, h, metadata.query_start_loc[-1])
         # [R, H]
-        return self.compute_logits(params, x[metadata.logits_indices], metadata.num_logits)
+        return self.compute_logits(params, h[metadata.logits_indices], metadata.num_logits)
 
     def compute_logits(self, params: Params, hidden: jax.Array,
                        live_rows: jax.Array | None = None) -> jax.Array:
@@ -266,42 +337,63 @@ class LlamaModel:
     def _norm(self, x: jax.Array, weight: jax.Array) -> jax.Array:
         return rms_norm(x, weight, self.config.rms_norm_eps)
 
-    def _attention(self, layer, h, cos, sin, layer_kv, metadata, live=None,
-                   **attention_options):
+    def _add_norm(self, x: jax.Array, delta: jax.Array | None, weight: jax.Array
+                  ) -> tuple[jax.Array, jax.Array]:
+        """(x + delta in x's dtype, its norm): `add_rms_norm`, one kernel call on CPU."""
+        return add_rms_norm(x, delta, weight, self.config.rms_norm_eps)
+
+    def _sublayer_output(self, out: jax.Array, layer, bias: str, dtype, unrounded: bool
+                         ) -> jax.Array:
+        """A sublayer's last matmul's float32 output as the residual stream takes it: left
+        unrounded for the caller's add (`add_rms_norm` rounds it) where nothing comes between,
+        else rounded to `dtype`, all-reduced and biased."""
+        if unrounded and self.tp_axis is None and bias not in layer:
+            return out
+        out = self._all_reduce(out.astype(dtype))
+        return out + layer[bias] if bias in layer else out
+
+    def _attention(self, layer, h, cos, sin, layer_kv, metadata, live=None, *,
+                   unrounded=False, **attention_options):
         """Attention of one layer; `live`: the step's tokens (`linear`'s live_rows);
-        `attention_options` go to `paged_attention` (scale, sliding_window, soft_cap)."""
+        `attention_options` go to `paged_attention` (scale, sliding_window, soft_cap). With
+        `unrounded`, the output may be the o projection's float32 (`_sublayer_output`)."""
         cfg = self.config
         num_tokens = h.shape[0]
-        qkv = linear(h, layer["qkv"], live)  # [T, H] x [H, Q + 2K] -> [T, Q + 2K]
-        if "qkv_bias" in layer:
-            qkv = qkv + layer["qkv_bias"]
-        q = qkv[:, : cfg.q_size].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
-        k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size]
-        k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = qkv[:, cfg.q_size + cfg.kv_size :].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        if "q_norm" in layer:  # Qwen3, Gemma 3: per-head RMSNorm before rope
-            q, k = self._norm(q, layer["q_norm"]), self._norm(k, layer["k_norm"])
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        # [T, H] x [H, Q + 2K] -> [T, Q + 2K], float32
+        qkv = _matmul_f32(h, layer["qkv"], live_rows=live)
+        if "qkv_bias" in layer or "q_norm" in layer:
+            qkv = qkv.astype(h.dtype)
+            if "qkv_bias" in layer:
+                qkv = qkv + layer["qkv_bias"]
+            q = qkv[:, : cfg.q_size].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size]
+            k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, cfg.q_size + cfg.kv_size :].reshape(num_tokens, cfg.num_kv_heads,
+                                                           cfg.head_dim)
+            if "q_norm" in layer:  # Qwen3, Gemma 3: per-head RMSNorm before rope
+                q, k = self._norm(q, layer["q_norm"]), self._norm(k, layer["k_norm"])
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        else:
+            q, k, v = split_rotate(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads)
         out, layer_kv = paged_attention(q, k, v, layer_kv, metadata,
                                         **attention_options)  # [T, heads, D]
         # [T, Q] x [Q, H] -> [T, H]
-        out = linear(out.reshape(num_tokens, cfg.q_size), layer["o"], live)
-        out = self._all_reduce(out)
-        if "o_bias" in layer:
-            out = out + layer["o_bias"]
-        return out, layer_kv
+        out = _matmul_f32(out.reshape(num_tokens, cfg.q_size), layer["o"], live_rows=live)
+        return self._sublayer_output(out, layer, "o_bias", h.dtype, unrounded), layer_kv
 
-    def _mlp(self, layer, h, live=None):
-        gate_up = linear(h, layer["gate_up"], live)  # [T, H] x [H, 2I] -> [T, 2I]
-        if "gate_up_bias" in layer:
-            gate_up = gate_up + layer["gate_up_bias"]
-        gate, up = jnp.split(gate_up, 2, axis=-1)
-        act = ACTIVATIONS[self.config.hidden_act]
-        out = linear(act(gate) * up, layer["down"], live)  # [T, I] x [I, H] -> [T, H]
-        out = self._all_reduce(out)
-        if "down_bias" in layer:
-            out = out + layer["down_bias"]
-        return out
+    def _mlp(self, layer, h, live=None, *, unrounded=False):
+        """The gated MLP of one layer (see `_attention` for `live` and `unrounded`)."""
+        gate_up = _matmul_f32(h, layer["gate_up"], live_rows=live)  # [T, H] x [H, 2I]
+        if "gate_up_bias" in layer or self.config.hidden_act != "silu":
+            gate_up = gate_up.astype(h.dtype)
+            if "gate_up_bias" in layer:
+                gate_up = gate_up + layer["gate_up_bias"]
+            gate, up = jnp.split(gate_up, 2, axis=-1)
+            inner = ACTIVATIONS[self.config.hidden_act](gate) * up
+        else:
+            inner = silu_mul(gate_up, h.dtype)
+        out = _matmul_f32(inner, layer["down"], live_rows=live)  # [T, I] x [I, H] -> [T, H]
+        return self._sublayer_output(out, layer, "down_bias", h.dtype, unrounded)
 
 
 def param_shapes(config: ModelConfig) -> dict[str, Any]:

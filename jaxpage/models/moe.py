@@ -166,9 +166,9 @@ class MoeModel(llama.LlamaModel):
 
     expert_fn: Any = None
 
-    def _mlp(self, layer, h, live=None):
+    def _mlp(self, layer, h, live=None, *, unrounded=False):
         if "router" not in layer:
-            return super()._mlp(layer, h, live)
+            return super()._mlp(layer, h, live, unrounded=unrounded)
         weights, experts = route(self.config, h, layer["router"])
         expert_fn = self.expert_fn or (tiled_experts if jax.default_backend() == "cpu"
                                        else grouped_experts)
