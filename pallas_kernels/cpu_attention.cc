@@ -1315,12 +1315,16 @@ inline void prefetch_rows(const char* w, int64_t row_bytes, int64_t r0, int64_t 
 
 // Prefetches `Lines` cache lines `Bytes` past `at` (a point in a stream of w) into L2, unless
 // that lies past w's end `w_end`: the [N, K] walk one line 8 KB ahead in each row's stream per
-// 64 bytes read, the packed walk two lines 4 KB ahead in its panel per 128 bytes.
-template <int64_t Bytes, int Lines = 1>
-inline void prefetch_stream(const void* at, const char* w_end) {
-  const char* ahead = static_cast<const char*>(at) + Bytes;
+// 64 bytes read, the packed walk two lines 2-6 KB ahead in its panel per 128 bytes.
+template <int Lines = 1>
+inline void prefetch_ahead(const void* at, int64_t bytes, const char* w_end) {
+  const char* ahead = static_cast<const char*>(at) + bytes;
   for (int line = 0; line < Lines; ++line)
     if (ahead + 64 * line < w_end) __builtin_prefetch(ahead + 64 * line, 0, kL2);
+}
+template <int64_t Bytes, int Lines = 1>
+inline void prefetch_stream(const void* at, const char* w_end) {
+  prefetch_ahead<Lines>(at, Bytes, w_end);
 }
 
 struct MatmulProblem {
@@ -1770,7 +1774,17 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
 // and sums as in the [K, N] tiles, bit for bit: float32 FMAs k by k (bfloat16 widened exactly),
 // or vdpbf16ps (products exact, pair sums and accumulation in float32, subnormals flushed).
 
-constexpr int64_t kPackedPrefetchBytes = 4096;  // how far ahead in a panel's stream
+// How far ahead in a panel's stream a pass over it prefetches, by the rows it serves: 2 KB for 1
+// or 2 rows, 6 KB for more. Measured on the 2-core Zen 4 box (a decode step's 121 projections,
+// weights from memory, each distance alternating with the others in one process, 60-100
+// rounds): one distance for all rows (4 KB before) is either too far for the fastest streams or
+// too near for the slower ones: at 1 / 2 / 4 / 8 rows, bfloat16, 2 KB is 1.07x / 1.08x / 0.87x /
+// 0.78x the 4 KB walk and 6 KB 0.99x / 1.01x / 1.07x / 1.10x (float32 alike: 1.03x / 1.08x /
+// 0.95x / 0.76x and 0.93x / 1.03x / 1.08x / 1.10x); a whole decode step 1.04-1.08x
+// (`bench_small_matmul.py --vs-prefetch 4096`, `bench_decode_step.py --vs-prefetch 4096`). A
+// call's `prefetch_bytes` attribute overrides it (0: this choice), for those measurements.
+constexpr int64_t packed_prefetch_bytes(int64_t rows) { return rows <= 2 ? 2048 : 6144; }
+constexpr int64_t kMaxPrefetchBytes = int64_t{1} << 20;
 constexpr int64_t kPackedUnitsPerThread = 4;    // panels shared in about this many units each
 
 // The packed panels' vectors are the machine's own width (kLanes floats: 16 with AVX-512, else
@@ -1827,7 +1841,7 @@ inline vnf fma_n(float a, vnf b, vnf acc) {
 // of 2 * KG floats, widened once by the caller, and w is widened a vector at a time.
 template <int MB, bool Dot>
 void packed_panel_bf16(const void* x, int64_t KG, int64_t m0, const void* panel,
-                       const char* w_end, float* out, int64_t N, int64_t n0) {
+                       const char* w_end, int64_t ahead, float* out, int64_t N, int64_t n0) {
   vnf acc[MB][kPanelVecs] = {};
   const bf16* w = static_cast<const bf16*>(panel);
 #ifdef __AVX512BF16__
@@ -1835,7 +1849,7 @@ void packed_panel_bf16(const void* x, int64_t KG, int64_t m0, const void* panel,
     const uint32_t* xm[MB];
     for (int m = 0; m < MB; ++m) xm[m] = static_cast<const uint32_t*>(x) + (m0 + m) * KG;
     for (int64_t kp = 0; kp < KG; ++kp, w += 2 * kPanel) {
-      prefetch_stream<kPackedPrefetchBytes, kPanelLines>(w, w_end);
+      prefetch_ahead<kPanelLines>(w, ahead, w_end);
       const __m512bh w0 = as_bh(_mm512_loadu_si512(w)), w1 = as_bh(_mm512_loadu_si512(w + 32));
       for (int m = 0; m < MB; ++m) {
         const __m512bh xv = as_bh(_mm512_set1_epi32(static_cast<int32_t>(xm[m][kp])));
@@ -1852,7 +1866,7 @@ void packed_panel_bf16(const void* x, int64_t KG, int64_t m0, const void* panel,
   const float* xm[MB];
   for (int m = 0; m < MB; ++m) xm[m] = static_cast<const float*>(x) + (m0 + m) * 2 * KG;
   for (int64_t kp = 0; kp < KG; ++kp, w += 2 * kPanel) {
-    prefetch_stream<kPackedPrefetchBytes, kPanelLines>(w, w_end);
+    prefetch_ahead<kPanelLines>(w, ahead, w_end);
     // lane c of a panel row: the pair (w[k, c] low, w[k + 1, c] high), each widened by its
     // bits; every row's k, then every row's k + 1 (each sum in k's order, as the [K, N] walk's),
     // so that one widened half at a time is live
@@ -1873,13 +1887,13 @@ void packed_panel_bf16(const void* x, int64_t KG, int64_t m0, const void* panel,
 // One panel of a float32 w (KG = K rows of kPanel floats), rows m0..m0+MB of x [M][K].
 template <int MB>
 void packed_panel_f32(const void* x, int64_t K, int64_t m0, const void* panel, const char* w_end,
-                      float* out, int64_t N, int64_t n0) {
+                      int64_t ahead, float* out, int64_t N, int64_t n0) {
   vnf acc[MB][kPanelVecs] = {};
   const float* xm[MB];
   for (int m = 0; m < MB; ++m) xm[m] = static_cast<const float*>(x) + (m0 + m) * K;
   const float* w = static_cast<const float*>(panel);
   for (int64_t k = 0; k < K; ++k, w += kPanel) {
-    prefetch_stream<kPackedPrefetchBytes, kPanelLines>(w, w_end);
+    prefetch_ahead<kPanelLines>(w, ahead, w_end);
     vnf wv[kPanelVecs];
     for (int v = 0; v < kPanelVecs; ++v) wv[v] = reinterpret_cast<const vnf_u*>(w)[v];
     for (int m = 0; m < MB; ++m)
@@ -1888,8 +1902,8 @@ void packed_panel_f32(const void* x, int64_t K, int64_t m0, const void* panel, c
   for (int m = 0; m < MB; ++m) store_panel_row(out + (m0 + m) * N + n0, acc[m]);
 }
 
-using PackedPanelFn = void (*)(const void*, int64_t, int64_t, const void*, const char*, float*,
-                               int64_t, int64_t);
+using PackedPanelFn = void (*)(const void*, int64_t, int64_t, const void*, const char*, int64_t,
+                               float*, int64_t, int64_t);
 
 // The panel function for mb rows: float32 (F32), else bfloat16 on vdpbf16ps (Dot) or widened.
 template <bool F32, bool Dot, int... MB>
@@ -2026,6 +2040,7 @@ struct PackedWork {
   const char* w_end = nullptr;
   float* out = nullptr;
   int64_t M = 0, KG = 0, N = 0, panel_bytes = 0, panels = 0, units = 0;
+  int64_t prefetch = 0;  // bytes ahead in a panel's stream; 0: packed_prefetch_bytes(rows)
   PackedPanelFn fns[kPackedRows] = {};  // by rows in the pass, less one
   // AMX tiles (`tiles`): x as rows of KGT pairs (a multiple of 16), 16-row blocks
   bool tiles = false;
@@ -2057,7 +2072,8 @@ struct PackedWork {
       for (int64_t p = u * panels / units, last = (u + 1) * panels / units; p < last; ++p)
         for (int64_t b = 0; b < passes; ++b) {  // the panel from cache after the first
           const int64_t m0 = b * M / passes, m1 = (b + 1) * M / passes;
-          fns[m1 - m0 - 1](x, KG, m0, w + p * panel_bytes, w_end, out, N, p * kPanel);
+          const int64_t ahead = prefetch ? prefetch : packed_prefetch_bytes(m1 - m0);
+          fns[m1 - m0 - 1](x, KG, m0, w + p * panel_bytes, w_end, ahead, out, N, p * kPanel);
         }
       done.fetch_add(1, std::memory_order_release);
     }
@@ -2072,7 +2088,7 @@ ffi::Error InvalidPacked(const std::string& what) {
 }
 
 ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                        ffi::Buffer<ffi::S32> live, int64_t bf16_dot,
+                        ffi::Buffer<ffi::S32> live, int64_t bf16_dot, int64_t prefetch_bytes,
                         ffi::ResultBuffer<ffi::F32> out) {
   const ffi::DataType type = x.element_type();
   if (const std::string problem = matmul_types_problem(type, w.element_type()); !problem.empty())
@@ -2093,6 +2109,9 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
                          std::to_string(M) + ", " + std::to_string(N) + "]");
   if (bf16_dot < 0 || bf16_dot > 2)
     return InvalidPacked("bf16_dot must be 0, 1 or 2, got " + std::to_string(bf16_dot));
+  if (prefetch_bytes < 0 || prefetch_bytes > kMaxPrefetchBytes)
+    return InvalidPacked("prefetch_bytes must be in [0, " + std::to_string(kMaxPrefetchBytes) +
+                         "], got " + std::to_string(prefetch_bytes));
   if (live.element_count() != 1)
     return InvalidPacked("live rows must be one int32, got " + shape_string(live.dimensions()));
   if (M == 0 || N == 0) return ffi::Error::Success();
@@ -2134,6 +2153,7 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
   work->w_end = work->w + P * work->panel_bytes;
   work->out = out->typed_data();
   work->M = rows, work->KG = KG, work->N = N, work->panels = P;
+  work->prefetch = prefetch_bytes;
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   // a multiple of the threads' count of units (where there are enough panels), so that each
   // thread has as many: units of floor(P / (4 x threads)) panels cut SmolLM2's 36-panel o and
@@ -2654,4 +2674,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagePackedMatmul, PackedMatmul,
                                   .Arg<ffi::AnyBuffer>()          // w [N / 32, ceil(K / G), 32, G]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // live rows: the rest zeros
                                   .Attr<int64_t>("bf16_dot")      // 1: vdpbf16ps, 2: AMX tiles
+                                  .Attr<int64_t>("prefetch_bytes")  // 0: by the rows
                                   .Ret<ffi::Buffer<ffi::F32>>());  // [M, N]

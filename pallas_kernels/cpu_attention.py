@@ -433,7 +433,8 @@ def unpack_weight(packed: jax.Array, k: int | None = None) -> jax.Array:
 
 
 def packed_matmul(x: jax.Array, packed: jax.Array, *, live_rows: jax.Array | int | None = None,
-                  bf16_dot: bool | None = None, tiles: bool | None = None) -> jax.Array:
+                  bf16_dot: bool | None = None, tiles: bool | None = None,
+                  prefetch_bytes: int = 0) -> jax.Array:
     """x [M, K] @ w, given `pack_weight(w)` (x of w's dtype), as float32 [M, N]: products and
     sums as `small_matmul(x, w, bf16_dot=...)`'s [K, N] tiles', bit for bit (float32 sums in k's
     order; `bf16_dot` as there). Any M: up to 8 rows (6 on a CPU without AVX-512) are computed
@@ -444,7 +445,10 @@ def packed_matmul(x: jax.Array, packed: jax.Array, *, live_rows: jax.Array | int
     exact product, not bit for bit the vector path's); elsewhere it has no effect. `live_rows`
     (an int32 scalar, traced or not; default M): only x's first `live_rows` rows are
     multiplied, the output's other rows are zeros (a shape bucket's padding rows, whose
-    products no one reads). The kernel must be `available()`."""
+    products no one reads). `prefetch_bytes`: how far ahead in a panel's stream the walk
+    prefetches; 0 (default) lets the kernel choose by the rows of a pass (a tuning knob for
+    `scripts/bench_small_matmul.py --vs-prefetch`; the result does not depend on it). The
+    kernel must be `available()`."""
     if not available():
         raise RuntimeError("the CPU kernel library is not available")
     dtype = jnp.dtype(x.dtype)
@@ -462,7 +466,7 @@ def packed_matmul(x: jax.Array, packed: jax.Array, *, live_rows: jax.Array | int
     return jax.ffi.ffi_call(_TARGET_PACKED_MATMUL,
                             jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
         x, packed, live,
-        bf16_dot=np.int64(_bf16_dot_mode(bf16_dot, tiles)))
+        bf16_dot=np.int64(_bf16_dot_mode(bf16_dot, tiles)), prefetch_bytes=np.int64(prefetch_bytes))
 
 
 def _bf16_dot_mode(bf16_dot: bool | None, tiles: bool | None) -> int:

@@ -27,13 +27,16 @@ arithmetic, each row adds its own cost. On CPU the engine's decode buckets start
 rows, the smallest bucket before (XLA:CPU splits a step's elementwise ops over threads from 8
 rows on, and the sampler reads every padded row). `--vs-xla-glue` times each step against the
 same step with a layer's elementwise glue (residual adds and norms, SiLU, rope) as XLA's loop
-fusions instead of the kernel library's calls.
+fusions instead of the kernel library's calls. `--vs-prefetch 4096` times each step against
+the same step with the packed matmuls prefetching 4 KB ahead in each panel (the one distance
+before 2026-12-04) instead of the kernel's distance for the rows of a pass.
 
     python scripts/bench_decode_step.py                      # context 128, float32 and bf16
     python scripts/bench_decode_step.py --context 256 --batches 8,64 --dtypes float32
     python scripts/bench_decode_step.py --no-unpacked --profile   # and where each step goes
     python scripts/bench_decode_step.py --no-unpacked --batches 1,2,4,8 --vs-bucket 8
     python scripts/bench_decode_step.py --no-unpacked --batches 1,8,64 --vs-xla-glue
+    python scripts/bench_decode_step.py --no-unpacked --batches 1,2,4,8 --vs-prefetch 4096
 
 With --profile each step's line is followed by where its time goes (`jax.profiler` over 5
 steps): the forward's span, the sampler and the host's share (Python, dispatch), the matmuls
@@ -114,26 +117,47 @@ def padded_step_seconds(llm, batch: int, context: int, rows: int, rounds: int = 
                         (own, [b for b in own if b >= rows]), rounds)
 
 
+def _traced_apart_seconds(llm, batch: int, context: int, module, name: str, value,
+                          rounds: int):
+    """Median seconds of a decode step of the runner's model and of the same step traced
+    with `module.name` set to `value`, alternating: an equal model of another class, which the
+    jitted step compiles apart from the runner's, is traced once with the patch (its compiled
+    steps keep it after)."""
+    import dataclasses
+
+    model = llm.engine.runner.model
+    other = dataclasses.make_dataclass(f"Other{name}", [], bases=(type(model),), frozen=True)(
+        *(getattr(model, f.name) for f in dataclasses.fields(model)))
+    before = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        llm.engine.runner.model = other
+        llm.engine.runner.execute(decode_seqs(llm.engine.runner, batch, context))
+    finally:
+        setattr(module, name, before)
+        llm.engine.runner.model = model
+    return _alternating(llm, batch, context, "model", (model, other), rounds)
+
+
 def glue_step_seconds(llm, batch: int, context: int, rounds: int = 30):
     """Median seconds of a decode step with the layer glue in the kernel library's calls
     (`jaxpage.models.llama.add_rms_norm`, `silu_mul`, `split_rotate` on CPU) and as XLA's
     fusions (the same model traced with the glue's jnp path), alternating."""
-    import dataclasses
-
     from jaxpage.models import llama
 
-    model = llm.engine.runner.model
-    # an equal model of another class: the jitted step compiles it apart from the runner's
-    xla_glue = dataclasses.make_dataclass("XlaGlue", [], bases=(type(model),), frozen=True)(
-        *(getattr(model, f.name) for f in dataclasses.fields(model)))
-    glue = llama._cpu_glue
-    llama._cpu_glue = lambda cpu, default, *args: default(*args)
-    try:  # traced now, with the jnp glue; compiled steps keep it after
-        llm.engine.runner.model = xla_glue
-        llm.engine.runner.execute(decode_seqs(llm.engine.runner, batch, context))
-    finally:
-        llama._cpu_glue, llm.engine.runner.model = glue, model
-    return _alternating(llm, batch, context, "model", (model, xla_glue), rounds)
+    return _traced_apart_seconds(llm, batch, context, llama, "_cpu_glue",
+                                 lambda cpu, default, *args: default(*args), rounds)
+
+
+def prefetch_step_seconds(llm, batch: int, context: int, prefetch_bytes: int,
+                          rounds: int = 40):
+    """Median seconds of a decode step with the packed matmuls prefetching as the kernel
+    chooses (by the rows of a pass) and `prefetch_bytes` ahead in each panel, alternating."""
+    from pallas_kernels import cpu_attention
+
+    return _traced_apart_seconds(
+        llm, batch, context, cpu_attention, "packed_matmul",
+        functools.partial(cpu_attention.packed_matmul, prefetch_bytes=prefetch_bytes), rounds)
 
 
 def cores() -> int:
@@ -420,6 +444,10 @@ def main() -> None:
     ap.add_argument("--vs-xla-glue", action="store_true",
                     help="also the step with the layer glue as XLA's fusions instead of the "
                          "kernel library's calls (alternating, 30 each)")
+    ap.add_argument("--vs-prefetch", type=int, default=0, metavar="BYTES",
+                    help="also the step with the packed matmuls prefetching BYTES ahead in a "
+                         "panel instead of the kernel's distance for the rows (alternating, 40 "
+                         "each)")
     ap.add_argument("--profile", action="store_true",
                     help="after each step's line, where its time goes by kind of op "
                          "(jax.profiler, 5 steps)")
@@ -472,6 +500,10 @@ def main() -> None:
                 kernels, fusions = glue_step_seconds(llm, batch, args.context)
                 print(f"{'':>15}glue in kernel calls {kernels * 1e3:.1f} ms, as XLA's fusions "
                       f"{fusions * 1e3:.1f} ms: {fusions / kernels:.2f}x", flush=True)
+            if args.vs_prefetch:
+                own, other = prefetch_step_seconds(llm, batch, args.context, args.vs_prefetch)
+                print(f"{'':>15}packed prefetch by rows {own * 1e3:.1f} ms, {args.vs_prefetch} "
+                      f"bytes ahead {other * 1e3:.1f} ms: {other / own:.2f}x", flush=True)
             if args.profile:
                 print_profile(step_profile(llm, batch, args.context), weights_ms)
         del llm, other

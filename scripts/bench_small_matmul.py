@@ -5,17 +5,20 @@ A decode step of few rows is a stream of the weights: each projection and the LM
 every weight once. This runs SmolLM2-135M's shapes (30 layers of qkv [576, 960], o
 [576, 576], gate_up [576, 3072], down [1536, 576], each layer its own random weights, and the
 tied head [49152, 576] read as [N, K]) at a given row count, jitted as chains of one kind
-(30 calls) and all together (121), and prints each chain's milliseconds, the GB/s it streams
+(30 calls), all together (121) and all in turn (121, each call's x the one before's output,
+as in a step), and prints each chain's milliseconds, the GB/s it streams
 the weights at and its share of the read bandwidth (`bench_decode_step.read_gbps`: a C loop
 streaming memory on one thread per core); the packed chains also their FLOP rate's share of the
 cores' FMA peak (`bench_decode_step.matmul_peak_gflops`), the other bound a few-row matmul
 meets. The weights total 256 MiB in bfloat16, 513 MiB in float32, far beyond the caches, as in
 a real step. The chains' calls are independent of one another (XLA may run two at once); a real
-step's are not (`bench_decode_step.py --profile` times them there).
+step's are not (the chain "in turn" is as dependent as a step; `bench_decode_step.py --profile`
+times them in a step).
 
     python scripts/bench_small_matmul.py                    # 8 rows, bfloat16 and float32
     python scripts/bench_small_matmul.py --rows 1,8,16 --dtypes bfloat16
     python scripts/bench_small_matmul.py --rows 16,24,32,48,64 --vs-xla   # where the kernel pays
+    python scripts/bench_small_matmul.py --rows 1,2,4,8 --vs-prefetch 4096
 
 Each chain also runs on the same weights packed into 32-column panels
 (`cpu_attention.pack_weight` / `packed_matmul`; the head packed as [H, V]: how a CPU runner
@@ -23,6 +26,9 @@ keeps them), with its speedup over the unpacked walk. The weights are backed by 
 where Linux can, as a CPU runner's are (`jaxpage.engine.huge_pages`). With --vs-xla each
 chain also runs XLA:CPU's dot (`jnp.dot` / einsum with a float32 result, what the model runs
 above `jaxpage.models.llama.SMALL_MATMUL_ROWS` on unpacked weights) and prints the kernel's
+speedup over it. With --vs-prefetch BYTES each packed chain also runs with its panels
+prefetched BYTES ahead (`packed_matmul(prefetch_bytes=...)`) instead of the kernel's own
+distance for the rows, the two alternating run by run (60 each), and prints the kernel's
 speedup over it.
 """
 
@@ -31,6 +37,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,6 +55,8 @@ def main() -> None:
     ap.add_argument("--rows", default="8")
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--vs-xla", action="store_true", help="also time XLA:CPU's dot")
+    ap.add_argument("--vs-prefetch", type=int, default=0, metavar="BYTES",
+                    help="also the packed chains prefetching BYTES ahead in a panel")
     args = ap.parse_args()
 
     import jax
@@ -63,7 +72,8 @@ def main() -> None:
     print(f"read bandwidth {bandwidth:.1f} GB/s; FMA peak {peak:.1f} GFLOP/s (every core)")
     print(f"{'dtype':>9}{'rows':>5}  {'chain':<24}{'ms':>8}{'GB/s':>7}{'of read':>9}"
           f"{'packed ms':>11}{'GB/s':>7}{'of FMA':>8}{'speedup':>9}"
-          + (f"{'XLA ms':>9}{'speedup':>9}" if args.vs_xla else ""))
+          + (f"{'XLA ms':>9}{'speedup':>9}" if args.vs_xla else "")
+          + (f"{'pf ' + str(args.vs_prefetch):>9}{'speedup':>9}" if args.vs_prefetch else ""))
     rng = np.random.default_rng(0)
     for dtype in [jnp.dtype(d) for d in args.dtypes.split(",") if d]:
         def weights(*shape):
@@ -81,46 +91,72 @@ def main() -> None:
         for rows in [int(r) for r in args.rows.split(",")]:
             x = jnp.asarray(rng.standard_normal((rows, INTERMEDIATE), np.float32), dtype)
 
-            def kernel(x, w, transpose_w=False):
+            def kernel(x, w, transpose_w=False, prefetch_bytes=0):
                 if w.ndim == 4:  # packed (a head packed as [H, V]: no transposing)
-                    return cpu_attention.packed_matmul(x, w)
+                    return cpu_attention.packed_matmul(x, w, prefetch_bytes=prefetch_bytes)
                 return cpu_attention.small_matmul(x, w, transpose_w=transpose_w)
+
+            def other_prefetch(x, w, transpose_w=False):
+                return kernel(x, w, transpose_w, prefetch_bytes=args.vs_prefetch)
 
             def xla(x, w, transpose_w=False):
                 return jnp.einsum("mk,nk->mn" if transpose_w else "mk,kn->mn", x, w,
                                   preferred_element_type=jnp.float32)
 
-            def chain(kinds, with_head, matmul=kernel):
+            def chain(kinds, with_head, matmul=kernel, in_turn=False):
                 def run(x, layers, head):
                     total = jnp.zeros((rows,), jnp.float32)  # keeps every call's result live
+                    h = x
                     for layer in layers:
                         for kind in kinds:
-                            total += matmul(x[:, : KINDS[kind][0]], layer[kind])[:, 0]
+                            out = matmul(h[:, : KINDS[kind][0]], layer[kind])
+                            total += out[:, 0]
+                            if in_turn:  # the next call's x: this one's output (N >= its K)
+                                h = out.astype(dtype)
                     if with_head:
-                        total += matmul(x[:, :HIDDEN], head, transpose_w=True)[:, 0]
+                        total += matmul(h[:, :HIDDEN], head, transpose_w=True)[:, 0]
                     return total
                 return jax.jit(run)
 
-            cases = [(f"{kind} x{LAYERS}", [kind], False) for kind in KINDS]
-            cases += [(f"head {VOCAB}x{HIDDEN}", [], True),
-                      (f"all {LAYERS * len(KINDS) + 1} (a step's)", list(KINDS), True)]
-            for name, kinds, with_head in cases:
-                seconds = median_seconds(chain(kinds, with_head), x, layers, head, runs=15)
+            def alternating(fns, *args, runs=60):
+                times = [[] for _ in fns]
+                for fn in fns:
+                    jax.block_until_ready(fn(*args))
+                for _ in range(runs):
+                    for fn, out in zip(fns, times, strict=True):
+                        start = time.perf_counter()
+                        jax.block_until_ready(fn(*args))
+                        out.append(time.perf_counter() - start)
+                return [float(np.median(t)) for t in times]
+
+            steps = LAYERS * len(KINDS) + 1
+            cases = [(f"{kind} x{LAYERS}", [kind], False, False) for kind in KINDS]
+            cases += [(f"head {VOCAB}x{HIDDEN}", [], True, False),
+                      (f"all {steps} (a step's)", list(KINDS), True, False),
+                      (f"all {steps} in turn", list(KINDS), True, True)]
+            for name, kinds, with_head, in_turn in cases:
+                seconds = median_seconds(chain(kinds, with_head, in_turn=in_turn), x, layers,
+                                         head, runs=15)
                 nbytes = sum(layer[kind].nbytes for layer in layers for kind in kinds)
                 nbytes += head.nbytes if with_head else 0
                 rate = nbytes / seconds / 1e9
                 line = (f"{dtype.name:>9}{rows:>5}  {name:<24}{seconds * 1e3:>8.2f}{rate:>7.1f}"
                         f"{rate / bandwidth:>9.0%}")
-                packed_seconds = median_seconds(chain(kinds, with_head), x, packed,
-                                                packed_head, runs=15)
+                packed_seconds = median_seconds(chain(kinds, with_head, in_turn=in_turn), x,
+                                                packed, packed_head, runs=15)
                 flops = 2 * rows * nbytes / dtype.itemsize
                 line += (f"{packed_seconds * 1e3:>11.2f}{nbytes / packed_seconds / 1e9:>7.1f}"
                          f"{flops / packed_seconds / 1e9 / dtype_peak:>8.0%}"
                          f"{seconds / packed_seconds:>8.2f}x")
                 if args.vs_xla:
-                    xla_seconds = median_seconds(chain(kinds, with_head, xla), x, layers, head,
-                                                 runs=15)
+                    xla_seconds = median_seconds(chain(kinds, with_head, xla, in_turn), x,
+                                                 layers, head, runs=15)
                     line += f"{xla_seconds * 1e3:>9.2f}{xla_seconds / seconds:>8.2f}x"
+                if args.vs_prefetch:
+                    own, other = alternating(
+                        [chain(kinds, with_head, kernel, in_turn),
+                         chain(kinds, with_head, other_prefetch, in_turn)], x, packed, packed_head)
+                    line += f"{other * 1e3:>9.2f}{other / own:>8.2f}x"
                 print(line, flush=True)
 
 

@@ -284,7 +284,8 @@ def bad_inputs():
         call = jax.ffi.ffi_call(cpu_attention._TARGET_PACKED_MATMUL,
                                 jax.ShapeDtypeStruct(out_shape, jnp.float32))
         w = jnp.ones((1, 4, panel, 2), jnp.bfloat16)  # K = 8 packed, N = one panel
-        return lambda: call(jnp.ones((2, k), jnp.bfloat16), w, np.int32(2), bf16_dot=np.int64(1))
+        return lambda: call(jnp.ones((2, k), jnp.bfloat16), w, np.int32(2), bf16_dot=np.int64(1),
+                            prefetch_bytes=np.int64(0))
 
     def set_rows(index, values_shape=(1, 1, 8)):
         return lambda: cpu_attention.set_rows(jnp.zeros((1, 6, 4, 8), jnp.bfloat16),

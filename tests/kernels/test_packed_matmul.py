@@ -116,8 +116,12 @@ def test_empty_rows_and_bad_operands():
     with pytest.raises(ValueError, match="float16"):
         cpu_attention.pack_weight(jnp.ones((8, 64), jnp.float16))
     # the handler checks for itself (an ffi_call past the wrapper)
-    call = jax.ffi.ffi_call(cpu_attention._TARGET_PACKED_MATMUL,
-                            jax.ShapeDtypeStruct((2, 96), jnp.float32))
+    raw = jax.ffi.ffi_call(cpu_attention._TARGET_PACKED_MATMUL,
+                           jax.ShapeDtypeStruct((2, 96), jnp.float32))
+
+    def call(*args, prefetch_bytes=0, **attrs):
+        return raw(*args, prefetch_bytes=np.int64(prefetch_bytes), **attrs)
+
     two = np.int32(2)  # live rows
     with pytest.raises(Exception, match="output"):
         jax.block_until_ready(call(jnp.ones((2, 8), jnp.bfloat16), w, two, bf16_dot=np.int64(1)))
@@ -132,7 +136,31 @@ def test_empty_rows_and_bad_operands():
                             jax.ShapeDtypeStruct((2, 64), jnp.float32))
     with pytest.raises(Exception, match="live rows must be one int32"):
         jax.block_until_ready(good(jnp.ones((2, 8), jnp.bfloat16), w, np.int32([2, 2]),
-                                   bf16_dot=np.int64(1)))
+                                   bf16_dot=np.int64(1), prefetch_bytes=np.int64(0)))
+    for bad in (-1, (1 << 20) + 1):
+        with pytest.raises(
+                Exception, match=rf"prefetch_bytes must be in \[0, 1048576\], got {bad}"):
+            jax.block_until_ready(good(jnp.ones((2, 8), jnp.bfloat16), w, two,
+                                       bf16_dot=np.int64(1), prefetch_bytes=np.int64(bad)))
+
+
+@pytest.mark.parametrize("dtype,bf16_dot,tiles", MODES, ids=MODE_IDS)
+def test_prefetch_distance_does_not_change_the_result(dtype, bf16_dot, tiles):
+    # how far ahead a panel's walk prefetches (by its rows, or a call's prefetch_bytes) moves
+    # only when memory is read: the products, bit for bit, at every distance, including ones
+    # past the weight's end (where the walk must not prefetch) and none at all
+    _skip_unless_tiles(tiles)
+    rng = np.random.default_rng(7)
+    for m in (1, 2, 3, 8, 9):
+        x, w = operands(rng, m, 99, 1120, dtype)
+        packed = cpu_attention.pack_weight(w)
+        default = np.asarray(cpu_attention.packed_matmul(x, packed, bf16_dot=bf16_dot,
+                                                         tiles=tiles))
+        check(jnp.asarray(default), x, w, False)
+        for ahead in (64, 2048, 4096, 6144, 1 << 20):
+            np.testing.assert_array_equal(
+                np.asarray(cpu_attention.packed_matmul(x, packed, bf16_dot=bf16_dot, tiles=tiles,
+                                                       prefetch_bytes=ahead)), default)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
