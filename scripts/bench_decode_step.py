@@ -1,10 +1,11 @@
 """Cost of one decode step against its batch size and dtype, beside the bounds that set it.
 
 The default model (SmolLM2-135M) runs one decode step (every sequence at the same context,
-greedy sampling included) at each batch size and dtype, in one process, after measuring this
-machine's read bandwidth (a C loop streaming 512 MiB, a thread a core) and its matmul rate
-per dtype (XLA's 2048^3 dot; a bfloat16 matmul accumulates in float32, as the model's
-projections do).
+greedy sampling included) at each batch size and dtype, in one process, 15 times, each step
+after a read of 512 MiB by a C loop (a thread a core) that measures the machine's read
+bandwidth alongside it (the `read` column, the median; on a shared machine it drifts), beside
+its matmul rate per dtype (XLA's 2048^3 dot; a bfloat16 matmul accumulates in float32, as the
+model's projections do).
 Beside each step:
 - the weight-read bound: every weight is read once per step (bytes of the params / read
   bandwidth), what a small batch cannot beat;
@@ -55,7 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_throughput import (  # noqa: E402
     decode_seqs,
-    decode_step_rate,
+    forward_flops,
     make_llm,
     matmul_gflops,
 )
@@ -301,14 +302,16 @@ def matmul_peak_gflops(fma_peak: float, dtype: str) -> float:
     return fma_peak * (2 if cpu_attention.bf16_dot_compiled() else 1)
 
 
-def read_gbps() -> float:
-    """Read bandwidth in GB/s: a C loop streaming 512 MiB front to back, a vector a load into
-    running sums (the way the packed kernels stream their panels), one thread per core, each a
-    contiguous slice once; the median of 9. The buffer is NumPy's, which asks for huge pages for
-    large arrays, as the runner does for its weights. Where no C compiler builds the probe,
-    NumPy sums on the same threads (NumPy drops the GIL while it sums), which can read slower
-    than the kernels stream (10-14 against 19.5 GB/s on the AMX box), and a bound from them
-    would flatter the step, as would a single-threaded reduction."""
+@functools.cache
+def read_probe():
+    """A function that reads 512 MiB once and returns the rate in GB/s: a C loop streaming it
+    front to back, a vector a load into running sums (the way the packed kernels stream their
+    panels), one thread per core, each a contiguous slice once. The buffer is NumPy's, which
+    asks for huge pages for large arrays, as the runner does for its weights. Where no C
+    compiler builds the probe, NumPy sums on the same threads (NumPy drops the GIL while it
+    sums), which can read slower than the kernels stream (10-14 against 19.5 GB/s on the AMX
+    box), and a bound from them would flatter the step, as would a single-threaded
+    reduction."""
     import threading
 
     import numpy as np
@@ -319,18 +322,42 @@ def read_gbps() -> float:
 
     def read_all() -> float:
         if lib is not None:
-            return lib.read_bytes(threads, rows.ctypes.data, rows.nbytes)
+            return lib.read_bytes(threads, rows.ctypes.data, rows.nbytes) / 1e9
         workers = [threading.Thread(target=row.sum) for row in rows]
         start = time.perf_counter()
         for worker in workers:
             worker.start()
         for worker in workers:
             worker.join()
-        return rows.nbytes / (time.perf_counter() - start)
+        return rows.nbytes / (time.perf_counter() - start) / 1e9
 
     read_all()  # fault in and warm the pages
-    rates = sorted(read_all() for _ in range(9))
-    return rates[len(rates) // 2] / 1e9
+    return read_all
+
+
+def read_gbps() -> float:
+    """Read bandwidth in GB/s (`read_probe`): the median of 9 reads."""
+    rates = sorted(read_probe()() for _ in range(9))
+    return rates[len(rates) // 2]
+
+
+def step_and_read(llm, batch: int, context: int, rounds: int = 15) -> tuple[float, float]:
+    """(median seconds of a decode step, median read rate in GB/s), the step and a read of
+    `read_probe` alternating round by round: on a shared machine whose read bandwidth drifts
+    (30-55 GB/s within an hour on the 2-core Zen 4 box), a bound from a probe taken minutes
+    before or after the steps says little about them."""
+    import numpy as np
+
+    runner = llm.engine.runner
+    seqs = decode_seqs(runner, batch, context)
+    runner.execute(seqs)  # compile
+    probe, steps, rates = read_probe(), [], []
+    for _ in range(rounds):
+        rates.append(probe())
+        start = time.perf_counter()
+        runner.execute(seqs)
+        steps.append(time.perf_counter() - start)
+    return float(np.median(steps)), float(np.median(rates))
 
 
 def _op_kinds(hlo_text: str) -> dict[str, str]:
@@ -457,21 +484,20 @@ def main() -> None:
 
     import jax
 
-    bandwidth = read_gbps()
-    print(f"read bandwidth {bandwidth:.1f} GB/s; context {args.context}")
+    print(f"read bandwidth {read_gbps():.1f} GB/s (before the steps); context {args.context}")
     peak = fma_peak_gflops()
     f32_rate = matmul_gflops("float32")
     print(f"FMA peak {peak:.1f} GFLOP/s (every core); XLA's float32 2048^3 dot {f32_rate:.1f}")
-    print(f"{'dtype':>9}{'batch':>6}{'ms/step':>9}{'ms/seq':>8}{'weights':>9}{'matmul':>8}"
+    print(f"{'dtype':>9}{'batch':>6}{'ms/step':>9}{'ms/seq':>8}{'read':>6}{'weights':>9}"
+          f"{'matmul':>8}"
           f"{'w+m':>7}{'bound':>7}{'x bound':>9}" + ("" if args.no_unpacked else
                                             f"{'unpacked':>10}{'speedup':>9}")
-          + "   (bounds and unpacked in ms)")
+          + "   (read: GB/s alongside the steps; bounds and unpacked in ms)")
     for dtype in dtypes:
         rate = f32_rate if dtype == "float32" else matmul_gflops(dtype)
         dtype_peak = matmul_peak_gflops(peak, dtype)
         llm = make_llm(max(batches + [args.vs_bucket]), dtype=dtype)
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.params))
-        weights_ms = weight_bytes / (bandwidth * 1e9) * 1e3
         params = llm.engine.runner.params
         packed = any(w.ndim == 4 for w in jax.tree.leaves(params))
         print(f"{dtype}: params {weight_bytes / 2**20:.0f} MiB "
@@ -480,11 +506,14 @@ def main() -> None:
         compare = packed and not args.no_unpacked
         other = unpacked(params) if compare else None
         for batch in batches:
-            seconds, flops = decode_step_rate(llm, batch, args.context)
+            seconds, read = step_and_read(llm, batch, args.context)
+            weights_ms = weight_bytes / (read * 1e9) * 1e3
+            flops = forward_flops(llm.engine.model.config, batch, args.context, True)
             matmul_ms = flops / (dtype_peak * 1e9) * 1e3
             bound = max(weights_ms, matmul_ms)
             line = (f"{dtype:>9}{batch:>6}{seconds * 1e3:>9.1f}{seconds * 1e3 / batch:>8.2f}"
-                    f"{weights_ms:>9.1f}{matmul_ms:>8.1f}{weights_ms + matmul_ms:>7.1f}"
+                    f"{read:>6.1f}{weights_ms:>9.1f}{matmul_ms:>8.1f}"
+                    f"{weights_ms + matmul_ms:>7.1f}"
                     f"{bound:>7.1f}"
                     f"{seconds * 1e3 / bound:>9.2f}")
             if compare:
@@ -501,9 +530,11 @@ def main() -> None:
                 print(f"{'':>15}glue in kernel calls {kernels * 1e3:.1f} ms, as XLA's fusions "
                       f"{fusions * 1e3:.1f} ms: {fusions / kernels:.2f}x", flush=True)
             if args.vs_prefetch:
-                own, other = prefetch_step_seconds(llm, batch, args.context, args.vs_prefetch)
-                print(f"{'':>15}packed prefetch by rows {own * 1e3:.1f} ms, {args.vs_prefetch} "
-                      f"bytes ahead {other * 1e3:.1f} ms: {other / own:.2f}x", flush=True)
+                by_rows, fixed = prefetch_step_seconds(llm, batch, args.context,
+                                                       args.vs_prefetch)
+                print(f"{'':>15}packed prefetch by rows {by_rows * 1e3:.1f} ms, "
+                      f"{args.vs_prefetch} bytes ahead {fixed * 1e3:.1f} ms: "
+                      f"{fixed / by_rows:.2f}x", flush=True)
             if args.profile:
                 print_profile(step_profile(llm, batch, args.context), weights_ms)
         del llm, other
