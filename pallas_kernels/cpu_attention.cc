@@ -211,6 +211,7 @@ struct Problem {
   float scale;
   int64_t window;  // sliding window: a query at p sees keys (p - window, p]; 0: all keys
   float soft_cap;  // scores -> soft_cap * tanh(scores / soft_cap) (Gemma 2); 0: off
+  float* partials = nullptr;  // key splits' sums (`Item::part`; see split_keys)
 };
 
 // The first key a query at `pos` sees. Blocks wholly before it are never read: a sliding
@@ -230,10 +231,13 @@ inline Span visible(const Problem& P, int64_t pos, int64_t key0, int64_t valid) 
 }
 
 // One work item: KV head `head` of sequence `seq`, its queries [tok_begin, tok_end) counted
-// from the sequence's first query.
+// from the sequence's first query; a key split (part >= 0) only the blocks [block_begin,
+// block_end) of those its queries see, its sums left in the partials for combine_splits.
 struct Item {
   int32_t seq, head, tok_begin, tok_end;
   int64_t cost;
+  int32_t part = -1;
+  int32_t block_begin = 0, block_end = 0;
 };
 
 struct Scratch {
@@ -289,9 +293,14 @@ inline ItemBlocks item_blocks(const Problem& P, const Item& it) {
   const int32_t q_len = P.qsl[it.seq + 1] - P.qsl[it.seq];
   const int64_t first_pos = P.lens[it.seq] - q_len;  // position of the sequence's first query
   const int64_t reach = first_pos + it.tok_end;      // keys [0, reach) are visible to some row
-  return {P.tables + static_cast<int64_t>(it.seq) * P.max_blocks,
-          first_key(P, first_pos + it.tok_begin) / P.block_size,
-          (reach + P.block_size - 1) / P.block_size};
+  ItemBlocks b{P.tables + static_cast<int64_t>(it.seq) * P.max_blocks,
+               first_key(P, first_pos + it.tok_begin) / P.block_size,
+               (reach + P.block_size - 1) / P.block_size};
+  if (it.part >= 0) {
+    b.first = std::max<int64_t>(b.first, it.block_begin);
+    b.n = std::min<int64_t>(b.n, it.block_end);
+  }
+  return b;
 }
 
 // Decode items (few rows, little arithmetic a block) prefetch differently: issued all at once,
@@ -355,10 +364,18 @@ inline void prefetch_ahead(const Problem& P, const int32_t* table, int64_t j, in
 }
 
 // Write an item's rows (accumulator over denominator; rows that saw no key are 0) to their
-// tokens' places in the output, rounded to T.
+// tokens' places in the output, rounded to T; a key split's accumulators, running maxima and
+// denominators, as they are, to its place in the partials.
 template <typename T>
 inline void store_rows(const Problem& P, const Item& it, const Scratch& s, int64_t rows,
                        int32_t q_start, int64_t D) {
+  if (it.part >= 0) {
+    float* dst = P.partials + it.part * rows * (D + 2);
+    std::memcpy(dst, s.acc.data(), rows * D * sizeof(float));
+    std::memcpy(dst + rows * D, s.row_max.data(), rows * sizeof(float));
+    std::memcpy(dst + rows * (D + 1), s.denom.data(), rows * sizeof(float));
+    return;
+  }
   const int64_t G = P.group;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t tok = q_start + it.tok_begin + r / G;
@@ -927,6 +944,7 @@ void run_shared(ffi::ThreadPool& pool, const std::shared_ptr<W>& work, int64_t t
 struct Work {
   Problem problem;
   std::vector<Item> items;
+  std::vector<float> partials;  // key splits' sums: G rows x (D + 2) floats a part
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
   std::atomic<bool> bad_block{false};
@@ -952,6 +970,95 @@ ffi::Error Invalid(const std::string& what) {
   return ffi::Error::InvalidArgument("paged attention: " + what);
 }
 
+// Key splits (flash decoding's split-K): a decode step of few sequences has few work items for
+// the threads (a sequence's KV heads: 3 for one SmolLM2 sequence, on 2 threads), and an item
+// reads its blocks one after another, each a scattered tile whose latency the pump hides only
+// in part: one sequence at 1000 tokens spent 1.8 ms a step in 30 layers' attention, against
+// 0.8 ms to read its 23 MB of K/V. So single-token items over many blocks are cut into parts
+// of consecutive blocks, each a work item whose sums (the online softmax's accumulators,
+// running maxima and denominators) go to the partials, and combine_splits merges an item's
+// parts as the online softmax merges blocks: out = sum_p acc_p w_p / sum_p l_p w_p, w_p =
+// e^(m_p - m), m = max_p m_p, in float32, rounded to the output's type once (a part that saw no
+// key has m_p = -inf and weight 0).
+struct Split {
+  Item item;  // as it was before the split
+  int64_t first_part, parts;
+};
+
+constexpr int64_t kSplitMinBlocks = 16;  // blocks a part reads at least, where the kernel chooses
+
+// The parts an item of `blocks` blocks is cut into, one of `items` items for `threads`
+// threads: `key_splits` (1: none; k > 1: up to k, a block each at least, for tests and
+// benchmarks) or, at 0, enough parts for about four items a thread, of kSplitMinBlocks blocks
+// at least, where the items are fewer than two a thread.
+int64_t parts_for(int64_t blocks, int64_t items, int64_t threads, int64_t key_splits) {
+  if (key_splits >= 1) return std::max<int64_t>(1, std::min(key_splits, blocks));
+  if (items >= 2 * threads) return 1;
+  const int64_t want = (4 * threads + items - 1) / items;
+  return std::max<int64_t>(1, std::min(want, blocks / kSplitMinBlocks));
+}
+
+// Cut the work's single-token items as parts_for says, recording each cut in `splits`.
+void split_keys(Work& work, int64_t threads, int64_t key_splits, std::vector<Split>& splits) {
+  Problem& P = work.problem;
+  const int64_t count = static_cast<int64_t>(work.items.size());
+  std::vector<Item> items;
+  int64_t parts_total = 0;
+  for (const Item& it : work.items) {
+    const ItemBlocks b = item_blocks(P, it);
+    const int64_t blocks = b.n - b.first;
+    const int64_t parts =
+        it.tok_end - it.tok_begin == 1 ? parts_for(blocks, count, threads, key_splits) : 1;
+    if (parts <= 1) {
+      items.push_back(it);
+      continue;
+    }
+    splits.push_back({it, parts_total, parts});
+    for (int64_t p = 0; p < parts; ++p) {
+      Item piece = it;
+      piece.part = static_cast<int32_t>(parts_total + p);
+      piece.block_begin = static_cast<int32_t>(b.first + p * blocks / parts);
+      piece.block_end = static_cast<int32_t>(b.first + (p + 1) * blocks / parts);
+      piece.cost = it.cost * (piece.block_end - piece.block_begin) / blocks;
+      items.push_back(piece);
+    }
+    parts_total += parts;
+  }
+  work.items = std::move(items);
+  if (parts_total) {
+    work.partials.assign(static_cast<size_t>(parts_total * P.group * (P.head_dim + 2)), 0.0f);
+    P.partials = work.partials.data();
+  }
+}
+
+// Each split item's rows from its parts' sums (see Split), rounded to T, in the output.
+template <typename T>
+void combine_splits(const Problem& P, const std::vector<Split>& splits) {
+  const int64_t G = P.group, D = P.head_dim, stride = G * (D + 2);
+  std::vector<float> acc(static_cast<size_t>(D));
+  for (const Split& sp : splits) {
+    const int64_t tok = P.qsl[sp.item.seq] + sp.item.tok_begin;
+    for (int64_t r = 0; r < G; ++r) {
+      float m = kNegInf;
+      for (int64_t p = 0; p < sp.parts; ++p)
+        m = std::max(m, P.partials[(sp.first_part + p) * stride + G * D + r]);
+      float denom = 0.0f;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t p = 0; p < sp.parts; ++p) {
+        const float* part = P.partials + (sp.first_part + p) * stride;
+        const float part_max = part[G * D + r];
+        if (part_max == kNegInf) continue;  // the part saw no key
+        const float w = exp_nonpositive(part_max - m);
+        denom += part[G * (D + 1) + r] * w;
+        for (int64_t d = 0; d < D; ++d) acc[d] += part[r * D + d] * w;
+      }
+      T* dst = static_cast<T*>(P.out) + (tok * P.num_heads + sp.item.head * G + r) * D;
+      const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+      for (int64_t d = 0; d < D; ++d) dst[d] = from_float<T>(acc[d] * inv);
+    }
+  }
+}
+
 std::string shape_string(ffi::Span<const int64_t> dims) {
   std::string text = "[";
   for (size_t i = 0; i < dims.size(); ++i) text += (i ? ", " : "") + std::to_string(dims[i]);
@@ -975,8 +1082,8 @@ ffi::Error RunAttention(ffi::ThreadPool pool, Operand q, Operand k_pool, Operand
                         const float* k_scales, const float* v_scales,
                         ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
                         ffi::Buffer<ffi::S32> query_start_loc, float scale, int64_t query_tile,
-                        int64_t sliding_window, float soft_cap, Mode mode, void* out_data,
-                        ffi::Span<const int64_t> od, size_t out_bytes) {
+                        int64_t sliding_window, float soft_cap, int64_t key_splits, Mode mode,
+                        void* out_data, ffi::Span<const int64_t> od, size_t out_bytes) {
   const auto qd = q.dims;
   const auto kd = k_pool.dims;
   const auto td = block_tables.dimensions();
@@ -996,6 +1103,10 @@ ffi::Error RunAttention(ffi::ThreadPool pool, Operand q, Operand k_pool, Operand
   }
   if (!(soft_cap >= 0.0f) || std::isinf(soft_cap)) {
     return Invalid("soft_cap " + std::to_string(soft_cap) + " must be finite and >= 0 (0: off)");
+  }
+  if (key_splits < 0) {
+    return Invalid("key_splits " + std::to_string(key_splits) +
+                   " is negative (0: the kernel chooses, 1: none)");
   }
   auto work = std::make_shared<Work>();
   Problem& P = work->problem;
@@ -1055,6 +1166,8 @@ ffi::Error RunAttention(ffi::ThreadPool pool, Operand q, Operand k_pool, Operand
                                    static_cast<int32_t>(b), keys * (b - a)});
     }
   }
+  std::vector<Split> splits;
+  split_keys(*work, std::max<int64_t>(pool.num_threads(), 1), key_splits, splits);
   // heaviest first, so that the last items to finish are short ones
   std::stable_sort(work->items.begin(), work->items.end(),
                    [](const Item& x, const Item& y) { return x.cost > y.cost; });
@@ -1062,6 +1175,10 @@ ffi::Error RunAttention(ffi::ThreadPool pool, Operand q, Operand k_pool, Operand
   const int64_t total = static_cast<int64_t>(work->items.size());
   run_shared(pool, work, total);
   if (work->bad_block.load()) return Invalid("block table entry outside the pool");
+  if (out_bytes == sizeof(bf16))
+    combine_splits<bf16>(P, splits);
+  else
+    combine_splits<float>(P, splits);
   return ffi::Error::Success();
 }
 
@@ -1071,14 +1188,14 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<kType> q,
                           ffi::Buffer<kType> k_pool, ffi::Buffer<kType> v_pool,
                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
                           ffi::Buffer<ffi::S32> query_start_loc, float scale,
-                          int64_t query_tile, int64_t sliding_window, float soft_cap, Mode mode,
-                          ffi::ResultBuffer<kType> out) {
+                          int64_t query_tile, int64_t sliding_window, float soft_cap,
+                          int64_t key_splits, Mode mode, ffi::ResultBuffer<kType> out) {
   return RunAttention(pool, {q.untyped_data(), q.dimensions()},
                       {k_pool.untyped_data(), k_pool.dimensions()},
                       {v_pool.untyped_data(), v_pool.dimensions()}, nullptr, nullptr,
                       block_tables, seq_lens, query_start_loc, scale, query_tile,
-                      sliding_window, soft_cap, mode, out->untyped_data(), out->dimensions(),
-                      sizeof(ffi::NativeType<kType>));
+                      sliding_window, soft_cap, key_splits, mode, out->untyped_data(),
+                      out->dimensions(), sizeof(ffi::NativeType<kType>));
 }
 
 ffi::Error PagedAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
@@ -1086,10 +1203,10 @@ ffi::Error PagedAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                              ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
                              ffi::Buffer<ffi::S32> query_start_loc, float scale,
                              int64_t query_tile, int64_t sliding_window, float soft_cap,
-                             ffi::ResultBuffer<ffi::F32> out) {
+                             int64_t key_splits, ffi::ResultBuffer<ffi::F32> out) {
   return PagedAttention<ffi::F32>(pool, q, k_pool, v_pool, block_tables, seq_lens,
                                   query_start_loc, scale, query_tile, sliding_window, soft_cap,
-                                  Mode::kF32, out);
+                                  key_splits, Mode::kF32, out);
 }
 
 // bf16_dot: 1 takes vdpbf16ps where this build has it (see JaxpagePagedAttentionBf16Dot), 0
@@ -1099,11 +1216,12 @@ ffi::Error PagedAttentionBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q,
                               ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
                               ffi::Buffer<ffi::S32> query_start_loc, float scale,
                               int64_t query_tile, int64_t sliding_window, float soft_cap,
-                              int64_t bf16_dot, ffi::ResultBuffer<ffi::BF16> out) {
+                              int64_t key_splits, int64_t bf16_dot,
+                              ffi::ResultBuffer<ffi::BF16> out) {
   const Mode mode = bf16_dot && kHaveBf16Dot ? Mode::kBf16Dot : Mode::kBf16Portable;
   return PagedAttention<ffi::BF16>(pool, q, k_pool, v_pool, block_tables, seq_lens,
                                    query_start_loc, scale, query_tile, sliding_window, soft_cap,
-                                   mode, out);
+                                   key_splits, mode, out);
 }
 
 std::string type_name(ffi::DataType type) {
@@ -1132,7 +1250,7 @@ ffi::Error PagedAttentionQuantized(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q
                                    ffi::Buffer<ffi::S32> seq_lens,
                                    ffi::Buffer<ffi::S32> query_start_loc, float scale,
                                    int64_t query_tile, int64_t sliding_window, float soft_cap,
-                                   ffi::ResultBuffer<ffi::F32> out) {
+                                   int64_t key_splits, ffi::ResultBuffer<ffi::F32> out) {
   const ffi::DataType type = k_values.element_type();
   if (v_values.element_type() != type) {
     return Invalid("K values are " + type_name(type) + " but V values " +
@@ -1159,8 +1277,8 @@ ffi::Error PagedAttentionQuantized(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q
                       {k_values.untyped_data(), k_values.dimensions()},
                       {v_values.untyped_data(), v_values.dimensions()}, k_scales.typed_data(),
                       v_scales.typed_data(), block_tables, seq_lens, query_start_loc, scale,
-                      query_tile, sliding_window, soft_cap, mode, out->untyped_data(),
-                      out->dimensions(), sizeof(float));
+                      query_tile, sliding_window, soft_cap, key_splits, mode,
+                      out->untyped_data(), out->dimensions(), sizeof(float));
 }
 
 // pool[:, index[t]] = values[:, t] in place (the result aliases the pool): the KV write and
@@ -2568,7 +2686,8 @@ auto bind_attention() {
       .template Attr<float>("scale")
       .template Attr<int64_t>("query_tile")
       .template Attr<int64_t>("sliding_window")  // 0: every earlier key
-      .template Attr<float>("soft_cap");         // 0: no soft-capping
+      .template Attr<float>("soft_cap")          // 0: no soft-capping
+      .template Attr<int64_t>("key_splits");     // 0: the kernel chooses, 1: none
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagePagedAttention, PagedAttentionF32,
@@ -2594,6 +2713,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagePagedAttentionQuantized, PagedAttentionQuan
                                   .Attr<int64_t>("query_tile")
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("key_splits")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 // The float32 value of each of the 256 bit patterns of a float8 format as the kernel reads

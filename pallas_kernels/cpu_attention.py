@@ -260,6 +260,7 @@ def paged_attention_cpu(
     bf16_dot: bool | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    key_splits: int = 0,
 ) -> jax.Array:
     """`paged_attention_reference`'s contract (no `max_query_len` needed: the kernel walks
     each sequence's queries), float32 or bfloat16 pools (both the same dtype; q is cast to
@@ -271,7 +272,14 @@ def paged_attention_cpu(
     `bf16_dot` (bfloat16 pools only): True takes the AVX512-BF16 path where the build has it,
     False the portable one; None reads `JAXPAGE_CPU_KERNEL_BF16` ("dot", the default, or
     "portable"). `sliding_window` and `soft_cap` as the reference's: the kernel reads no
-    block before the first key a work item's earliest query sees."""
+    block before the first key a work item's earliest query sees.
+
+    `key_splits`: a decode query's keys (a single-token work item: one sequence's KV head) may
+    be cut into parts of consecutive blocks that the threads read at once, their softmax sums
+    merged after (split-K, as flash decoding); 0 (default) lets the kernel choose (where a step
+    has fewer than two items a thread: few sequences), 1 never cuts, k > 1 cuts every such
+    item into up to k parts (for tests and benchmarks). Within float32 rounding of the uncut
+    result, not bit for bit."""
     if not available():
         raise RuntimeError("the CPU attention kernel is not available; use the jnp path")
     pool_dtype = jnp.dtype(k_pool.dtype)
@@ -292,9 +300,11 @@ def paged_attention_cpu(
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
+    if key_splits < 0:
+        raise ValueError(f"key_splits must be >= 0 (0: the kernel chooses), got {key_splits}")
     attrs = dict(scale=np.float32(scale), query_tile=np.int64(query_tile),
                  sliding_window=np.int64(sliding_window or 0),  # 0 and 0.0: off
-                 soft_cap=np.float32(soft_cap or 0.0))
+                 soft_cap=np.float32(soft_cap or 0.0), key_splits=np.int64(key_splits))
     tables_etc = (block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32),
                   query_start_loc.astype(jnp.int32))
     if k_quantized:

@@ -30,7 +30,10 @@ rows on, and the sampler reads every padded row). `--vs-xla-glue` times each ste
 same step with a layer's elementwise glue (residual adds and norms, SiLU, rope) as XLA's loop
 fusions instead of the kernel library's calls. `--vs-prefetch 4096` times each step against
 the same step with the packed matmuls prefetching 4 KB ahead in each panel (the one distance
-before 2026-12-04) instead of the kernel's distance for the rows of a pass.
+before 2026-12-04) instead of the kernel's distance for the rows of a pass;
+`--vs-uncut-attention` against the same step with the attention kernel never cutting a
+sequence's keys among the threads (`paged_attention_cpu(key_splits=1)`; it cuts them where a
+step has few sequences over long contexts).
 
     python scripts/bench_decode_step.py                      # context 128, float32 and bf16
     python scripts/bench_decode_step.py --context 256 --batches 8,64 --dtypes float32
@@ -38,6 +41,8 @@ before 2026-12-04) instead of the kernel's distance for the rows of a pass.
     python scripts/bench_decode_step.py --no-unpacked --batches 1,2,4,8 --vs-bucket 8
     python scripts/bench_decode_step.py --no-unpacked --batches 1,8,64 --vs-xla-glue
     python scripts/bench_decode_step.py --no-unpacked --batches 1,2,4,8 --vs-prefetch 4096
+    python scripts/bench_decode_step.py --no-unpacked --batches 1,2 --context 1000 \
+        --vs-uncut-attention
 
 With --profile each step's line is followed by where its time goes (`jax.profiler` over 5
 steps): the forward's span, the sampler and the host's share (Python, dispatch), the matmuls
@@ -148,6 +153,17 @@ def glue_step_seconds(llm, batch: int, context: int, rounds: int = 30):
 
     return _traced_apart_seconds(llm, batch, context, llama, "_cpu_glue",
                                  lambda cpu, default, *args: default(*args), rounds)
+
+
+def uncut_attention_step_seconds(llm, batch: int, context: int, rounds: int = 40):
+    """Median seconds of a decode step with the attention kernel cutting few sequences' keys
+    among the threads as it chooses (`paged_attention_cpu(key_splits=0)`) and never
+    (`key_splits=1`), alternating."""
+    from pallas_kernels import cpu_attention
+
+    return _traced_apart_seconds(
+        llm, batch, context, cpu_attention, "paged_attention_cpu",
+        functools.partial(cpu_attention.paged_attention_cpu, key_splits=1), rounds)
 
 
 def prefetch_step_seconds(llm, batch: int, context: int, prefetch_bytes: int,
@@ -475,6 +491,9 @@ def main() -> None:
                     help="also the step with the packed matmuls prefetching BYTES ahead in a "
                          "panel instead of the kernel's distance for the rows (alternating, 40 "
                          "each)")
+    ap.add_argument("--vs-uncut-attention", action="store_true",
+                    help="also the step with the attention kernel never cutting a sequence's "
+                         "keys among the threads (alternating, 40 each)")
     ap.add_argument("--profile", action="store_true",
                     help="after each step's line, where its time goes by kind of op "
                          "(jax.profiler, 5 steps)")
@@ -535,6 +554,10 @@ def main() -> None:
                 print(f"{'':>15}packed prefetch by rows {by_rows * 1e3:.1f} ms, "
                       f"{args.vs_prefetch} bytes ahead {fixed * 1e3:.1f} ms: "
                       f"{fixed / by_rows:.2f}x", flush=True)
+            if args.vs_uncut_attention:
+                cut, uncut = uncut_attention_step_seconds(llm, batch, args.context)
+                print(f"{'':>15}attention keys cut as the kernel chooses {cut * 1e3:.1f} ms, "
+                      f"never {uncut * 1e3:.1f} ms: {uncut / cut:.2f}x", flush=True)
             if args.profile:
                 print_profile(step_profile(llm, batch, args.context), weights_ms)
         del llm, other

@@ -253,7 +253,7 @@ def bad_inputs():
                             k_pool.astype(dtype), tables, lens, np.array([0, 2, 4], np.int32),
                             scale=np.float32(1.0), query_tile=np.int64(32),
                             sliding_window=np.int64(window), soft_cap=np.float32(soft_cap),
-                            **extra)
+                            key_splits=np.int64(0), **extra)
 
     def attend_bf16(table, bf16_dot):
         pool = jnp.zeros((1, 6, 4, 64), jnp.bfloat16)  # head_dim 64: the dot path's sizes
@@ -270,7 +270,7 @@ def bad_inputs():
                             np.ones((1, 6, 4), np.float32), table, lens,
                             np.array([0, 2, 4], np.int32), scale=np.float32(1.0),
                             query_tile=np.int64(32), sliding_window=np.int64(0),
-                            soft_cap=np.float32(0.0))
+                            soft_cap=np.float32(0.0), key_splits=np.int64(0))
 
     def small_matmul(out_shape, w_dtype=jnp.float32):
         call = jax.ffi.ffi_call(cpu_attention._TARGET_SMALL_MATMUL,
@@ -582,7 +582,9 @@ def child(seeds: int) -> int:
                 query_tile = (1, 3, 32)[(seed + shape_index) % 3]
                 window, soft_cap = ATTENTION_OPTIONS[
                     (2 * (seed + shape_index) + decode) % len(ATTENTION_OPTIONS)]
-                options = dict(sliding_window=window, soft_cap=soft_cap)
+                # decode items cut among the threads (3 parts), as the kernel chooses, or not
+                key_splits = (3, 0, 1)[(seed + shape_index) % 3] if decode else 0
+                options = dict(sliding_window=window, soft_cap=soft_cap, key_splits=key_splits)
                 args, keys, values = random_batch(
                     rng, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                     block_size=block_size, decode=decode, fill=fill, window=window)
@@ -591,8 +593,8 @@ def child(seeds: int) -> int:
                 if not error <= 2e-5:
                     raise AssertionError(
                         f"seed {seed} shape {SHAPES[shape_index]} decode={decode} fill={fill} "
-                        f"query_tile={query_tile} window={window} soft_cap={soft_cap}: "
-                        f"max |error| {error} vs float64")
+                        f"query_tile={query_tile} window={window} soft_cap={soft_cap} "
+                        f"key_splits={key_splits}: max |error| {error} vs float64")
                 worst = max(worst, error)
                 counts["decode" if decode else "prefill"] += 1
                 float32_args = args

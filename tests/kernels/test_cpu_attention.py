@@ -213,7 +213,8 @@ def _call_target(args, out_shape):
     call = jax.ffi.ffi_call(cpu_attention._TARGET, jax.ShapeDtypeStruct(out_shape, jnp.float32))
     return jax.block_until_ready(call(*args, scale=np.float32(1.0),
                                       query_tile=np.int64(cpu_attention.QUERY_TILE),
-                                      sliding_window=np.int64(0), soft_cap=np.float32(0.0)))
+                                      sliding_window=np.int64(0), soft_cap=np.float32(0.0),
+                                      key_splits=np.int64(0)))
 
 
 @pytest.mark.parametrize("out_shape", [(1, 2, 8), (2, 2, 8), (64, 2, 8), (2, 4, 8), (4, 2, 1, 8)])
@@ -465,6 +466,120 @@ def test_mixed_pool_dtypes_are_refused():
                             np.array([0, 1], np.int32))
 
 
+# Key splits: a single-token item's blocks cut into parts that the threads read at once, each
+# part's softmax sums merged after (`key_splits`: 0 the kernel chooses, 1 never, k up to k
+# parts). Decode batches over long contexts, against the float64 oracle; a cut result is not
+# bit for bit the uncut one (sums in another order), which shows the cut was taken.
+KEY_SPLITS = [pytest.param(0, id="kernel-chooses"), pytest.param(3, id="3-parts"),
+              pytest.param(100, id="a-block-a-part")]
+
+
+def decode_batch(rng, num_seqs, dtype=None, **shape):
+    """`random_batch` of long contexts (up to 200 cached keys) where every sequence decodes
+    one token: the items a key split cuts."""
+    while True:
+        args, keys, values = random_batch(rng, max_cached=200, max_new=2, num_seqs=num_seqs,
+                                          **shape)
+        if (np.diff(args[5]) == 1).all() and (args[4] > 2 * shape["block_size"]).any():
+            return args, keys, values
+
+
+@pytest.mark.parametrize("key_splits", KEY_SPLITS)
+@pytest.mark.parametrize("num_seqs", [1, 3])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16),   # SmolLM2's shape, compiled sizes
+    (4, 4, 8, 4),     # run-time sizes, no GQA
+    (9, 3, 8, 1),     # one-token blocks
+    (8, 1, 32, 8),    # eight query heads per KV head: decode items of 8 rows (transposed K)
+])
+def test_key_splits_match_naive(key_splits, num_seqs, num_heads, num_kv_heads, head_dim,
+                                block_size):
+    rng = np.random.default_rng(num_seqs * 100 + head_dim)
+    args, keys, values = decode_batch(rng, num_seqs, num_heads=num_heads,
+                                      num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                      block_size=block_size)
+    out = np.asarray(paged_attention_cpu(*args, key_splits=key_splits))
+    assert_matches_naive(out, args, keys, values, head_dim**-0.5)
+    if key_splits > 1:
+        assert not np.array_equal(out, np.asarray(paged_attention_cpu(*args, key_splits=1)))
+
+
+@pytest.mark.parametrize("bf16_dot", BF16_MODES)
+@pytest.mark.parametrize("key_splits", KEY_SPLITS)
+def test_bf16_key_splits_match_naive(bf16_dot, key_splits):
+    """Both bfloat16 paths cut: the merged sums rounded to bfloat16 once, within the uncut
+    result's bound of float64 attention; the portable path still the float32 kernel (cut the
+    same way) rounded."""
+    _skip_unless_mode_built(bf16_dot)
+    rng = np.random.default_rng(3)
+    for num_heads, num_kv_heads, head_dim, block_size in [(9, 3, 64, 16), (8, 1, 128, 16)]:
+        args, keys, values = decode_batch(rng, 2, num_heads=num_heads,
+                                          num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                          block_size=block_size)
+        q, k_pool, v_pool = (to_bf16(a) for a in args[:3])
+        keys, values = [to_bf16(k) for k in keys], [to_bf16(v) for v in values]
+        bf16_args = (*(jnp.asarray(a, jnp.bfloat16) for a in (q, k_pool, v_pool)), *args[3:])
+        out = paged_attention_cpu(*bf16_args, bf16_dot=bf16_dot, key_splits=key_splits)
+        assert_bf16_matches_naive(out, (q, k_pool, v_pool, *args[3:]), keys, values,
+                                  head_dim**-0.5, bf16_dot)
+        if not bf16_dot:
+            float32 = paged_attention_cpu(q, k_pool, v_pool, *args[3:], key_splits=key_splits)
+            np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)),
+                                          to_bf16(np.asarray(float32)))
+
+
+@pytest.mark.parametrize("key_splits", KEY_SPLITS)
+def test_key_splits_with_sliding_window_and_soft_cap(key_splits):
+    """A window of 40 keys and a soft-cap of 2, the table entries before each window naming
+    block 0 (NaN: never read): the parts cut only the blocks the window sees."""
+    window, soft_cap = 40, 2.0
+    rng = np.random.default_rng(8)
+    args, keys, values = decode_batch(rng, 2, num_heads=9, num_kv_heads=3, head_dim=64,
+                                      block_size=16)
+    tables, seq_lens = np.array(args[3]), args[4]
+    for s, length in enumerate(seq_lens):
+        tables[s, : max(0, length - window) // 16] = 0
+    args[1][:, 0], args[2][:, 0] = np.nan, np.nan
+    args = (*args[:3], tables, *args[4:])
+    out = np.asarray(paged_attention_cpu(*args, sliding_window=window, soft_cap=soft_cap,
+                                         key_splits=key_splits))
+    assert np.isfinite(out).all(), "an unowned (NaN) slot leaked into the output"
+    for s in range(len(keys)):
+        np.testing.assert_allclose(
+            out[s : s + 1], windowed_naive(args[0][s : s + 1], keys[s], values[s], 64**-0.5,
+                                           window, soft_cap), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("fmt", list(quantized.FORMATS))
+def test_quantized_key_splits_read_as_their_dequantization(fmt):
+    """Cut quantized pools: bit for bit the float32 kernel, cut the same way, on the pools they
+    dequantize to."""
+    rng = np.random.default_rng(6)
+    while True:
+        args_q, args_f, keys, values = quantized_batch(
+            rng, fmt, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, max_cached=200,
+            max_new=2, num_seqs=2)
+        if (np.diff(args_q[5]) == 1).all() and (np.asarray(args_q[4]) > 32).any():
+            break
+    for key_splits in (0, 3):
+        assert_exact_and_near_oracle(paged_attention_cpu(*args_q, key_splits=key_splits),
+                                     paged_attention_cpu(*args_f, key_splits=key_splits),
+                                     args_q, keys, values, 64**-0.5)
+
+
+def test_negative_key_splits_are_refused():
+    args = (np.ones((1, 1, 8), np.float32), np.zeros((1, 6, 4, 8), np.float32),
+            np.zeros((1, 6, 4, 8), np.float32), np.array([[1]], np.int32),
+            np.array([1], np.int32), np.array([0, 1], np.int32))
+    with pytest.raises(ValueError, match="key_splits must be >= 0"):
+        paged_attention_cpu(*args, key_splits=-1)
+    call = jax.ffi.ffi_call(cpu_attention._TARGET, jax.ShapeDtypeStruct((1, 1, 8), jnp.float32))
+    with pytest.raises(Exception, match="key_splits -2 is negative"):
+        jax.block_until_ready(call(*args, scale=np.float32(1.0), query_tile=np.int64(32),
+                                   sliding_window=np.int64(0), soft_cap=np.float32(0.0),
+                                   key_splits=np.int64(-2)))
+
+
 SANITIZER_SCRIPT = (Path(__file__).resolve().parents[2] / "scripts"
                     / "check_cpu_kernel_sanitizers.py")
 
@@ -621,7 +736,8 @@ def _call_quantized_target(q, k_values, k_scales, v_values, v_scales):
     return jax.block_until_ready(call(
         q, k_values, k_scales, v_values, v_scales, np.array([[1, 2]], np.int32),
         np.array([5], np.int32), np.array([0, 1], np.int32), scale=np.float32(1.0),
-        query_tile=np.int64(32), sliding_window=np.int64(0), soft_cap=np.float32(0.0)))
+        query_tile=np.int64(32), sliding_window=np.int64(0), soft_cap=np.float32(0.0),
+        key_splits=np.int64(0)))
 
 
 def test_quantized_handler_checks_types_and_scale_shapes():
