@@ -1898,7 +1898,7 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
 // rounds): one distance for all rows (4 KB before) is either too far for the fastest streams or
 // too near for the slower ones: at 1 / 2 / 4 / 8 rows, bfloat16, 2 KB is 1.07x / 1.08x / 0.87x /
 // 0.78x the 4 KB walk and 6 KB 0.99x / 1.01x / 1.07x / 1.10x (float32 alike: 1.03x / 1.08x /
-// 0.95x / 0.76x and 0.93x / 1.03x / 1.08x / 1.10x); a whole decode step 1.04-1.08x
+// 0.95x / 0.76x and 0.93x / 1.03x / 1.08x / 1.10x); a whole decode step 1.03-1.11x
 // (`bench_small_matmul.py --vs-prefetch 4096`, `bench_decode_step.py --vs-prefetch 4096`). A
 // call's `prefetch_bytes` attribute overrides it (0: this choice), for those measurements.
 constexpr int64_t packed_prefetch_bytes(int64_t rows) { return rows <= 2 ? 2048 : 6144; }

@@ -471,6 +471,9 @@ def packed_matmul(x: jax.Array, packed: jax.Array, *, live_rows: jax.Array | int
         raise ValueError(f"packed_matmul takes x [M, K] and a packed {dtype.name} weight "
                          f"[N / {panel}, ceil(K / {g}), {panel}, {g}], got x {tuple(x.shape)} "
                          f"and {tuple(packed.shape)}")
+    if not 0 <= prefetch_bytes <= 1 << 20:
+        raise ValueError(f"prefetch_bytes must be in [0, {1 << 20}] (0: by the rows), got "
+                         f"{prefetch_bytes}")
     n = packed.shape[0] * panel
     live = jnp.asarray(x.shape[0] if live_rows is None else live_rows, jnp.int32).reshape(())
     return jax.ffi.ffi_call(_TARGET_PACKED_MATMUL,

@@ -115,6 +115,8 @@ def test_empty_rows_and_bad_operands():
         cpu_attention.pack_weight(jnp.ones((8, 40), jnp.bfloat16))
     with pytest.raises(ValueError, match="float16"):
         cpu_attention.pack_weight(jnp.ones((8, 64), jnp.float16))
+    with pytest.raises(ValueError, match=r"prefetch_bytes must be in \[0, 1048576\].*got -64"):
+        cpu_attention.packed_matmul(jnp.ones((2, 8), jnp.bfloat16), w, prefetch_bytes=-64)
     # the handler checks for itself (an ffi_call past the wrapper)
     raw = jax.ffi.ffi_call(cpu_attention._TARGET_PACKED_MATMUL,
                            jax.ShapeDtypeStruct((2, 96), jnp.float32))
