@@ -477,11 +477,12 @@ KEY_SPLITS = [pytest.param(0, id="kernel-chooses"), pytest.param(3, id="3-parts"
 def decode_batch(rng, num_seqs, dtype=None, **shape):
     """`random_batch` of long contexts (up to 200 cached keys) where every sequence decodes
     one token: the items a key split cuts."""
-    while True:
+    for _ in range(100):  # a draw with a context past two blocks: nearly every one
         args, keys, values = random_batch(rng, max_cached=200, max_new=2, num_seqs=num_seqs,
                                           **shape)
         if (np.diff(args[5]) == 1).all() and (args[4] > 2 * shape["block_size"]).any():
             return args, keys, values
+    raise AssertionError("no decode batch over more than two blocks in 100 draws")
 
 
 @pytest.mark.parametrize("key_splits", KEY_SPLITS)
@@ -555,12 +556,14 @@ def test_quantized_key_splits_read_as_their_dequantization(fmt):
     """Cut quantized pools: bit for bit the float32 kernel, cut the same way, on the pools they
     dequantize to."""
     rng = np.random.default_rng(6)
-    while True:
+    for _ in range(100):  # a draw with a context past two blocks: nearly every one
         args_q, args_f, keys, values = quantized_batch(
             rng, fmt, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, max_cached=200,
             max_new=2, num_seqs=2)
         if (np.diff(args_q[5]) == 1).all() and (np.asarray(args_q[4]) > 32).any():
             break
+    else:
+        raise AssertionError("no decode batch over more than two blocks in 100 draws")
     for key_splits in (0, 3):
         assert_exact_and_near_oracle(paged_attention_cpu(*args_q, key_splits=key_splits),
                                      paged_attention_cpu(*args_f, key_splits=key_splits),
