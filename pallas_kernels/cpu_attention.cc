@@ -1002,6 +1002,8 @@ int64_t parts_for(int64_t blocks, int64_t items, int64_t threads, int64_t key_sp
 void split_keys(Work& work, int64_t threads, int64_t key_splits, std::vector<Split>& splits) {
   Problem& P = work.problem;
   const int64_t count = static_cast<int64_t>(work.items.size());
+  // most steps cut nothing (enough items for the threads): leave their items as they are
+  if (parts_for(std::numeric_limits<int64_t>::max(), count, threads, key_splits) <= 1) return;
   std::vector<Item> items;
   int64_t parts_total = 0;
   for (const Item& it : work.items) {
@@ -1431,7 +1433,7 @@ inline void prefetch_rows(const char* w, int64_t row_bytes, int64_t r0, int64_t 
   }
 }
 
-// Prefetches `Lines` cache lines `Bytes` past `at` (a point in a stream of w) into L2, unless
+// Prefetches `Lines` cache lines `bytes` past `at` (a point in a stream of w) into L2, unless
 // that lies past w's end `w_end`: the [N, K] walk one line 8 KB ahead in each row's stream per
 // 64 bytes read, the packed walk two lines 2-6 KB ahead in its panel per 128 bytes.
 template <int Lines = 1>
@@ -1439,10 +1441,6 @@ inline void prefetch_ahead(const void* at, int64_t bytes, const char* w_end) {
   const char* ahead = static_cast<const char*>(at) + bytes;
   for (int line = 0; line < Lines; ++line)
     if (ahead + 64 * line < w_end) __builtin_prefetch(ahead + 64 * line, 0, kL2);
-}
-template <int64_t Bytes, int Lines = 1>
-inline void prefetch_stream(const void* at, const char* w_end) {
-  prefetch_ahead<Lines>(at, Bytes, w_end);
 }
 
 struct MatmulProblem {
@@ -1506,7 +1504,7 @@ void nk_block(const MatmulProblem& P, int64_t m0, int64_t n0, const char* w_end)
   for (; k + 16 <= P.K; k += 16) {
     v16f wv[R];
     for (int r = 0; r < R; ++r) {
-      prefetch_stream<kPrefetchBytesNK>(w + r * P.K + k, w_end);
+      prefetch_ahead(w + r * P.K + k, kPrefetchBytesNK, w_end);
       wv[r] = load16(w + r * P.K + k);
     }
     for (int m = 0; m < MB; ++m) {
@@ -1563,7 +1561,7 @@ void nk_block_dot(const MatmulProblem& P, const bf16* x, int64_t m0, int64_t n0,
   for (; k + 32 <= P.K; k += 32) {
     __m512bh wv[R];
     for (int r = 0; r < R; ++r) {
-      prefetch_stream<kPrefetchBytesNK>(w + r * P.K + k, w_end);
+      prefetch_ahead(w + r * P.K + k, kPrefetchBytesNK, w_end);
       wv[r] = as_bh(_mm512_loadu_si512(w + r * P.K + k));
     }
     for (int m = 0; m < MB; ++m) {

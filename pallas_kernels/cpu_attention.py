@@ -442,6 +442,9 @@ def unpack_weight(packed: jax.Array, k: int | None = None) -> jax.Array:
     return w if k is None else w[:k]
 
 
+MAX_PREFETCH_BYTES = 1 << 20  # the handler's kMaxPrefetchBytes
+
+
 def packed_matmul(x: jax.Array, packed: jax.Array, *, live_rows: jax.Array | int | None = None,
                   bf16_dot: bool | None = None, tiles: bool | None = None,
                   prefetch_bytes: int = 0) -> jax.Array:
@@ -471,9 +474,9 @@ def packed_matmul(x: jax.Array, packed: jax.Array, *, live_rows: jax.Array | int
         raise ValueError(f"packed_matmul takes x [M, K] and a packed {dtype.name} weight "
                          f"[N / {panel}, ceil(K / {g}), {panel}, {g}], got x {tuple(x.shape)} "
                          f"and {tuple(packed.shape)}")
-    if not 0 <= prefetch_bytes <= 1 << 20:
-        raise ValueError(f"prefetch_bytes must be in [0, {1 << 20}] (0: by the rows), got "
-                         f"{prefetch_bytes}")
+    if not 0 <= prefetch_bytes <= MAX_PREFETCH_BYTES:
+        raise ValueError(f"prefetch_bytes must be in [0, {MAX_PREFETCH_BYTES}] (0: by the rows), "
+                         f"got {prefetch_bytes}")
     n = packed.shape[0] * panel
     live = jnp.asarray(x.shape[0] if live_rows is None else live_rows, jnp.int32).reshape(())
     return jax.ffi.ffi_call(_TARGET_PACKED_MATMUL,

@@ -50,6 +50,23 @@ KINDS = {"qkv": (HIDDEN, QKV), "o": (HIDDEN, HIDDEN), "gate_up": (HIDDEN, 2 * IN
          "down": (INTERMEDIATE, HIDDEN)}
 
 
+def alternating_seconds(fns, *args, runs: int = 60) -> list[float]:
+    """Median wall times of each of `fns(*args)` to completion, run in turn `runs` times after
+    one call each that compiles it (the machine's drift falls on all of them)."""
+    import jax
+    import numpy as np
+
+    times = [[] for _ in fns]
+    for fn in fns:
+        jax.block_until_ready(fn(*args))
+    for _ in range(runs):
+        for fn, out in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            out.append(time.perf_counter() - start)
+    return [float(np.median(t)) for t in times]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="8")
@@ -118,17 +135,6 @@ def main() -> None:
                     return total
                 return jax.jit(run)
 
-            def alternating(fns, *args, runs=60):
-                times = [[] for _ in fns]
-                for fn in fns:
-                    jax.block_until_ready(fn(*args))
-                for _ in range(runs):
-                    for fn, out in zip(fns, times, strict=True):
-                        start = time.perf_counter()
-                        jax.block_until_ready(fn(*args))
-                        out.append(time.perf_counter() - start)
-                return [float(np.median(t)) for t in times]
-
             steps = LAYERS * len(KINDS) + 1
             cases = [(f"{kind} x{LAYERS}", [kind], False, False) for kind in KINDS]
             cases += [(f"head {VOCAB}x{HIDDEN}", [], True, False),
@@ -153,7 +159,7 @@ def main() -> None:
                                                  layers, head, runs=15)
                     line += f"{xla_seconds * 1e3:>9.2f}{xla_seconds / seconds:>8.2f}x"
                 if args.vs_prefetch:
-                    own, other = alternating(
+                    own, other = alternating_seconds(
                         [chain(kinds, with_head, kernel, in_turn),
                          chain(kinds, with_head, other_prefetch, in_turn)], x, packed, packed_head)
                     line += f"{other * 1e3:>9.2f}{other / own:>8.2f}x"

@@ -16,6 +16,7 @@ float64 attention of the bfloat16 inputs upcast (dequantize, then the oracle).
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import re
 import subprocess
@@ -474,14 +475,15 @@ KEY_SPLITS = [pytest.param(0, id="kernel-chooses"), pytest.param(3, id="3-parts"
               pytest.param(100, id="a-block-a-part")]
 
 
-def decode_batch(rng, num_seqs, dtype=None, **shape):
-    """`random_batch` of long contexts (up to 200 cached keys) where every sequence decodes
-    one token: the items a key split cuts."""
+def decode_batch(rng, num_seqs, make=random_batch, **shape):
+    """`make`'s batch (`random_batch`, `bf16_batch` or `quantized_batch` with its format bound)
+    of long contexts (up to 200 cached keys) where every sequence decodes one token: the items
+    a key split cuts."""
     for _ in range(100):  # a draw with a context past two blocks: nearly every one
-        args, keys, values = random_batch(rng, max_cached=200, max_new=2, num_seqs=num_seqs,
-                                          **shape)
-        if (np.diff(args[5]) == 1).all() and (args[4] > 2 * shape["block_size"]).any():
-            return args, keys, values
+        batch = make(rng, max_cached=200, max_new=2, num_seqs=num_seqs, **shape)
+        seq_lens, qsl = (np.asarray(a) for a in batch[0][4:6])
+        if (np.diff(qsl) == 1).all() and (seq_lens > 2 * shape["block_size"]).any():
+            return batch
     raise AssertionError("no decode batch over more than two blocks in 100 draws")
 
 
@@ -514,17 +516,13 @@ def test_bf16_key_splits_match_naive(bf16_dot, key_splits):
     _skip_unless_mode_built(bf16_dot)
     rng = np.random.default_rng(3)
     for num_heads, num_kv_heads, head_dim, block_size in [(9, 3, 64, 16), (8, 1, 128, 16)]:
-        args, keys, values = decode_batch(rng, 2, num_heads=num_heads,
-                                          num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                          block_size=block_size)
-        q, k_pool, v_pool = (to_bf16(a) for a in args[:3])
-        keys, values = [to_bf16(k) for k in keys], [to_bf16(v) for v in values]
-        bf16_args = (*(jnp.asarray(a, jnp.bfloat16) for a in (q, k_pool, v_pool)), *args[3:])
+        bf16_args, args, keys, values = decode_batch(
+            rng, 2, make=bf16_batch, num_heads=num_heads, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, block_size=block_size)
         out = paged_attention_cpu(*bf16_args, bf16_dot=bf16_dot, key_splits=key_splits)
-        assert_bf16_matches_naive(out, (q, k_pool, v_pool, *args[3:]), keys, values,
-                                  head_dim**-0.5, bf16_dot)
+        assert_bf16_matches_naive(out, args, keys, values, head_dim**-0.5, bf16_dot)
         if not bf16_dot:
-            float32 = paged_attention_cpu(q, k_pool, v_pool, *args[3:], key_splits=key_splits)
+            float32 = paged_attention_cpu(*args, key_splits=key_splits)
             np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)),
                                           to_bf16(np.asarray(float32)))
 
@@ -556,14 +554,9 @@ def test_quantized_key_splits_read_as_their_dequantization(fmt):
     """Cut quantized pools: bit for bit the float32 kernel, cut the same way, on the pools they
     dequantize to."""
     rng = np.random.default_rng(6)
-    for _ in range(100):  # a draw with a context past two blocks: nearly every one
-        args_q, args_f, keys, values = quantized_batch(
-            rng, fmt, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, max_cached=200,
-            max_new=2, num_seqs=2)
-        if (np.diff(args_q[5]) == 1).all() and (np.asarray(args_q[4]) > 32).any():
-            break
-    else:
-        raise AssertionError("no decode batch over more than two blocks in 100 draws")
+    args_q, args_f, keys, values = decode_batch(
+        rng, 2, make=functools.partial(quantized_batch, fmt=fmt), num_heads=9, num_kv_heads=3,
+        head_dim=64, block_size=16)
     for key_splits in (0, 3):
         assert_exact_and_near_oracle(paged_attention_cpu(*args_q, key_splits=key_splits),
                                      paged_attention_cpu(*args_f, key_splits=key_splits),
