@@ -80,6 +80,7 @@ _TARGET_GREEDY_DRAW = "jaxpage_greedy_draw"
 _TARGET_ADD_RMS_NORM = "jaxpage_add_rms_norm"
 _TARGET_SILU_MUL = "jaxpage_silu_mul"
 _TARGET_QKV_ROPE = "jaxpage_qkv_rope"
+_TARGET_DECODER_LAYER = "jaxpage_decoder_layer"
 # Query tokens per work item in prefill (x the GQA group = rows contracted against each
 # K/V tile while it is in cache). Decode items have one token.
 QUERY_TILE = 32
@@ -171,7 +172,8 @@ def _loaded() -> ctypes.CDLL | None:
             _TARGET_GREEDY_DRAW, jax.ffi.pycapsule(library.JaxpageGreedyDraw), platform="cpu")
         for target, handler in ((_TARGET_ADD_RMS_NORM, library.JaxpageAddRmsNorm),
                                 (_TARGET_SILU_MUL, library.JaxpageSiluMul),
-                                (_TARGET_QKV_ROPE, library.JaxpageQkvRope)):
+                                (_TARGET_QKV_ROPE, library.JaxpageQkvRope),
+                                (_TARGET_DECODER_LAYER, library.JaxpageDecoderLayer)):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     except Exception as e:  # noqa: BLE001 - any failure means: use the jnp path
         warnings.warn(f"jaxpage: CPU attention kernel unavailable, using the jnp path ({e})",
@@ -546,3 +548,41 @@ def qkv_rope(qkv: jax.Array, cos: jax.Array, sin: jax.Array, num_heads: int,
         jax.ShapeDtypeStruct((rows, num_heads, dim), dtype),
         jax.ShapeDtypeStruct((rows, num_kv_heads, dim), dtype),
         jax.ShapeDtypeStruct((rows, num_kv_heads, dim), dtype)))(qkv, cos, sin.astype(dtype))
+
+
+def decoder_layer(x: jax.Array, h: jax.Array, layer: dict, cos: jax.Array, sin: jax.Array,
+                  k_pool: jax.Array, v_pool: jax.Array, slot_mapping: jax.Array,
+                  block_tables: jax.Array, seq_lens: jax.Array, query_start_loc: jax.Array,
+                  next_norm: jax.Array, *, num_heads: int, eps: float,
+                  scale: float | None = None, live_rows: jax.Array | int | None = None,
+                  query_tile: int = QUERY_TILE, key_splits: int = 0,
+                  bf16_dot: bool | None = None, tiles: bool | None = None
+                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """A Llama-family decoder layer without biases or q/k norms in one kernel call: given the
+    residual stream x [T, H] and its attention norm h, (x2, h2, k_pool, v_pool) with x2 the
+    layer's output, h2 = RMSNorm(x2) * next_norm (the next layer's input norm, or the final
+    one), and the pools [KH, blocks, block_size, D] with this step's K/V written at
+    `slot_mapping` (in place: the results alias them). `layer` holds "qkv", "o", "gate_up",
+    "down" packed (`pack_weight`) and "mlp_norm"; x, h, cos, sin [T, D], the pools and the
+    norms are one dtype, float32 or bfloat16. Bit for bit what the unfused calls give:
+    `packed_matmul`, `qkv_rope`, `set_rows`, `paged_attention_cpu`, `add_rms_norm`,
+    `silu_mul` in `jaxpage.models.llama.LlamaModel.forward`'s order, with the same
+    `live_rows`, `query_tile`, `key_splits` and `bf16_dot` / `tiles`. The kernel must be
+    `available()`."""
+    if not available():
+        raise RuntimeError("the CPU kernel library is not available")
+    dtype = _check_model_dtype("decoder_layer", x.dtype)
+    if key_splits < 0:
+        raise ValueError(f"key_splits must be >= 0 (0: the kernel chooses), got {key_splits}")
+    dim = k_pool.shape[-1]
+    scale = dim ** -0.5 if scale is None else scale
+    live = jnp.asarray(x.shape[0] if live_rows is None else live_rows, jnp.int32).reshape(())
+    ints = [a.astype(jnp.int32) for a in (slot_mapping, block_tables, seq_lens, query_start_loc)]
+    out = (jax.ShapeDtypeStruct(x.shape, dtype), jax.ShapeDtypeStruct(x.shape, dtype),
+           jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype),
+           jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype))
+    return jax.ffi.ffi_call(_TARGET_DECODER_LAYER, out, input_output_aliases={5: 2, 6: 3})(
+        x, h, layer["qkv"], cos, sin, k_pool, v_pool, *ints, layer["o"], layer["mlp_norm"],
+        layer["gate_up"], layer["down"], next_norm, live, num_heads=np.int64(num_heads),
+        eps=np.float32(eps), scale=np.float32(scale), query_tile=np.int64(query_tile),
+        key_splits=np.int64(key_splits), bf16_dot=np.int64(_bf16_dot_mode(bf16_dot, tiles)))

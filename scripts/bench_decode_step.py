@@ -33,7 +33,9 @@ the same step with the packed matmuls prefetching 4 KB ahead in each panel (the 
 before 2026-12-04) instead of the kernel's distance for the rows of a pass;
 `--vs-uncut-attention` against the same step with the attention kernel never cutting a
 sequence's keys among the threads (`paged_attention_cpu(key_splits=1)`; it cuts them where a
-step has few sequences over long contexts).
+step has few sequences over long contexts). `--vs-unfused` against the same step with each
+layer as its eleven kernel calls (`LlamaModel(fuse_layers=False)`) instead of one
+(`cpu_attention.decoder_layer`, taken by steps of at most `llama.FUSED_LAYER_ROWS` tokens).
 
     python scripts/bench_decode_step.py                      # context 128, float32 and bf16
     python scripts/bench_decode_step.py --context 256 --batches 8,64 --dtypes float32
@@ -43,6 +45,7 @@ step has few sequences over long contexts).
     python scripts/bench_decode_step.py --no-unpacked --batches 1,2,4,8 --vs-prefetch 4096
     python scripts/bench_decode_step.py --no-unpacked --batches 1,2 --context 1000 \
         --vs-uncut-attention
+    python scripts/bench_decode_step.py --no-unpacked --batches 1,2,4,8 --vs-unfused
 
 With --profile each step's line is followed by where its time goes (`jax.profiler` over 5
 steps): the forward's span, the sampler and the host's share (Python, dispatch), the matmuls
@@ -175,6 +178,17 @@ def prefetch_step_seconds(llm, batch: int, context: int, prefetch_bytes: int,
     return _traced_apart_seconds(
         llm, batch, context, cpu_attention, "packed_matmul",
         functools.partial(cpu_attention.packed_matmul, prefetch_bytes=prefetch_bytes), rounds)
+
+
+def unfused_step_seconds(llm, batch: int, context: int, rounds: int = 40):
+    """Median seconds of a decode step with each layer in one kernel call (the runner's model:
+    `cpu_attention.decoder_layer`) and with the same model unfused (`fuse_layers=False`: a
+    layer's eleven calls), alternating."""
+    import dataclasses
+
+    model = llm.engine.runner.model
+    return _alternating(llm, batch, context, "model",
+                        (model, dataclasses.replace(model, fuse_layers=False)), rounds)
 
 
 def cores() -> int:
@@ -494,6 +508,9 @@ def main() -> None:
     ap.add_argument("--vs-uncut-attention", action="store_true",
                     help="also the step with the attention kernel never cutting a sequence's "
                          "keys among the threads (alternating, 40 each)")
+    ap.add_argument("--vs-unfused", action="store_true",
+                    help="also the step with each layer as its eleven kernel calls instead of "
+                         "one (alternating, 40 each)")
     ap.add_argument("--profile", action="store_true",
                     help="after each step's line, where its time goes by kind of op "
                          "(jax.profiler, 5 steps)")
@@ -558,6 +575,10 @@ def main() -> None:
                 cut, uncut = uncut_attention_step_seconds(llm, batch, args.context)
                 print(f"{'':>15}attention keys cut as the kernel chooses {cut * 1e3:.1f} ms, "
                       f"never {uncut * 1e3:.1f} ms: {uncut / cut:.2f}x", flush=True)
+            if args.vs_unfused:
+                fused, apart = unfused_step_seconds(llm, batch, args.context)
+                print(f"{'':>15}layers in one call each {fused * 1e3:.1f} ms, unfused "
+                      f"{apart * 1e3:.1f} ms: {apart / fused:.2f}x", flush=True)
             if args.profile:
                 print_profile(step_profile(llm, batch, args.context), weights_ms)
         del llm, other

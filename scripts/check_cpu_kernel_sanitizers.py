@@ -30,7 +30,9 @@ sizes) and `packed_matmul` (weights packed by `pack_weight`, the same dtypes and
 against float64 NumPy, and `greedy_draw` (rows with ties, NaN and infinities, vocabularies with
 and without a tail) against NumPy's argmax and float64 log-sum-exp, and the layer glue
 (`add_rms_norm`, `silu_mul`, `qkv_rope`; float32 and bfloat16, a NaN row, rows shared among
-the threads) against float64 NumPy.
+the threads) against float64 NumPy, and `decoder_layer` (a decode step of three sequences and
+a padding row, and a lone long sequence, float32 and bfloat16) against the unfused calls it
+stands for, bit for bit.
 
 Prints a one-line summary. Exit status: 0 clean; 1 a sanitizer finding (its report is printed)
 or a wrong result; 2 this machine cannot run the check (no C++ compiler or sanitizer runtime).
@@ -292,9 +294,36 @@ def bad_inputs():
                                               jnp.array(index, jnp.int32),
                                               jnp.ones(values_shape, jnp.bfloat16))
 
+    def decoder_layer(slots, table, down_k=None):
+        """A bfloat16 layer of hidden size `panel` with one head (and one KV head) of that size
+        and an MLP of that inner size, over a pool of 6 blocks of 4; `down_k`: the down
+        projection's K if not the inner size (a weight that does not fit)."""
+        h = panel
+        down_k = h if down_k is None else down_k
+        w = jnp.ones((1, h // 2, panel, 2), jnp.bfloat16)  # [h, panel] packed
+        qkv = jnp.ones((3, h // 2, panel, 2), jnp.bfloat16)  # [h, 3 h]: q, k, v of one head
+        pool = jnp.zeros((1, 6, 4, h), jnp.bfloat16)
+        x = jnp.ones((2, h), jnp.bfloat16)
+        gate_up = jnp.ones((2, h // 2, panel, 2), jnp.bfloat16)
+        down = jnp.ones((1, down_k // 2, panel, 2), jnp.bfloat16)
+        layer = {"qkv": qkv, "o": w, "gate_up": gate_up, "down": down,
+                 "mlp_norm": jnp.ones(h, jnp.bfloat16)}
+        return lambda: cpu_attention.decoder_layer(
+            x, x, layer, x, x, pool, pool, np.array(slots, np.int32), np.array([table], np.int32),
+            np.array([2], np.int32), np.array([0, 2], np.int32), layer["mlp_norm"],
+            num_heads=1, eps=1e-6)
+
     int8 = np.zeros((1, 6, 4, 8), np.int8)
     e5m2 = jnp.zeros((1, 6, 4, 8), jnp.float8_e5m2)
     return [
+        ("decoder_layer: slot past the pool", decoder_layer([4, 24], [1, 0]),
+         "slot_mapping[1] = 24 is outside the pool's 24 slots"),
+        ("decoder_layer: negative slot", decoder_layer([-1, 5], [1, 0]),
+         "slot_mapping[0] = -1"),
+        ("decoder_layer: block outside the pool", decoder_layer([4, 5], [6, 0]),
+         "block table entry outside the pool"),
+        ("decoder_layer: a down projection of another K", decoder_layer([4, 5], [1, 0], 12),
+         "do not fit hidden size"),
         ("smaller output", wrong_out((1, 2, 8)), "output shape [1, 2, 8]"),
         ("larger output", wrong_out((64, 2, 8)), "output shape [64, 2, 8]"),
         ("overlapping query ranges", attend(4, [0, 3, 1]), "query_start_loc decreases"),
@@ -549,6 +578,77 @@ def check_layer_glue(rng) -> int:
     return calls
 
 
+def check_decoder_layer(rng) -> int:
+    """`decoder_layer` (float32 and bfloat16, a decode step of 3 sequences with a padding row,
+    and a lone sequence whose keys the kernel cuts among the threads; every pool slot no step
+    writes NaN) against the unfused calls it stands for, bit for bit: logits-free, the layer's
+    two outputs and both pools. Returns the calls."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels import cpu_attention as ca
+
+    hidden, heads, kv_heads, dim, inner, block = 64, 4, 2, 16, 96, 16
+    calls = 0
+    for dtype in (jnp.float32, jnp.bfloat16):
+        def weight(k, n, dtype=dtype):
+            return ca.pack_weight(jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype))
+
+        layer = {"qkv": weight(hidden, (heads + 2 * kv_heads) * dim),
+                 "o": weight(heads * dim, hidden), "gate_up": weight(hidden, 2 * inner),
+                 "down": weight(inner, hidden),
+                 "mlp_norm": jnp.asarray(rng.standard_normal(hidden), dtype)}
+        next_norm = jnp.asarray(rng.standard_normal(hidden), dtype)
+        for lens, tables, rows in (([5, 17, 33], [[1, 0, 0], [2, 3, 0], [4, 5, 6]], 4),
+                                   ([600], [list(range(7, 45))], 1)):
+            pool_shape = (kv_heads, 48, block, dim)
+            k_pool = jnp.full(pool_shape, np.nan, dtype).at[:, 1:].set(
+                jnp.asarray(rng.standard_normal((kv_heads, 47, block, dim)), dtype))
+            v_pool = jnp.full(pool_shape, np.nan, dtype).at[:, 1:].set(
+                jnp.asarray(rng.standard_normal((kv_heads, 47, block, dim)), dtype))
+            # NaN past each sequence's last token (the step writes its new one at lens - 1)
+            for n, table in zip(lens, tables, strict=True):
+                for p in range(n - 1, len(table) * block):
+                    k_pool = k_pool.at[:, table[p // block], p % block].set(np.nan)
+                    v_pool = v_pool.at[:, table[p // block], p % block].set(np.nan)
+            live = len(lens)
+            slots = np.zeros(rows, np.int32)
+            slots[:live] = [t[(n - 1) // block] * block + (n - 1) % block
+                            for n, t in zip(lens, tables, strict=True)]
+            width = max(len(t) for t in tables)
+            table_array = np.zeros((rows, width), np.int32)
+            for s, t in enumerate(tables):
+                table_array[s, : len(t)] = t
+            seq_lens = np.zeros(rows, np.int32)
+            seq_lens[:live] = lens
+            qsl = np.minimum(np.arange(rows + 1), live).astype(np.int32)
+            x = jnp.asarray(rng.standard_normal((rows, hidden)), dtype)
+            h = jnp.asarray(rng.standard_normal((rows, hidden)), dtype)
+            angles = rng.standard_normal((rows, dim))
+            cos, sin = (jnp.asarray(f(angles), dtype) for f in (np.cos, np.sin))
+            args = (slots, table_array, seq_lens, qsl)
+            fused = ca.decoder_layer(x, h, layer, cos, sin, k_pool, v_pool, *args, next_norm,
+                                     num_heads=heads, eps=1e-5, live_rows=live)
+            qkv = ca.packed_matmul(h, layer["qkv"], live_rows=live)
+            q, k, v = ca.qkv_rope(qkv, cos, sin, heads, kv_heads)
+            kp = ca.set_rows(k_pool, slots, k, token_major=True)
+            vp = ca.set_rows(v_pool, slots, v, token_major=True)
+            a = ca.paged_attention_cpu(q, kp, vp, table_array, seq_lens, qsl)
+            o = ca.packed_matmul(a.reshape(rows, -1), layer["o"], live_rows=live)
+            x1, h1 = ca.add_rms_norm(x, o, layer["mlp_norm"], 1e-5)
+            act = ca.silu_mul(ca.packed_matmul(h1, layer["gate_up"], live_rows=live), dtype)
+            down = ca.packed_matmul(act, layer["down"], live_rows=live)
+            x2, h2 = ca.add_rms_norm(x1, down, next_norm, 1e-5)
+            for got, want in zip(fused, (x2, h2, kp, vp), strict=True):
+                if np.asarray(got).tobytes() != np.asarray(want).tobytes():
+                    raise AssertionError(f"decoder_layer {jnp.dtype(dtype).name} {lens}: not "
+                                         f"the unfused calls' result bit for bit")
+            if not np.isfinite(np.asarray(fused[1], np.float32)[:live]).all():
+                raise AssertionError(f"decoder_layer {jnp.dtype(dtype).name} {lens}: read NaN")
+            calls += 1
+    return calls
+
+
 def child(seeds: int) -> int:
     sys.path.insert(0, str(REPO))
     import warnings
@@ -637,6 +737,7 @@ def child(seeds: int) -> int:
     packed_matmul_calls = check_packed_matmul(rng)
     greedy_draw_calls = check_greedy_draw(rng)
     layer_glue_calls = check_layer_glue(rng)
+    decoder_layer_calls = check_decoder_layer(rng)
     rejected = 0
     for name, call, message in bad_inputs():
         try:
@@ -653,7 +754,8 @@ def child(seeds: int) -> int:
                       "quantized_max_error": worst_quantized, "set_rows": set_rows_calls,
                       "small_matmul": small_matmul_calls,
                       "packed_matmul": packed_matmul_calls,
-                      "greedy_draw": greedy_draw_calls, "layer_glue": layer_glue_calls}),
+                      "greedy_draw": greedy_draw_calls, "layer_glue": layer_glue_calls,
+                      "decoder_layer": decoder_layer_calls}),
           flush=True)
     return 0
 
@@ -739,6 +841,7 @@ def main() -> int:
           f"and {summary['packed_matmul']} packed matmuls within float32's bound of float64, "
           f"{summary['greedy_draw']} greedy draws as NumPy's argmax and log-sum-exp, "
           f"{summary['layer_glue']} layer glue calls (add + RMSNorm, SiLU, rope) as float64's, "
+          f"{summary['decoder_layer']} decoder layer calls as the unfused calls bit for bit, "
           f"{summary['rejected']} bad inputs "
           f"rejected; {timing}")
     return 0

@@ -1,0 +1,141 @@
+"""A whole decoder layer in one CPU kernel call (cpu_attention.cc's JaxpageDecoderLayer; the
+model takes it for steps of at most `llama.FUSED_LAYER_ROWS` tokens) against the unfused calls
+the model makes otherwise (packed matmuls, qkv_rope, set_rows, paged attention, add_rms_norm,
+silu_mul: each tested against float64 and HF in its own file): logits and every pool byte bit
+for bit, NaN in the pool's unwritten slots, over decode steps with several sequences, padding
+rows and a context long enough that the kernel cuts a lone sequence's keys among the threads;
+and the decode steps against HF transformers' float32 within the bound the packed model is held
+to. Bad slots and block ids are refused with an error naming them."""
+
+from __future__ import annotations
+
+import copy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import hf_logits
+from test_packed_matmul import PACKABLE
+
+from jaxpage.attention import build_metadata, init_kv_pool
+from jaxpage.loading.hf import load_hf_dir
+from jaxpage.models import llama
+from pallas_kernels import cpu_attention
+
+pytestmark = [pytest.mark.kernels,
+              pytest.mark.skipif(not cpu_attention.available(),
+                                 reason="the CPU kernel library is not available")]
+
+STEP = jax.jit(llama.LlamaModel.forward, static_argnums=0)
+BLOCK = 16
+
+
+def _same_bytes(a, b) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def _setup(hf_model_dir, dtype):
+    path, hf_model = hf_model_dir("llama", **PACKABLE)
+    config, params = load_hf_dir(path, dtype)
+    return config, llama.pack_params(params), hf_model
+
+
+def _pool(config, dtype, blocks=48):
+    # NaN in every slot no step writes: a read of one shows in the logits
+    return init_kv_pool(config.num_layers, blocks, BLOCK, config.num_kv_heads, config.head_dim,
+                        dtype=jnp.dtype(dtype), fill_value=float("nan"))
+
+
+def _run(model, params, pool, tables, computed, new_tokens, **bucket):
+    positions, metadata = build_metadata(tables, computed, [len(t) for t in new_tokens], BLOCK,
+                                         backend="cpp", **bucket)
+    tokens = np.zeros(len(positions), np.int32)
+    flat = [t for seq in new_tokens for t in seq]
+    tokens[: len(flat)] = flat
+    return STEP(model, params, jnp.asarray(tokens), positions, pool, metadata)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_steps_are_the_unfused_ones_bit_for_bit(dtype, hf_model_dir):
+    """Three sequences prefilled (unfused: more rows than FUSED_LAYER_ROWS), then decode steps
+    in a bucket of 4 tokens / 4 sequences (one padding row) and in the exact shape: fused and
+    unfused from the same pool give the same logits and pools, byte for byte."""
+    config, params, hf_model = _setup(hf_model_dir, dtype)
+    fused, unfused = llama.LlamaModel(config), llama.LlamaModel(config, fuse_layers=False)
+    prompts = [list(range(3, 40)), list(range(50, 59)), list(range(60, 80))]
+    tables = [[1, 2, 3, 4], [5, 6], [7, 8, 9]]
+    _, pool = _run(unfused, params, _pool(config, dtype), tables, [0, 0, 0], prompts)
+    lens = [len(p) for p in prompts]
+    texts = [list(p) for p in prompts]
+    for step, bucket in enumerate([dict(num_tokens=4, num_seqs=4), {}, dict(num_tokens=8)]):
+        new = [[(7 * step + 11 * s) % 120 + 3] for s in range(3)]
+        step_dims = dict(bucket, num_logits=None)
+        ours, ours_pool = _run(fused, params, pool, tables, lens, new, **step_dims)
+        theirs, pool = _run(unfused, params, pool, tables, lens, new, **step_dims)
+        assert _same_bytes(ours, theirs), step
+        for (k1, v1), (k2, v2) in zip(ours_pool, pool, strict=True):
+            assert _same_bytes(k1, k2) and _same_bytes(v1, v2), step
+        # against HF float32: within the bound the packed model's decode is held to
+        hf_bf16 = copy.deepcopy(hf_model).to(__import__("torch").bfloat16)
+        for s in range(3):
+            texts[s] += new[s]
+            truth = hf_logits(hf_model, texts[s])[-1]
+            hf_err = np.abs(hf_logits(hf_bf16, texts[s])[-1] - truth).max()
+            err = np.abs(np.asarray(ours)[s] - truth).max()
+            limit = 1.5 * hf_err if dtype == "bfloat16" else 1e-4 * np.abs(truth).max()
+            assert err <= limit, (step, s, err, limit)
+        lens = [n + 1 for n in lens]
+    # the fused step calls the layer kernel once a layer and no other matmul but the head's
+    positions, metadata = build_metadata(tables, lens, [1, 1, 1], BLOCK, backend="cpp")
+    hlo = STEP.lower(fused, params, jnp.zeros(3, jnp.int32), positions, pool,
+                     metadata).as_text()
+    assert hlo.count("jaxpage_decoder_layer") == config.num_layers
+    assert hlo.count("jaxpage_packed_matmul") == 1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_long_lone_sequence_cut_among_threads_fuses_alike(dtype, hf_model_dir):
+    """One sequence of 600 tokens (38 blocks: its keys cut into parts for the threads where the
+    kernel chooses) decodes alike fused and unfused."""
+    config, params, _ = _setup(hf_model_dir, dtype)
+    fused, unfused = llama.LlamaModel(config), llama.LlamaModel(config, fuse_layers=False)
+    table = [list(range(1, 40))]
+    prompt = [[(5 * i) % 120 + 3 for i in range(600)]]
+    _, pool = _run(unfused, params, _pool(config, dtype), table, [0], prompt)
+    for step, token in enumerate([9, 17]):
+        ours, ours_pool = _run(fused, params, pool, table, [600 + step], [[token]])
+        theirs, pool = _run(unfused, params, pool, table, [600 + step], [[token]])
+        assert _same_bytes(ours, theirs)
+        assert all(_same_bytes(a, b) for pair in zip(ours_pool, pool, strict=True)
+                   for a, b in zip(*pair, strict=True))
+
+
+def test_bad_slots_and_blocks_are_refused_by_name(hf_model_dir):
+    """A slot outside the pool or a block table entry past it: an error naming it, not a
+    write or read out of bounds."""
+    config, params, _ = _setup(hf_model_dir, "float32")
+    layer, (k_pool, v_pool) = params["layers"][0], _pool(config, "float32", blocks=4)[0]
+    x = jnp.ones((2, config.hidden_size), jnp.float32)
+    cos = jnp.ones((2, config.head_dim), jnp.float32)
+
+    def call(slots, table):
+        return cpu_attention.decoder_layer(
+            x, x, layer, cos, cos * 0, k_pool, v_pool, jnp.asarray(slots, jnp.int32),
+            jnp.asarray([table], jnp.int32), jnp.asarray([2], jnp.int32),
+            jnp.asarray([0, 2], jnp.int32), layer["attn_norm"], num_heads=config.num_heads,
+            eps=1e-5)
+
+    out = call([16, 17], [1, 0])  # well formed (positions 0 and 1 of block 1): runs
+    assert np.isfinite(np.asarray(out[0])).all()
+    with pytest.raises(Exception, match=r"slot_mapping\[1\] = 64 is outside the pool's 64"):
+        jax.block_until_ready(call([16, 64], [1, 0]))
+    with pytest.raises(Exception, match="block table entry outside the pool"):
+        jax.block_until_ready(call([16, 17], [9, 0]))
+    with pytest.raises(ValueError, match="key_splits"):
+        cpu_attention.decoder_layer(x, x, layer, cos, cos, k_pool, v_pool,
+                                    jnp.zeros(2, jnp.int32), jnp.zeros((1, 2), jnp.int32),
+                                    jnp.ones(1, jnp.int32), jnp.asarray([0, 2], jnp.int32),
+                                    layer["attn_norm"], num_heads=config.num_heads, eps=1e-5,
+                                    key_splits=-1)
