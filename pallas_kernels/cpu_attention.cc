@@ -2639,8 +2639,12 @@ struct Team {
   std::function<void()> stages[kMaxStages];
   std::atomic<int> published{0};
   std::atomic<bool> finished{false};
+  const std::thread::id caller = std::this_thread::get_id();  // made by the caller
 
   void serve() {
+    // a pool that runs a task inline when its queues are full (Eigen's does) would run this on
+    // the caller, before it publishes: serving there would never return
+    if (std::this_thread::get_id() == caller) return;
     for (int seen = 0;;) {
       const int n = published.load(std::memory_order_acquire);
       while (seen < n) stages[seen++]();
