@@ -96,6 +96,26 @@ def test_fused_decode_steps_are_the_unfused_ones_bit_for_bit(dtype, hf_model_dir
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_short_prompt_chunk_beside_decodes_fuses_alike(dtype, hf_model_dir):
+    """A ragged step of at most FUSED_LAYER_ROWS tokens that is not a pure decode: a 5-token
+    prompt (its queries attending to each other causally) beside two decoding sequences, in a
+    bucket of 8 tokens, fused and unfused alike."""
+    config, params, _ = _setup(hf_model_dir, dtype)
+    fused, unfused = llama.LlamaModel(config), llama.LlamaModel(config, fuse_layers=False)
+    tables = [[1, 2], [3, 4], [5]]
+    _, pool = _run(unfused, params, _pool(config, dtype), tables[:2], [0, 0],
+                   [list(range(3, 23)), list(range(30, 47))])
+    new = [[7], [9], [11, 12, 13, 14, 15]]
+    assert sum(map(len, new)) <= llama.FUSED_LAYER_ROWS
+    dims = dict(num_tokens=8, max_query_len=8, num_logits=None)
+    ours, ours_pool = _run(fused, params, pool, tables, [20, 17, 0], new, **dims)
+    theirs, pool = _run(unfused, params, pool, tables, [20, 17, 0], new, **dims)
+    assert _same_bytes(ours, theirs)
+    assert all(_same_bytes(a, b) for pair in zip(ours_pool, pool, strict=True)
+               for a, b in zip(*pair, strict=True))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_long_lone_sequence_cut_among_threads_fuses_alike(dtype, hf_model_dir):
     """One sequence of 600 tokens (38 blocks: its keys cut into parts for the threads where the
     kernel chooses) decodes alike fused and unfused."""
