@@ -2807,6 +2807,10 @@ ffi::Error DecoderLayerTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
   return ffi::Error::Success();
 }
 
+bool is_vector_of(ffi::AnyBuffer b, int64_t n) {
+  return b.dimensions().size() == 1 && b.dimensions()[0] == n;
+}
+
 ffi::Error DecoderLayer(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer h,
                         ffi::AnyBuffer w_qkv, ffi::AnyBuffer cos, ffi::AnyBuffer sin,
                         ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
@@ -2835,8 +2839,7 @@ ffi::Error DecoderLayer(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer h
       !same_dims(v_pool.dimensions(), pd) || !same_dims(k_out->dimensions(), pd) ||
       !same_dims(v_out->dimensions(), pd) || cd.size() != 2 || cd[0] != xd[0] ||
       cd[1] != pd[3] || pd[3] % 2 || !same_dims(sin.dimensions(), cd) ||
-      !same_dims(mlp_norm.dimensions(), xd.last(1)) ||
-      !same_dims(next_norm.dimensions(), xd.last(1)) ||
+      !is_vector_of(mlp_norm, xd[1]) || !is_vector_of(next_norm, xd[1]) ||
       static_cast<int64_t>(slots.element_count()) != xd[0] ||
       live.element_count() != 1)
     return InvalidLayer("x and h [T, H] " + shape_string(xd) + " " +
