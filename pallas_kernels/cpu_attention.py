@@ -5,8 +5,9 @@ contraction (and Pallas has no CPU backend), so the jnp path copies every block 
 before contracting it; this kernel reads each [block_size, head_dim] tile of K and V where
 it lies in the pool. The kernel is compiled on first use with the machine's C++ compiler
 (`g++ -O3 -march=native`, about 35 s on a 2-core EPYC) into a cache directory keyed by the
-source, the flags, the jaxlib version and the CPU; `available()` says whether that worked, and callers fall back to the
-jnp path when it did not (no compiler, another platform, pools of a dtype it does not read).
+source, the flags, the jaxlib version and the CPU; `available()` says whether that worked, and
+callers fall back to the jnp path when it did not (no compiler, another platform, pools of a
+dtype it does not read).
 
 bfloat16 pools are read as they lie, in one of two ways (see cpu_attention.cc): "dot", on the
 AVX512-BF16 dot product `vdpbf16ps` (q.K and P.V; the probabilities P are rounded to bfloat16
