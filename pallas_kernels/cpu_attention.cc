@@ -56,7 +56,6 @@
 #include <memory>
 #include <string>
 #include <thread>
-#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -1216,6 +1215,11 @@ ffi::Error RunAttention(ffi::ThreadPool pool, Operand q, Operand k_pool, Operand
   return FinishAttention(A);
 }
 
+// bfloat16 pools' mode: vdpbf16ps where asked (bf16_dot != 0) and built, else portable.
+Mode bf16_mode(int64_t bf16_dot) {
+  return bf16_dot && kHaveBf16Dot ? Mode::kBf16Dot : Mode::kBf16Portable;
+}
+
 // kType: F32 (mode kF32) or BF16 (kBf16Portable or kBf16Dot) for q, the pools and out.
 template <ffi::DataType kType>
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<kType> q,
@@ -1252,7 +1256,7 @@ ffi::Error PagedAttentionBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q,
                               int64_t query_tile, int64_t sliding_window, float soft_cap,
                               int64_t key_splits, int64_t bf16_dot,
                               ffi::ResultBuffer<ffi::BF16> out) {
-  const Mode mode = bf16_dot && kHaveBf16Dot ? Mode::kBf16Dot : Mode::kBf16Portable;
+  const Mode mode = bf16_mode(bf16_dot);
   return PagedAttention<ffi::BF16>(pool, q, k_pool, v_pool, block_tables, seq_lens,
                                    query_start_loc, scale, query_tile, sliding_window, soft_cap,
                                    key_splits, mode, out);
@@ -1322,6 +1326,26 @@ ffi::Error PagedAttentionQuantized(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q
 // whatever its shape (a [K, blocks, block_size, D] pool takes slot indices directly: a
 // reshape of the operand would make XLA copy the pool before the call). Rows are written in
 // t order (a later duplicate wins; callers never rely on it).
+// The first of `count` indices outside [0, rows), or -1.
+int64_t first_bad_index(const int32_t* index, int64_t count, int64_t rows) {
+  for (int64_t t = 0; t < count; ++t)
+    if (index[t] < 0 || index[t] >= rows) return t;
+  return -1;
+}
+
+// dst[k, index[t]] = values[t, k] (token-major) or values[k, t], rows of `row_bytes`, in t order
+// (a later duplicate wins), for a pool of `heads` x `rows` rows; dst starts as a copy of `src`
+// where it is not src itself (XLA did not alias the result with the pool). Indices checked.
+void write_rows(char* dst, const void* src, int64_t heads, int64_t rows, int64_t row_bytes,
+                const int32_t* index, int64_t count, const char* values, bool token_major) {
+  if (dst != src) std::memcpy(dst, src, static_cast<size_t>(heads * rows * row_bytes));
+  for (int64_t k = 0; k < heads; ++k)
+    for (int64_t t = 0; t < count; ++t)
+      std::memcpy(dst + (k * rows + index[t]) * row_bytes,
+                  values + (token_major ? t * heads + k : k * count + t) * row_bytes,
+                  static_cast<size_t>(row_bytes));
+}
+
 ffi::Error SetRows(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> index, ffi::AnyBuffer values,
                    int64_t token_major, ffi::Result<ffi::AnyBuffer> out) {
   const auto pd = pool.dimensions();
@@ -1341,18 +1365,11 @@ ffi::Error SetRows(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> index, ffi::AnyBuf
   const int64_t rows = per_head / row_elems;
   const int64_t row_bytes = row_elems * static_cast<int64_t>(ffi::ByteWidth(pool.element_type()));
   const int64_t heads = pd[0], count = vd[token_axis];
-  char* dst = static_cast<char*>(out->untyped_data());
-  if (dst != pool.untyped_data())  // XLA did not alias: start from a copy of the pool
-    std::memcpy(dst, pool.untyped_data(), static_cast<size_t>(heads * rows * row_bytes));
-  const char* src = static_cast<const char*>(values.untyped_data());
-  const int32_t* idx = index.typed_data();
-  for (int64_t t = 0; t < count; ++t)
-    if (idx[t] < 0 || idx[t] >= rows) return Invalid("set_rows: index outside the pool");
-  for (int64_t k = 0; k < heads; ++k)
-    for (int64_t t = 0; t < count; ++t)
-      std::memcpy(dst + (k * rows + idx[t]) * row_bytes,
-                  src + (token_major ? t * heads + k : k * count + t) * row_bytes,
-                  static_cast<size_t>(row_bytes));
+  if (first_bad_index(index.typed_data(), count, rows) >= 0)
+    return Invalid("set_rows: index outside the pool");
+  write_rows(static_cast<char*>(out->untyped_data()), pool.untyped_data(), heads, rows, row_bytes,
+             index.typed_data(), count, static_cast<const char*>(values.untyped_data()),
+             token_major);
   return ffi::Error::Success();
 }
 
@@ -2421,6 +2438,15 @@ void add_rms_norm_row(const T* x, const D* delta, const T* weight, float eps, in
     out[j] = from_float<T>(to_float(weight[j]) * rounded<T>(to_float(sum[j]) * scale));
 }
 
+// Rows r0..r1 of add + RMSNorm (add_rms_norm_row), x, delta (or null), sum and out [T, H].
+template <typename T, typename D>
+void add_rms_norm_rows(const T* x, const D* delta, const T* weight, float eps, int64_t H,
+                       int64_t r0, int64_t r1, T* sum, T* out) {
+  for (int64_t r = r0; r < r1; ++r)
+    add_rms_norm_row<T, D>(x + r * H, delta ? delta + r * H : nullptr, weight, eps, H,
+                           sum + r * H, out + r * H);
+}
+
 template <typename T>
 ffi::Error AddRmsNormTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer delta,
                            ffi::AnyBuffer weight, float eps, ffi::Result<ffi::AnyBuffer>& sum,
@@ -2434,16 +2460,11 @@ ffi::Error AddRmsNormTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuff
   const bool has_delta = delta.element_count() != 0;
   const bool delta_f32 = delta.element_type() == ffi::DataType::F32;
   for_rows(pool, rows, H, [=](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      if (!has_delta)
-        add_rms_norm_row<T, T>(xs + r * H, nullptr, w, eps, H, sums + r * H, outs + r * H);
-      else if (delta_f32)
-        add_rms_norm_row<T, float>(xs + r * H, data_as<const float>(delta) + r * H, w, eps, H,
-                                   sums + r * H, outs + r * H);
-      else
-        add_rms_norm_row<T, T>(xs + r * H, data_as<const T>(delta) + r * H, w, eps, H,
-                               sums + r * H, outs + r * H);
-    }
+    if (has_delta && delta_f32)
+      add_rms_norm_rows<T, float>(xs, data_as<const float>(delta), w, eps, H, r0, r1, sums, outs);
+    else
+      add_rms_norm_rows<T, T>(xs, has_delta ? data_as<const T>(delta) : nullptr, w, eps, H, r0,
+                              r1, sums, outs);
   });
   return ffi::Error::Success();
 }
@@ -2712,14 +2733,11 @@ ffi::Error DecoderLayerTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
                         std::to_string(KH) + " KV heads of " + std::to_string(D));
   const int64_t slots_total = pd[1] * pd[2];
   const int32_t* slot = slots.typed_data();
-  for (int64_t t = 0; t < M; ++t)
-    if (slot[t] < 0 || slot[t] >= slots_total)
-      return InvalidLayer("slot_mapping[" + std::to_string(t) + "] = " +
-                          std::to_string(slot[t]) + " is outside the pool's " +
-                          std::to_string(slots_total) + " slots");
+  if (const int64_t t = first_bad_index(slot, M, slots_total); t >= 0)
+    return InvalidLayer("slot_mapping[" + std::to_string(t) + "] = " + std::to_string(slot[t]) +
+                        " is outside the pool's " + std::to_string(slots_total) + " slots");
   const int64_t threads = thread_count(pool);
   const int64_t live = std::clamp<int64_t>(live_rows, 0, M);
-  const int64_t dot_mode = f32 ? 0 : bf16_dot;
   // scratch, every element written before it is read (not zeroed: at 8 rows that was ~5 us a
   // layer)
   const auto floats = [](int64_t n) { return std::unique_ptr<float[]>(new float[n]); };
@@ -2738,7 +2756,7 @@ ffi::Error DecoderLayerTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
   auto matmul = [&](const void* in, int64_t K, ffi::AnyBuffer w, float* out) {
     auto work = std::make_shared<PackedWork>();
     const int64_t total = prepare_packed(*work, in, f32, M, live, K, w.untyped_data(),
-                                         w.dimensions()[0], out, dot_mode, 0, threads);
+                                         w.dimensions()[0], out, bf16_dot, 0, threads);
     if (total) team->stage(work, total);
   };
 
@@ -2758,23 +2776,16 @@ ffi::Error DecoderLayerTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
     qkv_rope_rows<T, float>(qkv.get(), cos_t, sin_t, num_heads, KH, D, r0, r1, q.get(), k.get(),
                             v.get());
   });
-  const int64_t pool_bytes = KH * slots_total * D * static_cast<int64_t>(sizeof(T));
-  // on this thread alone: padding rows share a slot
-  for (auto [src, dst, rows] : {std::tuple{k_pool.untyped_data(), k_out, k.get()},
-                                std::tuple{v_pool.untyped_data(), v_out, v.get()}}) {
-    if (dst != src)  // XLA did not alias: start from a copy of the pool
-      std::memcpy(dst, src, static_cast<size_t>(pool_bytes));
-    T* pool_rows = static_cast<T*>(dst);
-    for (int64_t head = 0; head < KH; ++head)  // in t order, as SetRows writes
-      for (int64_t t = 0; t < M; ++t)
-        std::memcpy(pool_rows + (head * slots_total + slot[t]) * D, rows + (t * KH + head) * D,
-                    D * sizeof(T));
-  }
+  // as SetRows writes them, on this thread alone (padding rows share a slot)
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+  write_rows(static_cast<char*>(k_out), k_pool.untyped_data(), KH, slots_total, row_bytes, slot,
+             M, reinterpret_cast<const char*>(k.get()), true);
+  write_rows(static_cast<char*>(v_out), v_pool.untyped_data(), KH, slots_total, row_bytes, slot,
+             M, reinterpret_cast<const char*>(v.get()), true);
 
   const int64_t q_dims[3] = {M, num_heads, D};
   const ffi::Span<const int64_t> qd(q_dims, 3);
-  const Mode mode = f32 ? Mode::kF32 : bf16_dot && kHaveBf16Dot ? Mode::kBf16Dot
-                                                                : Mode::kBf16Portable;
+  const Mode mode = f32 ? Mode::kF32 : bf16_mode(bf16_dot);
   Attention A;
   if (ffi::Error e = PrepareAttention(A, threads, {q.get(), qd}, {k_out, pd}, {v_out, pd},
                                       nullptr, nullptr, block_tables, seq_lens, query_start_loc,
@@ -2789,9 +2800,7 @@ ffi::Error DecoderLayerTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
   const T* x_in = static_cast<const T*>(x.untyped_data());
   const T* mlp_w = static_cast<const T*>(mlp_norm.untyped_data());
   rows_stage([&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      add_rms_norm_row<T, float>(x_in + r * H, o.get() + r * H, mlp_w, eps, H, x1.get() + r * H,
-                                 h1.get() + r * H);
+    add_rms_norm_rows<T, float>(x_in, o.get(), mlp_w, eps, H, r0, r1, x1.get(), h1.get());
   });
   matmul(h1.get(), H, w_gate_up, gate_up.get());
   rows_stage([&](int64_t r0, int64_t r1) {
@@ -2800,9 +2809,7 @@ ffi::Error DecoderLayerTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
   matmul(act.get(), I, w_down, down.get());
   const T* next_w = static_cast<const T*>(next_norm.untyped_data());
   rows_stage([&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      add_rms_norm_row<T, float>(x1.get() + r * H, down.get() + r * H, next_w, eps, H,
-                                 x_out + r * H, h_out + r * H);
+    add_rms_norm_rows<T, float>(x1.get(), down.get(), next_w, eps, H, r0, r1, x_out, h_out);
   });
   return ffi::Error::Success();
 }
@@ -2853,22 +2860,18 @@ ffi::Error DecoderLayer(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer h
   if (!(eps >= 0.0f)) return InvalidLayer("eps must be >= 0");
   if (bf16_dot < 0 || bf16_dot > 2)
     return InvalidLayer("bf16_dot must be 0, 1 or 2, got " + std::to_string(bf16_dot));
-  const int64_t live_rows = live.typed_data()[0];
-  if (type == ffi::DataType::F32)
-    return DecoderLayerTyped<float>(pool, x, h, w_qkv, cos, sin, k_pool, v_pool, slots,
-                                    block_tables, seq_lens, query_start_loc, w_o, mlp_norm,
-                                    w_gate_up, w_down, next_norm, live_rows, num_heads, eps,
-                                    scale, query_tile, key_splits, bf16_dot,
-                                    static_cast<float*>(x_out->untyped_data()),
-                                    static_cast<float*>(h_out->untyped_data()),
-                                    k_out->untyped_data(), v_out->untyped_data());
-  return DecoderLayerTyped<bf16>(pool, x, h, w_qkv, cos, sin, k_pool, v_pool, slots,
-                                 block_tables, seq_lens, query_start_loc, w_o, mlp_norm,
-                                 w_gate_up, w_down, next_norm, live_rows, num_heads, eps, scale,
-                                 query_tile, key_splits, bf16_dot,
-                                 static_cast<bf16*>(x_out->untyped_data()),
-                                 static_cast<bf16*>(h_out->untyped_data()),
-                                 k_out->untyped_data(), v_out->untyped_data());
+  auto run = [&](auto* type_tag) {  // T of the tag's pointee
+    using T = std::remove_pointer_t<decltype(type_tag)>;
+    return DecoderLayerTyped<T>(pool, x, h, w_qkv, cos, sin, k_pool, v_pool, slots, block_tables,
+                                seq_lens, query_start_loc, w_o, mlp_norm, w_gate_up, w_down,
+                                next_norm, live.typed_data()[0], num_heads, eps, scale,
+                                query_tile, key_splits, bf16_dot,
+                                static_cast<T*>(x_out->untyped_data()),
+                                static_cast<T*>(h_out->untyped_data()), k_out->untyped_data(),
+                                v_out->untyped_data());
+  };
+  return type == ffi::DataType::F32 ? run(static_cast<float*>(nullptr))
+                                    : run(static_cast<bf16*>(nullptr));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import hf_logits
+from test_layer_glue import same_bits
 from test_packed_matmul import PACKABLE
 
 from jaxpage.attention import build_metadata, init_kv_pool
@@ -31,9 +32,10 @@ STEP = jax.jit(llama.LlamaModel.forward, static_argnums=0)
 BLOCK = 16
 
 
-def _same_bytes(a, b) -> bool:
-    a, b = np.asarray(a), np.asarray(b)
-    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+def _same_pools(ours, theirs) -> bool:
+    """Every K and V array of two pools the same, byte for byte (NaN slots included)."""
+    return all(same_bits(a, b) for pair in zip(ours, theirs, strict=True)
+               for a, b in zip(*pair, strict=True))
 
 
 def _setup(hf_model_dir, dtype):
@@ -62,6 +64,8 @@ def test_fused_decode_steps_are_the_unfused_ones_bit_for_bit(dtype, hf_model_dir
     """Three sequences prefilled (unfused: more rows than FUSED_LAYER_ROWS), then decode steps
     in a bucket of 4 tokens / 4 sequences (one padding row) and in the exact shape: fused and
     unfused from the same pool give the same logits and pools, byte for byte."""
+    import torch
+
     config, params, hf_model = _setup(hf_model_dir, dtype)
     fused, unfused = llama.LlamaModel(config), llama.LlamaModel(config, fuse_layers=False)
     prompts = [list(range(3, 40)), list(range(50, 59)), list(range(60, 80))]
@@ -69,16 +73,15 @@ def test_fused_decode_steps_are_the_unfused_ones_bit_for_bit(dtype, hf_model_dir
     _, pool = _run(unfused, params, _pool(config, dtype), tables, [0, 0, 0], prompts)
     lens = [len(p) for p in prompts]
     texts = [list(p) for p in prompts]
+    hf_bf16 = copy.deepcopy(hf_model).to(torch.bfloat16)  # HF's own bfloat16 error: the bound
     for step, bucket in enumerate([dict(num_tokens=4, num_seqs=4), {}, dict(num_tokens=8)]):
         new = [[(7 * step + 11 * s) % 120 + 3] for s in range(3)]
         step_dims = dict(bucket, num_logits=None)
         ours, ours_pool = _run(fused, params, pool, tables, lens, new, **step_dims)
         theirs, pool = _run(unfused, params, pool, tables, lens, new, **step_dims)
-        assert _same_bytes(ours, theirs), step
-        for (k1, v1), (k2, v2) in zip(ours_pool, pool, strict=True):
-            assert _same_bytes(k1, k2) and _same_bytes(v1, v2), step
+        assert same_bits(ours, theirs), step
+        assert _same_pools(ours_pool, pool), step
         # against HF float32: within the bound the packed model's decode is held to
-        hf_bf16 = copy.deepcopy(hf_model).to(__import__("torch").bfloat16)
         for s in range(3):
             texts[s] += new[s]
             truth = hf_logits(hf_model, texts[s])[-1]
@@ -110,9 +113,8 @@ def test_a_short_prompt_chunk_beside_decodes_fuses_alike(dtype, hf_model_dir):
     dims = dict(num_tokens=8, max_query_len=8, num_logits=None)
     ours, ours_pool = _run(fused, params, pool, tables, [20, 17, 0], new, **dims)
     theirs, pool = _run(unfused, params, pool, tables, [20, 17, 0], new, **dims)
-    assert _same_bytes(ours, theirs)
-    assert all(_same_bytes(a, b) for pair in zip(ours_pool, pool, strict=True)
-               for a, b in zip(*pair, strict=True))
+    assert same_bits(ours, theirs)
+    assert _same_pools(ours_pool, pool)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -127,9 +129,8 @@ def test_a_long_lone_sequence_cut_among_threads_fuses_alike(dtype, hf_model_dir)
     for step, token in enumerate([9, 17]):
         ours, ours_pool = _run(fused, params, pool, table, [600 + step], [[token]])
         theirs, pool = _run(unfused, params, pool, table, [600 + step], [[token]])
-        assert _same_bytes(ours, theirs)
-        assert all(_same_bytes(a, b) for pair in zip(ours_pool, pool, strict=True)
-                   for a, b in zip(*pair, strict=True))
+        assert same_bits(ours, theirs)
+        assert _same_pools(ours_pool, pool)
 
 
 def test_bad_slots_and_blocks_are_refused_by_name(hf_model_dir):
