@@ -36,6 +36,10 @@ sequence's keys among the threads (`paged_attention_cpu(key_splits=1)`; it cuts 
 step has few sequences over long contexts). `--vs-unfused` against the same step with each
 layer as its eleven kernel calls (`LlamaModel(fuse_layers=False)`) instead of one
 (`cpu_attention.decoder_layer`, taken by steps of at most `llama.FUSED_LAYER_ROWS` tokens).
+`--vs-lookahead` times the whole engine's step while the batch decodes (scheduling, the
+runner, the update, detokenizing: what a user waits for per token) with small decode steps
+run ahead (`EngineConfig.decode_lookahead_rows`: the next step started before the draws of
+the one before are read) and without, beside the weight-read bound.
 
     python scripts/bench_decode_step.py                      # context 128, float32 and bf16
     python scripts/bench_decode_step.py --context 256 --batches 8,64 --dtypes float32
@@ -46,6 +50,7 @@ layer as its eleven kernel calls (`LlamaModel(fuse_layers=False)`) instead of on
     python scripts/bench_decode_step.py --no-unpacked --batches 1,2 --context 1000 \
         --vs-uncut-attention
     python scripts/bench_decode_step.py --no-unpacked --batches 1,2,4,8 --vs-unfused
+    python scripts/bench_decode_step.py --no-unpacked --batches 1,2,4,8 --vs-lookahead
 
 With --profile each step's line is followed by where its time goes (`jax.profiler` over 5
 steps): the forward's span, the sampler and the host's share (Python, dispatch), the matmuls
@@ -189,6 +194,47 @@ def unfused_step_seconds(llm, batch: int, context: int, rounds: int = 40):
     model = llm.engine.runner.model
     return _alternating(llm, batch, context, "model",
                         (model, dataclasses.replace(model, fuse_layers=False)), rounds)
+
+
+def lookahead_step_seconds(llm, batch: int, context: int, rounds: int = 6,
+                           tokens: int = 48) -> tuple[float, float, float]:
+    """Median seconds of an engine step while `batch` requests decode (prompts of `context`
+    random tokens, `tokens` greedy tokens each, ignore_eos) with the runner starting each small
+    decode step before the one it follows is read back (`lookahead_rows`, the engine's
+    default) and without (0), alternating batch by batch; and the share of the steps so
+    started. Unlike the other figures here it is the whole engine's step: scheduling, the
+    runner, the draws' update and detokenizing, what a user waits for per token."""
+    import numpy as np
+
+    from jaxpage import SamplingParams
+
+    engine, runner = llm.engine, llm.engine.runner
+    ahead = runner.lookahead_rows
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    times: dict[int, list[float]] = {ahead: [], 0: []}
+    hits = steps = 0
+    try:
+        for r in range(rounds + 1):  # the first round compiles
+            for value, out in times.items():
+                runner.lookahead_rows = engine.scheduler.lookahead_rows = value
+                for i in range(batch):
+                    engine.add_request(f"lookahead-{r}-{value}-{i}",
+                                       rng.integers(100, 10_000, context).tolist(), params)
+                while engine.scheduler.waiting:  # the prompts
+                    engine.step()
+                before = runner.lookahead_hits
+                while engine.has_unfinished_requests():
+                    start = time.perf_counter()
+                    engine.step()
+                    if r:
+                        out.append(time.perf_counter() - start)
+                        steps += value > 0
+                if r and value:
+                    hits += runner.lookahead_hits - before
+    finally:
+        runner.lookahead_rows = engine.scheduler.lookahead_rows = ahead
+    return float(np.median(times[ahead])), float(np.median(times[0])), hits / max(steps, 1)
 
 
 def cores() -> int:
@@ -511,6 +557,10 @@ def main() -> None:
     ap.add_argument("--vs-unfused", action="store_true",
                     help="also the step with each layer as its eleven kernel calls instead of "
                          "one (alternating, 40 each)")
+    ap.add_argument("--vs-lookahead", action="store_true",
+                    help="also the engine's step while the batch decodes, with the runner "
+                         "starting each small decode step before reading the one before "
+                         "(decode_lookahead_rows) and without (alternating, 6 x 47 steps each)")
     ap.add_argument("--profile", action="store_true",
                     help="after each step's line, where its time goes by kind of op "
                          "(jax.profiler, 5 steps)")
@@ -579,6 +629,12 @@ def main() -> None:
                 fused, apart = unfused_step_seconds(llm, batch, args.context)
                 print(f"{'':>15}layers in one call each {fused * 1e3:.1f} ms, unfused "
                       f"{apart * 1e3:.1f} ms: {apart / fused:.2f}x", flush=True)
+            if args.vs_lookahead:
+                ahead, apart, share = lookahead_step_seconds(llm, batch, args.context)
+                print(f"{'':>15}engine step run ahead {ahead * 1e3:.1f} ms, not "
+                      f"{apart * 1e3:.1f} ms: {apart / ahead:.2f}x ({share:.0%} of steps run "
+                      f"ahead; {ahead * 1e3 / weights_ms:.2f}x the weight-read bound)",
+                      flush=True)
             if args.profile:
                 print_profile(step_profile(llm, batch, args.context), weights_ms)
         del llm, other

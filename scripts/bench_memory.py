@@ -108,7 +108,9 @@ def make_engine(model, params, tokenizer, policy: str, **config):
     from jaxpage import EngineConfig
     from jaxpage.engine.engine import LLMEngine
 
-    config = {"enable_prefix_caching": False, **config}
+    # the policies alone: a small batch running ahead (decode_lookahead_rows) takes a
+    # decode's next block a step early, a reservation of its own
+    config = {"enable_prefix_caching": False, "decode_lookahead_rows": 0, **config}
     cfg = EngineConfig(model=type(model).__name__, reservation_policy=policy, **config)
     return LLMEngine(cfg, model, params, tokenizer)
 

@@ -24,6 +24,11 @@ class SeqInput:
     sampling: list[SamplingRow]
     # the window group's table (sliding-window layers' pool), for models with such layers
     window_block_table: list[int] | None = None
+    # the scheduler's word that, unless its draw ends it, this decode sequence goes on to the
+    # next position with that draw and nothing else changed (one sample, no penalties' token
+    # history, no beam, below its length limits): the runner may start that step before it
+    # reads this one's draw (ModelRunner.lookahead_rows)
+    may_run_ahead: bool = False
 
 
 @dataclasses.dataclass(slots=True)

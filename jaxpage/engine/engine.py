@@ -82,6 +82,7 @@ class LLMEngine:
             enable_host_prefix_cache=config.enable_host_prefix_cache,
             preemption_mode=config.preemption_mode, swap_cost=self.swap_cost,
             window=runner.window, num_window_blocks=runner.num_window_blocks,
+            lookahead_rows=getattr(runner, "lookahead_rows", 0),
         )
         self.requests: dict[str, RequestGroup] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -476,6 +477,10 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "step_seconds": self.step_seconds,
             "device_seconds": self.runner.device_seconds,
+            # decode steps the runner had started before the step they follow was read
+            # back, and steps so started that were not the scheduler's next (run anew)
+            "lookahead_hits": getattr(self.runner, "lookahead_hits", 0),
+            "lookahead_misses": getattr(self.runner, "lookahead_misses", 0),
             "ttft": _summary(ttft),
             "tpot": _summary(tpot),
         }

@@ -15,6 +15,7 @@ over any trace is bounded by `max_compiles`; `compiles` counts them as they happ
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -92,10 +93,47 @@ def _forward_fn(model, params, kv_pool, token_ids, positions, attn_md):
 # batch shapes plus the number of sampling variants, not their product.
 _FORWARD = jax.jit(_forward_fn, static_argnums=0, donate_argnums=2)
 _SAMPLE = jax.jit(sample)
+# a decode step's drawn tokens as the next step's token ids (padding rows: 0)
+_NEXT_TOKENS = jax.jit(lambda drawn, n: jnp.where(jnp.arange(drawn.shape[0]) < n, drawn,
+                                                  0).astype(jnp.int32))
 _COPY_BLOCKS = jax.jit(_copy_blocks_fn, donate_argnums=0)
 _FILL_BLOCKS = jax.jit(_fill_blocks_fn, donate_argnums=0)
 _GATHER_BLOCKS = jax.jit(_gather_blocks_fn)
 _SCATTER_BLOCKS = jax.jit(_scatter_blocks_fn, donate_argnums=0)
+
+
+@dataclasses.dataclass(slots=True)
+class _Step:
+    """A step on its way: its sequences' count, its draws (sequence index, row), their rows'
+    bucket, and the sampler's outputs on the device (None: nothing drawn)."""
+
+    num_seqs: int
+    rows: list[tuple[int, SamplingRow]]
+    num_rows: int
+    drawn: dict[str, jax.Array] | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class _Ahead:
+    """A decode step started before the step it follows was read back: its inputs (their
+    token ids filled in once that step's draws are read) and the step."""
+
+    seqs: list[SeqInput]
+    step: _Step
+
+
+def _same_inputs(a: list[SeqInput], b: list[SeqInput], block_size: int) -> bool:
+    """Whether two steps' sequences are the same computation: the same blocks under their
+    tokens (past them a table may have grown since: the scheduler takes a block a step before
+    it is written, and attention reads no block past a sequence's length), positions, tokens
+    and sampling rows (`may_run_ahead` aside)."""
+    def used(s: SeqInput) -> list[int]:
+        return s.block_table[:-(-(s.num_computed + len(s.token_ids)) // block_size)]
+
+    return len(a) == len(b) and all(
+        used(x) == used(y) and x.num_computed == y.num_computed
+        and x.token_ids == y.token_ids and x.sampling == y.sampling
+        and x.window_block_table == y.window_block_table for x, y in zip(a, b, strict=True))
 
 
 def build_runner(model: Any, params: Any, config: EngineConfig, *, max_model_len: int,
@@ -246,6 +284,15 @@ class ModelRunner:
         # bandwidth the "auto" preemption mode measures
         self.swap_out_bytes_timed = 0
         self.swap_out_seconds_timed = 0.0
+        # A decode step of at most lookahead_rows sequences starts the next one before its
+        # own draws are read (`_run_ahead`), the next tokens fed from the device: the host's
+        # work of a step (reading the draws, the engine's update, the next step's arrays and
+        # dispatch, ~1 ms on CPU) overlaps the device's. 0: never. Not with tensor
+        # parallelism, several processes or sliding windows.
+        self.lookahead_rows = (config.decode_lookahead_rows if self.parallel is None
+                               and jax.process_count() == 1 and self.window is None else 0)
+        self.lookahead_hits = self.lookahead_misses = 0  # steps found run ahead, or not
+        self._ahead: _Ahead | None = None
 
     @property
     def compiles(self) -> int:
@@ -263,7 +310,9 @@ class ModelRunner:
         sampling = rows * 2 * 2 * 2 * (1 + len(self.len_buckets)) * (1 + len(self.ban_buckets))
         swaps = len(self.swap_out_buckets) + len(self.copy_buckets) if self.num_host_blocks else 0
         groups = sum(1 for layers in (self.full_layers, self.window_layers) if layers)
-        return forward + sampling + 2 * len(self.copy_buckets) * groups + swaps  # copies, fills
+        ahead = rows  # a run-ahead step's token ids, per decode bucket
+        return (forward + sampling + 2 * len(self.copy_buckets) * groups  # copies, fills
+                + swaps + ahead)
 
     def copy_blocks(self, copies: list[tuple[int, int]], window: bool = False) -> None:
         """Copy `(src, dst)` blocks in every layer of the full group, or of the window
@@ -363,6 +412,7 @@ class ModelRunner:
     def reset_pool(self) -> None:
         """A new KV pool, as at start (its old contents are gone)."""
         self.kv_pool = self._new_pool()
+        self._ahead = None  # it ran on the old pool
 
     def _new_pool(self):
         """Each layer's (k, v) pool: the full group's layers with num_blocks blocks, the
@@ -396,9 +446,10 @@ class ModelRunner:
         """Compile the shapes a server meets first, before it serves: a decode step at every
         decode-batch bucket and block-table width bucket, and a one-prompt chunk at every
         token bucket and width bucket (after cached blocks or earlier chunks), each greedy
-        and sampled. Steps mixing several prompts, or prompts and decodes, compile on first
-        use (and come from JAX's persistent cache when it is on). The steps write only into
-        the reserved block 0. Returns (new compilations, seconds)."""
+        and sampled, and the run-ahead steps' token ids. Steps mixing several prompts, or
+        prompts and decodes, compile on first use (and come from JAX's persistent cache when
+        it is on). The steps write only into the reserved block 0. Returns (new compilations,
+        seconds)."""
         before, start = self.compiles, time.perf_counter()
         bs = self.block_size
         rows = {"greedy": SamplingParams(temperature=0.0), "sampled": SamplingParams()}
@@ -416,9 +467,42 @@ class ModelRunner:
                     if context >= tokens:
                         self.execute([SeqInput([0] * width, context - tokens, [0] * tokens,
                                                [row], [0] * width)])
+        # a run-ahead step's token ids, at each decode bucket it may take
+        for num_seqs in {bucket_for(n, self.decode_buckets)
+                         for n in range(1, min(self.lookahead_rows, self.decode_buckets[-1]) + 1)}:
+            self._timed(("next_tokens", num_seqs), lambda n=num_seqs: _NEXT_TOKENS(
+                jax.device_put(np.zeros(n, np.int32), self.devices[0]), n))
         return self.compiles - before, time.perf_counter() - start
 
     def _run(self, seqs: list[SeqInput], is_decode: bool) -> list[list[SeqResult]]:
+        """One call of the step function over `seqs` (or the step run ahead last time, when
+        it is this one), the next decode step started where it may run ahead, then this
+        step's draws read back."""
+        ahead, self._ahead = self._ahead, None
+        if (ahead is not None and is_decode
+                and _same_inputs(ahead.seqs, seqs, self.block_size)):
+            step = ahead.step  # run ahead last step, on the tokens it then drew
+            self.lookahead_hits += 1
+        else:
+            if ahead is not None:
+                self.lookahead_misses += 1
+            step = self._dispatch(seqs, is_decode)
+        try:
+            if is_decode:
+                self._ahead = self._run_ahead(seqs, step)
+            results = self._results(step)
+        except BaseException:
+            self._ahead = None  # it would run on this step's pool and tokens
+            raise
+        if self._ahead is not None:  # its inputs, now that this step's tokens are known
+            for seq, result in zip(self._ahead.seqs, results, strict=True):
+                seq.token_ids = [result[0].token]
+        return results
+
+    def _dispatch(self, seqs: list[SeqInput], is_decode: bool,
+                  token_ids: jax.Array | None = None) -> _Step:
+        """Build a step's arrays and start its forward and sampler on the device (`token_ids`:
+        the new tokens already on the device, in place of the seqs' own)."""
         num_seqs = bucket_for(len(seqs),
                               self.decode_buckets if is_decode else self.prefill_seq_buckets)
         total = sum(len(s.token_ids) for s in seqs)
@@ -450,8 +534,11 @@ class ModelRunner:
             window_block_tables=None if self.window is None else [
                 s.window_block_table[:width] for s in seqs],
         )
-        token_ids = np.zeros(num_tokens, np.int32)
-        token_ids[:total] = [t for s in seqs for t in s.token_ids]
+        if token_ids is None:
+            token_ids = np.zeros(num_tokens, np.int32)
+            token_ids[:total] = [t for s in seqs for t in s.token_ids]
+            if self.lookahead_rows:  # on the device, as a run-ahead step's: one compilation
+                token_ids = jax.device_put(token_ids, self.devices[0])
 
         def forward():
             logits, self.kv_pool = _FORWARD(self.model, self.params, self.kv_pool, token_ids,
@@ -460,9 +547,9 @@ class ModelRunner:
 
         logits = self._timed(("forward", num_tokens, max_query_len, num_seqs, width, num_rows),
                              forward)
-        results: list[list[SeqResult]] = [[] for _ in seqs]
+        step = _Step(len(seqs), rows, num_rows)
         if not rows:  # only non-final prompt chunks: nothing to draw
-            return results
+            return step
         sampling_md = SamplingMetadata.pack([row for _, row in rows], num_rows,
                                             ban_buckets=self.ban_buckets,
                                             history_buckets=self.len_buckets)
@@ -470,8 +557,18 @@ class ModelRunner:
                         sampling_md.all_greedy,
                         *(None if a is None else a.shape[1] for a in (
                             sampling_md.prompt_token_ids, sampling_md.banned_token_ids)))
-        out = self._timed(sampling_key, lambda: jax.device_get(_SAMPLE(logits, sampling_md)))
-        for r, (i, row) in enumerate(rows):
+        step.drawn = self._timed(sampling_key, lambda: _SAMPLE(logits, sampling_md))
+        return step
+
+    def _results(self, step: _Step) -> list[list[SeqResult]]:
+        """A dispatched step's draws, read back from the device (waiting for it)."""
+        results: list[list[SeqResult]] = [[] for _ in range(step.num_seqs)]
+        if not step.rows:
+            return results
+        start = time.perf_counter()
+        out = jax.device_get(step.drawn)
+        self.device_seconds += time.perf_counter() - start
+        for r, (i, row) in enumerate(step.rows):
             top = None
             if row.num_logprobs:
                 n = row.num_logprobs
@@ -479,6 +576,24 @@ class ModelRunner:
                                out["top_logprobs"][r, :n].tolist(), strict=True))
             results[i].append(SeqResult(int(out["tokens"][r]), float(out["logprob"][r]), top))
         return results
+
+    def _run_ahead(self, seqs: list[SeqInput], step: _Step) -> _Ahead | None:
+        """Start the decode step after `seqs` (None where it may not run ahead): each sequence
+        one position on, its new token the one `step` draws, taken on the device (the host
+        reads it meanwhile). Only a small step (the host's share of a step is largest there)
+        whose every sequence is one draw the scheduler marked as going on
+        (`SeqInput.may_run_ahead`), its next slot in a block it holds."""
+        if not 0 < len(seqs) <= self.lookahead_rows or not all(
+                s.may_run_ahead and len(s.sampling) == 1 and len(s.token_ids) == 1
+                and (s.num_computed + 1) // self.block_size < len(s.block_table)
+                for s in seqs):
+            return None
+        nxt = [SeqInput(s.block_table, s.num_computed + 1, [0], [
+            dataclasses.replace(s.sampling[0], step=s.sampling[0].step + 1)],
+            s.window_block_table, True) for s in seqs]
+        tokens = self._timed(("next_tokens", step.num_rows),
+                             lambda: _NEXT_TOKENS(step.drawn["tokens"], len(seqs)))
+        return _Ahead(nxt, self._dispatch(nxt, True, token_ids=tokens))
 
     def _timed(self, key: tuple, fn):
         """Run fn; the first call of a shape key is a compilation, timed (to completion) as

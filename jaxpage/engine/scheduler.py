@@ -101,6 +101,7 @@ class Scheduler:
         swap_cost: SwapCostModel | None = None,
         window: int | None = None,
         num_window_blocks: int = 0,
+        lookahead_rows: int = 0,
     ) -> None:
         kwargs = dict(num_host_blocks=num_host_blocks,
                       enable_host_prefix_cache=enable_host_prefix_cache,
@@ -117,6 +118,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_prefix_caching = enable_prefix_caching
         self.eos_token_ids = frozenset(eos_token_ids)
+        # the runner may start a decode step of at most this many sequences before it reads
+        # the one before (ModelRunner.lookahead_rows; 0: never): see `_goes_on`
+        self.lookahead_rows = lookahead_rows
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.failed: list[RequestGroup] = []  # ended by a failure, not yet reported
@@ -167,6 +171,12 @@ class Scheduler:
                 continue
             if copies is None:  # the request itself was preempted: nothing newer is left
                 break
+            if (self._goes_on(request, num_new)
+                    and (request.num_computed_tokens + 1) % self.allocator.block_size == 0):
+                # its next token starts a block: take that block now, so that the next step
+                # can run ahead of this one (a step early; nothing taken when the pool is short)
+                copies += self.allocator.grow(request.seq_id,
+                                              request.num_computed_tokens + 2) or []
             scheduled[request] = self._chunk(request, num_new, copies)
             budget -= num_new
 
@@ -341,7 +351,20 @@ class Scheduler:
                     for i in range(request.num_draws)]
         return SeqInput(chunk.block_table, start,
                         request.token_ids[start : start + chunk.num_new_tokens], rows,
-                        chunk.window_block_table)
+                        chunk.window_block_table,
+                        self._goes_on(request, chunk.num_new_tokens))
+
+    def _goes_on(self, request: Request, num_new: int) -> bool:
+        """Whether computing `num_new` tokens of `request` is a decode that, unless its draw
+        ends it, goes on as it is to the next position, so that the runner may start that
+        step before it reads this one's draw (SeqInput.may_run_ahead): one draw, no
+        penalties (their token history would lack it), no beam or sliding window, and not
+        its last by length; only while few enough run for the runner to do so."""
+        return (0 < len(self.running) <= self.lookahead_rows and num_new == 1
+                and request.num_computed_tokens + 1 == request.num_tokens
+                and request.num_draws == 1 and not request.params.uses_penalties
+                and not self.windowed and not isinstance(request.group, BeamGroup)
+                and request.num_tokens + 1 < min(request.max_num_tokens, self.max_model_len))
 
     def update(self, output: SchedulerOutput, results: list[list[SeqResult]]) -> StepUpdate:
         """Apply an executed step: record its K/V as written (hashing newly full blocks for

@@ -1,0 +1,211 @@
+"""Small decode steps run ahead (`EngineConfig.decode_lookahead_rows`, ModelRunner._run_ahead):
+the runner starts the next decode step, its tokens taken from the device, before it reads the
+draws of the step it follows. The engine must not be able to tell: every request's tokens,
+log-probabilities and finish reasons are those of the engine stepping one step at a time, and
+greedy ones HF transformers'. Run-ahead steps the scheduler does not take (a sequence stopped,
+was aborted or preempted, a request arrived) are run anew, and the K/V they wrote harms
+nobody: the pool starts as NaN and every released block is refilled with NaN
+(`debug_nan_pool`), so a read of a slot nobody wrote would turn tokens to garbage."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import add_due, hf_greedy
+from test_fault_injection import Once
+
+import jaxpage.engine.runner as runner_module
+from jaxpage import LLM, BeamSearchParams, SamplingParams
+from jaxpage.llm import merge_delta
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(hf_model_dir):
+    return hf_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def stop_case(tiny):
+    """A prompt, its HF greedy continuation, and a stop token that ends it part way."""
+    prompt = list(range(30, 41))
+    greedy = hf_greedy(tiny[1], prompt, 24)
+    return prompt, greedy, greedy[6]
+
+
+def workload(stop_case):
+    """(request_id, prompt, params, step to add it at): requests arriving while others
+    decode; ones that end part way (a stop token, after min_tokens, an abort, length); rows
+    the scheduler never lets run ahead (penalties, n > 1 forks at the prompt's end, beams)."""
+    prompt, _, stop = stop_case
+    return [
+        ("g0", list(range(3, 10)), SamplingParams(max_tokens=30, **GREEDY), 0),
+        ("s0", list(range(11, 18)), SamplingParams(max_tokens=25, temperature=1.0, top_p=0.9,
+                                                   seed=3, logprobs=2, ignore_eos=True), 0),
+        ("stop", prompt, SamplingParams(max_tokens=24, temperature=0.0,
+                                        stop_token_ids=[stop]), 2),
+        ("min", prompt, SamplingParams(max_tokens=16, temperature=0.0, min_tokens=10,
+                                       stop_token_ids=[stop]), 2),
+        ("late", list(range(80, 90)), SamplingParams(max_tokens=20, **GREEDY), 20),
+        # later, beside the last of the others
+        ("pen", list(range(50, 57)), SamplingParams(max_tokens=12, presence_penalty=1.5,
+                                                    **GREEDY), 34),
+        ("n2", list(range(60, 66)), SamplingParams(n=2, max_tokens=14, temperature=0.9,
+                                                   seed=9, ignore_eos=True), 40),
+        ("beam", list(range(70, 77)), BeamSearchParams(beam_width=2, max_tokens=6,
+                                                       ignore_eos=True), 44),
+        ("abort", list(range(20, 26)), SamplingParams(max_tokens=40, **GREEDY), 0),
+    ]
+
+
+def serve(llm, items, abort_at=12):
+    """Serve `items` step by step (aborting "abort" at step `abort_at`); returns
+    ({request_id: final output with merged completions}, engine stats)."""
+    engine = llm.engine
+    pending = list(items)
+    merged, final = {}, {}
+    for step in range(1000):
+        add_due(engine, pending, step)
+        if step == abort_at:
+            engine.abort_request("abort")
+        if not pending and not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            completions = merge_delta(merged.setdefault(out.request_id, {}), out)
+            if out.finished:
+                out.outputs = completions
+                final[out.request_id] = out
+        engine.allocator.check_invariants()
+    else:
+        raise AssertionError("the workload did not finish")
+    usage = engine.allocator.usage()
+    assert usage["used"] == 0 and not engine.requests, "blocks or requests left behind"
+    return final, llm.stats()
+
+
+def outcome(out):
+    return [(c.token_ids, c.cumulative_logprob, c.finish_reason) for c in out.outputs]
+
+
+@pytest.mark.parametrize("block_size,num_blocks", [(4, 48), (4, 20), (16, 24)],
+                         ids=["blocks-of-4", "preempting", "blocks-of-16"])
+def test_run_ahead_changes_no_request(tiny, stop_case, block_size, num_blocks):
+    path, model = tiny
+    items = workload(stop_case)
+    runs = {}
+    for rows in (8, 0):
+        llm = LLM(path, block_size=block_size, num_blocks=num_blocks,
+                  max_num_batched_tokens=32, max_num_seqs=8, debug_nan_pool=True,
+                  decode_lookahead_rows=rows)
+        runs[rows] = serve(llm, items)
+    (ahead, stats), (apart, apart_stats) = runs[8], runs[0]
+    assert apart_stats["lookahead_hits"] == apart_stats["lookahead_misses"] == 0
+    # both paths taken: steps found run ahead, and run-ahead steps run anew
+    assert stats["lookahead_hits"] >= 15 and stats["lookahead_misses"] >= 3, stats
+    if num_blocks == 20:
+        assert stats["num_preemptions"] > 0
+    assert set(ahead) == set(apart) == {item[0] for item in items}
+    for request_id in apart:
+        assert outcome(ahead[request_id]) == outcome(apart[request_id]), request_id
+        assert ahead[request_id].outputs[0].logprobs == apart[request_id].outputs[0].logprobs
+    # the independent oracle: HF transformers' greedy tokens
+    for request_id, prompt, params, _ in items:
+        if request_id in ("g0", "late"):
+            assert ahead[request_id].outputs[0].token_ids == hf_greedy(model, prompt,
+                                                                       params.max_tokens)
+    prompt, greedy, stop = stop_case
+    stopped = ahead["stop"].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == stop
+    assert stopped.token_ids == greedy[:len(stopped.token_ids)] and len(stopped.token_ids) <= 7
+    assert len(ahead["min"].outputs[0].token_ids) >= 10
+    assert ahead["abort"].outputs[0].finish_reason == "abort"
+
+
+def test_only_decodes_that_go_on_as_they_are_may_run_ahead(tiny):
+    """The scheduler's word (SeqInput.may_run_ahead), hand-worked per request: a decode whose
+    draw is not its last by length, with one plain row; never a prompt chunk, a forking
+    prompt's end, penalties (their token history would miss the draw) or a beam."""
+    path, _ = tiny
+    llm = LLM(path, block_size=4, num_blocks=64, max_num_seqs=8)
+    engine, runner = llm.engine, llm.engine.runner
+    flags = []
+    execute = runner.execute
+    runner.execute = lambda seqs: (flags.append([(len(s.token_ids), len(s.sampling),
+                                                 s.may_run_ahead) for s in seqs]),
+                                   execute(seqs))[1]
+
+    def run(prompt, params, beam=False):
+        flags.clear()
+        (engine.add_beam_request if beam else engine.add_request)("r", prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        return [f for step in flags for f in step]
+
+    # 3-token prompt, 5 tokens: the prompt draws the first, four decodes the rest; the last
+    # decode's draw is the fifth token (length): it does not go on
+    assert run([5, 6, 7], SamplingParams(max_tokens=5, **GREEDY)) == [
+        (3, 1, False), (1, 1, True), (1, 1, True), (1, 1, True), (1, 1, False)]
+    assert run([5, 6, 7], SamplingParams(max_tokens=4, presence_penalty=1.0, **GREEDY)) == [
+        (3, 1, False), (1, 1, False), (1, 1, False), (1, 1, False)]
+    # n = 2: the prompt's end draws twice (no), then each sample decodes on its own
+    assert run([5, 6, 7], SamplingParams(n=2, max_tokens=3, temperature=1.0, seed=1,
+                                         ignore_eos=True)) == [
+        (3, 2, False), (1, 1, True), (1, 1, True), (1, 1, False), (1, 1, False)]
+    beam = run([5, 6, 7], BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True),
+               beam=True)
+    assert beam and not any(flag for _, _, flag in beam)
+
+
+def test_a_lone_request_runs_ahead_at_every_step_but_its_last(tiny):
+    """One request of 20 tokens in blocks of 4: its 19 decodes (positions 3..21) all go on
+    but the last, and each step after one that goes on is found run ahead (18 hits, no
+    misses), across block boundaries too: where a decode's next token starts a block the
+    scheduler takes that block a step early. Its tokens are HF's."""
+    path, model = tiny
+    llm = LLM(path, block_size=4, num_blocks=64, max_num_seqs=8)
+    prompt = [5, 6, 7]
+    out = llm.generate([prompt], SamplingParams(max_tokens=20, **GREEDY), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(model, prompt, 20)
+    stats = llm.stats()
+    assert (stats["lookahead_hits"], stats["lookahead_misses"]) == (18, 0)
+    assert stats["kv_blocks_used"] == 0
+
+
+def test_a_failed_run_ahead_loses_nothing(tiny, monkeypatch):
+    """Starting the run-ahead step fails once: that step raises (the engine puts itself back
+    as before it), the next redoes it, and every request ends as in a clean run."""
+    path, _ = tiny
+    items = [("a", list(range(3, 10)), SamplingParams(max_tokens=16, **GREEDY), 0),
+             ("b", list(range(11, 15)), SamplingParams(max_tokens=12, temperature=1.0,
+                                                       seed=4, ignore_eos=True), 0)]
+
+    def run(fault_step=None):
+        llm = LLM(path, block_size=4, num_blocks=48, max_num_seqs=8, debug_nan_pool=True)
+        engine = llm.engine
+        pending, final, merged, raised = list(items), {}, {}, 0
+        for step in range(200):
+            add_due(engine, pending, step)
+            if not pending and not engine.has_unfinished_requests():
+                break
+            if step == fault_step:
+                monkeypatch.setattr(runner_module, "_NEXT_TOKENS", once)
+            try:
+                outputs = engine.step()
+            except RuntimeError as exc:
+                assert "injected" in str(exc)
+                raised += 1
+                continue
+            for out in outputs:
+                completions = merge_delta(merged.setdefault(out.request_id, {}), out)
+                if out.finished:
+                    final[out.request_id] = completions
+        return {r: [(c.token_ids, c.cumulative_logprob) for c in v]
+                for r, v in final.items()}, raised, llm.stats()
+
+    once = Once(runner_module._NEXT_TOKENS)
+    clean, raised, _ = run()
+    assert raised == 0
+    faulted, raised, stats = run(fault_step=4)
+    assert once.fired and raised == 1 and stats["lookahead_hits"] > 0
+    assert faulted == clean
+
