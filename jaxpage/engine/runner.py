@@ -84,8 +84,20 @@ def _scatter_blocks_fn(kv_pool, block_ids, blocks):
                   for i, x in enumerate(pair)) for layer, pair in enumerate(kv_pool)]
 
 
+def _counted(logits: jax.Array) -> jax.Array:
+    """`logits`, bit for bit, through an op XLA:CPU's cost model counts. XLA:CPU runs an
+    executable it counts under 1,000 FLOPs inline, on the calling thread, once its inputs are
+    ready (PJRT's "cheap computation"), and it counts nothing in a custom call: a float32
+    decode step whose every matmul is one of the kernel library's counted 59 to 736 FLOPs,
+    so the host waited out each step it dispatched and none of its own work overlapped one
+    (a step run ahead included). max(x, -inf) is x (NaN stays NaN) and counts a FLOP per
+    logit; the barrier keeps XLA from seeing the -inf and dropping it."""
+    return jnp.maximum(logits, jax.lax.optimization_barrier(jnp.array(-jnp.inf, logits.dtype)))
+
+
 def _forward_fn(model, params, kv_pool, token_ids, positions, attn_md):
-    return model.forward(params, token_ids, positions, kv_pool, attn_md)
+    logits, kv_pool = model.forward(params, token_ids, positions, kv_pool, attn_md)
+    return _counted(logits), kv_pool
 
 
 # Module-level so that every runner of the same model shares compiled executables. The

@@ -209,3 +209,48 @@ def test_a_failed_run_ahead_loses_nothing(tiny, monkeypatch):
     assert once.fired and raised == 1 and stats["lookahead_hits"] > 0
     assert faulted == clean
 
+
+def test_a_decode_step_is_not_run_inline_by_the_host(tiny, monkeypatch):
+    """XLA:CPU runs an executable its cost model counts under 1,000 FLOPs on the calling
+    thread (PJRT's cheap computation), and custom calls count none: a float32 step whose
+    matmuls are all the kernel library's would block the host for the whole step, and no step
+    would ever run ahead of it. The step function adds an identity over the logits that
+    counts (`_counted`: a max with a -inf XLA cannot see): its logits are the model's, bit for
+    bit, NaN and -0.0 included."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    path, _ = tiny
+    llm = LLM(path, block_size=4, num_blocks=64, max_num_seqs=8)
+    runner = llm.engine.runner
+    calls = []
+    forward = runner_module._FORWARD
+
+    def spy(*args):
+        calls.append(args)
+        return forward(*args)
+
+    monkeypatch.setattr(runner_module, "_FORWARD", spy)
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)
+    model, params, _, token_ids, positions, attn_md = calls[-1]  # a 1-row decode step
+    args = (params, runner.kv_pool, token_ids, positions, attn_md)
+
+    def flops(fn):
+        cost = jax.jit(fn, static_argnums=0).lower(model, *args).compile().cost_analysis()
+        return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+    logits, _ = model.forward(params, token_ids, positions, runner.kv_pool, attn_md)
+    # one counted FLOP per logit: past 1,000 for any vocabulary of 1,000 tokens or more (the
+    # tiny model's has 97)
+    alone = flops(lambda m, p, kv, t, pos, md: m.forward(p, t, pos, kv, md))
+    assert flops(runner_module._forward_fn) >= alone + logits.size
+    ours, _ = runner_module._forward_fn(model, params, runner.kv_pool, token_ids, positions,
+                                        attn_md)
+    assert np.array_equal(np.asarray(ours).view(np.uint32), np.asarray(logits).view(np.uint32))
+    special = jnp.array([np.nan, -np.nan, -np.inf, -0.0, 0.0, 1e-45, 1.5, np.inf])
+    for dtype, bits in ((jnp.float32, np.uint32), (jnp.bfloat16, np.uint16)):
+        x = special.astype(dtype)
+        same = jax.jit(runner_module._counted)(x)
+        assert same.dtype == dtype
+        assert np.array_equal(np.asarray(same).view(bits), np.asarray(x).view(bits))
