@@ -633,8 +633,7 @@ def main() -> None:
                 ahead, apart, share = lookahead_step_seconds(llm, batch, args.context)
                 print(f"{'':>15}engine step run ahead {ahead * 1e3:.1f} ms, not "
                       f"{apart * 1e3:.1f} ms: {apart / ahead:.2f}x ({share:.0%} of steps run "
-                      f"ahead; {ahead * 1e3 / weights_ms:.2f}x the weight-read bound)",
-                      flush=True)
+                      f"ahead; {ahead * 1e3 / bound:.2f}x the bound)", flush=True)
             if args.profile:
                 print_profile(step_profile(llm, batch, args.context), weights_ms)
         del llm, other
