@@ -171,12 +171,6 @@ class Scheduler:
                 continue
             if copies is None:  # the request itself was preempted: nothing newer is left
                 break
-            if (self._goes_on(request, num_new)
-                    and (request.num_computed_tokens + 1) % self.allocator.block_size == 0):
-                # its next token starts a block: take that block now, so that the next step
-                # can run ahead of this one (a step early; nothing taken when the pool is short)
-                copies += self.allocator.grow(request.seq_id,
-                                              request.num_computed_tokens + 2) or []
             scheduled[request] = self._chunk(request, num_new, copies)
             budget -= num_new
 
@@ -228,6 +222,17 @@ class Scheduler:
             slots += request.num_slots
             scheduled[request] = self._chunk(request, num_new, [])
             budget -= num_new
+
+        # 3. a decode that may run ahead (`_goes_on`) and whose next token starts a block takes
+        # that block now, a step early, from what this step left free: the step after it can
+        # then run ahead too (its next slot must be in a block the sequence holds)
+        for request, chunk in scheduled.items():
+            if (self._goes_on(request, chunk.num_new_tokens)
+                    and (chunk.num_computed_tokens + 1) % self.allocator.block_size == 0):
+                extra = self.allocator.grow(request.seq_id, chunk.num_computed_tokens + 2)
+                if extra is not None:  # None: the pool is short, nothing taken
+                    chunk.block_copies = chunk.block_copies + extra
+                    chunk.block_table = self.allocator.block_table(request.seq_id)
 
         chunks = list(scheduled.values())
         copies = [copy for chunk in chunks for copy in chunk.block_copies]

@@ -146,8 +146,7 @@ def test_a_group_preempted_mid_copy_on_write_is_read_at_the_copy_sources(path, h
     rng = np.random.default_rng(0)
     long, prompt = rng.integers(3, 97, size=62).tolist(), rng.integers(3, 97, size=6).tolist()
     greedy = dict(temperature=0.0, ignore_eos=True)
-    # the pool is sized block by block: no decode's next block taken a step early
-    llm = LLM(path, **SMALL, **SWAP, preemption_mode="swap", decode_lookahead_rows=0)
+    llm = LLM(path, **SMALL, **SWAP, preemption_mode="swap")
     engine, allocator = llm.engine, llm.engine.allocator
     swap_out, pending = allocator.swap_out, []
 
