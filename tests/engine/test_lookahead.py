@@ -254,3 +254,11 @@ def test_a_decode_step_is_not_run_inline_by_the_host(tiny, monkeypatch):
         same = jax.jit(runner_module._counted)(x)
         assert same.dtype == dtype
         assert np.array_equal(np.asarray(same).view(bits), np.asarray(x).view(bits))
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, "8", True, None])
+def test_bad_lookahead_rows_are_refused(value):
+    from jaxpage import EngineConfig
+
+    with pytest.raises(ValueError, match=f"decode_lookahead_rows.*{value!r}"):
+        EngineConfig(decode_lookahead_rows=value)
