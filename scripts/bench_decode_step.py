@@ -39,7 +39,7 @@ layer as its eleven kernel calls (`LlamaModel(fuse_layers=False)`) instead of on
 `--vs-lookahead` times the whole engine's step while the batch decodes (scheduling, the
 runner, the update, detokenizing: what a user waits for per token) with small decode steps
 run ahead (`EngineConfig.decode_lookahead_rows`: the next step started before the draws of
-the one before are read) and without, beside the weight-read bound.
+the one before are read) and without, over the step's bound.
 
     python scripts/bench_decode_step.py                      # context 128, float32 and bf16
     python scripts/bench_decode_step.py --context 256 --batches 8,64 --dtypes float32
