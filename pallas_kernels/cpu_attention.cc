@@ -1319,13 +1319,6 @@ ffi::Error PagedAttentionQuantized(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q
                       out->untyped_data(), out->dimensions(), sizeof(float));
 }
 
-// pool[:, index[t]] = values[:, t] in place (the result aliases the pool): the KV write and
-// block copies for pools XLA:CPU cannot scatter itself without converting the whole pool to
-// float32 and back (bfloat16, float8; see pallas_kernels/bits.py). values [K, T, R...] of
-// the pool's element type, index [T] int32; the pool [K, ...] is read as [K, N, prod(R)]
-// whatever its shape (a [K, blocks, block_size, D] pool takes slot indices directly: a
-// reshape of the operand would make XLA copy the pool before the call). Rows are written in
-// t order (a later duplicate wins; callers never rely on it).
 // The first of `count` indices outside [0, rows), or -1.
 int64_t first_bad_index(const int32_t* index, int64_t count, int64_t rows) {
   for (int64_t t = 0; t < count; ++t)
@@ -1335,7 +1328,8 @@ int64_t first_bad_index(const int32_t* index, int64_t count, int64_t rows) {
 
 // dst[k, index[t]] = values[t, k] (token-major) or values[k, t], rows of `row_bytes`, in t order
 // (a later duplicate wins), for a pool of `heads` x `rows` rows; dst starts as a copy of `src`
-// where it is not src itself (XLA did not alias the result with the pool). Indices checked.
+// where it is not src itself (XLA did not alias the result with the pool). The caller checks
+// the indices (first_bad_index).
 void write_rows(char* dst, const void* src, int64_t heads, int64_t rows, int64_t row_bytes,
                 const int32_t* index, int64_t count, const char* values, bool token_major) {
   if (dst != src) std::memcpy(dst, src, static_cast<size_t>(heads * rows * row_bytes));
@@ -1346,6 +1340,13 @@ void write_rows(char* dst, const void* src, int64_t heads, int64_t rows, int64_t
                   static_cast<size_t>(row_bytes));
 }
 
+// pool[:, index[t]] = values[:, t] in place (the result aliases the pool): the KV write and
+// block copies for pools XLA:CPU cannot scatter itself without converting the whole pool to
+// float32 and back (bfloat16, float8; see pallas_kernels/bits.py). values [K, T, R...] of
+// the pool's element type, index [T] int32; the pool [K, ...] is read as [K, N, prod(R)]
+// whatever its shape (a [K, blocks, block_size, D] pool takes slot indices directly: a
+// reshape of the operand would make XLA copy the pool before the call). Rows are written in
+// t order (a later duplicate wins; callers never rely on it).
 ffi::Error SetRows(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> index, ffi::AnyBuffer values,
                    int64_t token_major, ffi::Result<ffi::AnyBuffer> out) {
   const auto pd = pool.dimensions();

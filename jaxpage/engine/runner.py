@@ -593,11 +593,10 @@ class ModelRunner:
         """Start the decode step after `seqs` (None where it may not run ahead): each sequence
         one position on, its new token the one `step` draws, taken on the device (the host
         reads it meanwhile). Only a small step (the host's share of a step is largest there)
-        whose every sequence is one draw the scheduler marked as going on
-        (`SeqInput.may_run_ahead`), its next slot in a block it holds."""
+        whose every sequence the scheduler marked as going on (`SeqInput.may_run_ahead`: a
+        decode of one draw), its next slot in a block it holds."""
         if not 0 < len(seqs) <= self.lookahead_rows or not all(
-                s.may_run_ahead and len(s.sampling) == 1 and len(s.token_ids) == 1
-                and (s.num_computed + 1) // self.block_size < len(s.block_table)
+                s.may_run_ahead and (s.num_computed + 1) // self.block_size < len(s.block_table)
                 for s in seqs):
             return None
         nxt = [SeqInput(s.block_table, s.num_computed + 1, [0], [

@@ -119,7 +119,8 @@ class Scheduler:
         self.enable_prefix_caching = enable_prefix_caching
         self.eos_token_ids = frozenset(eos_token_ids)
         # the runner may start a decode step of at most this many sequences before it reads
-        # the one before (ModelRunner.lookahead_rows; 0: never): see `_goes_on`
+        # the one before (ModelRunner.lookahead_rows; 0: never, as for sliding windows, tensor
+        # parallelism or several processes): see `_goes_on`
         self.lookahead_rows = lookahead_rows
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -226,8 +227,10 @@ class Scheduler:
         # 3. a decode that may run ahead (`_goes_on`) and whose next token starts a block takes
         # that block now, a step early, from what this step left free: the step after it can
         # then run ahead too (its next slot must be in a block the sequence holds)
+        goes_on = {request: self._goes_on(request, chunk.num_new_tokens)
+                   for request, chunk in scheduled.items()}
         for request, chunk in scheduled.items():
-            if (self._goes_on(request, chunk.num_new_tokens)
+            if (goes_on[request]
                     and (chunk.num_computed_tokens + 1) % self.allocator.block_size == 0):
                 extra = self.allocator.grow(request.seq_id, chunk.num_computed_tokens + 2)
                 if extra is not None:  # None: the pool is short, nothing taken
@@ -239,7 +242,8 @@ class Scheduler:
         swap_out, swap_in = self.allocator.take_swaps()
         # a preempted chunk's window copies go too: they only write blocks it freed
         window_copies = self.allocator.take_window_copies() if self.windowed else []
-        return SchedulerOutput(chunks, [self._seq_input(chunk) for chunk in chunks], copies,
+        return SchedulerOutput(chunks, [self._seq_input(chunk, goes_on[chunk.request])
+                                        for chunk in chunks], copies,
                                self.max_num_batched_tokens - budget, swap_out, swap_in,
                                window_copies)
 
@@ -335,9 +339,10 @@ class Scheduler:
                                 if self.windowed else None),
         )
 
-    def _seq_input(self, chunk: ScheduledChunk) -> SeqInput:
+    def _seq_input(self, chunk: ScheduledChunk, goes_on: bool) -> SeqInput:
         """The runner's view of a chunk: block table, tokens and, when it ends the known
-        tokens, a sampling row per token to draw (n when the prompt's samples fork)."""
+        tokens, a sampling row per token to draw (n when the prompt's samples fork);
+        `goes_on`: whether the next step may run ahead of it (`_goes_on`)."""
         request = chunk.request
         start = chunk.num_computed_tokens
         rows = []
@@ -356,19 +361,18 @@ class Scheduler:
                     for i in range(request.num_draws)]
         return SeqInput(chunk.block_table, start,
                         request.token_ids[start : start + chunk.num_new_tokens], rows,
-                        chunk.window_block_table,
-                        self._goes_on(request, chunk.num_new_tokens))
+                        chunk.window_block_table, goes_on)
 
     def _goes_on(self, request: Request, num_new: int) -> bool:
         """Whether computing `num_new` tokens of `request` is a decode that, unless its draw
         ends it, goes on as it is to the next position, so that the runner may start that
         step before it reads this one's draw (SeqInput.may_run_ahead): one draw, no
-        penalties (their token history would lack it), no beam or sliding window, and not
-        its last by length; only while few enough run for the runner to do so."""
+        penalties (their token history would lack it), no beam, and not its last by length;
+        only while few enough run for the runner to do so."""
         return (0 < len(self.running) <= self.lookahead_rows and num_new == 1
                 and request.num_computed_tokens + 1 == request.num_tokens
                 and request.num_draws == 1 and not request.params.uses_penalties
-                and not self.windowed and not isinstance(request.group, BeamGroup)
+                and not isinstance(request.group, BeamGroup)
                 and request.num_tokens + 1 < min(request.max_num_tokens, self.max_model_len))
 
     def update(self, output: SchedulerOutput, results: list[list[SeqResult]]) -> StepUpdate:

@@ -58,19 +58,29 @@ def workload(stop_case):
     ]
 
 
-def serve(llm, items, abort_at=12):
-    """Serve `items` step by step (aborting "abort" at step `abort_at`); returns
-    ({request_id: final output with merged completions}, engine stats)."""
+def serve(llm, items, abort_at=12, before_step=None):
+    """Serve `items` step by step (aborting "abort" at step `abort_at`, calling
+    `before_step(step)` first when given; a step that raises an injected failure is counted
+    and the next goes on); returns ({request_id: final output with merged completions}, engine
+    stats, steps that raised)."""
     engine = llm.engine
     pending = list(items)
-    merged, final = {}, {}
+    merged, final, raised = {}, {}, 0
     for step in range(1000):
         add_due(engine, pending, step)
         if step == abort_at:
             engine.abort_request("abort")
         if not pending and not engine.has_unfinished_requests():
             break
-        for out in engine.step():
+        if before_step is not None:
+            before_step(step)
+        try:
+            outputs = engine.step()
+        except RuntimeError as exc:
+            assert "injected" in str(exc)
+            raised += 1
+            outputs = []
+        for out in outputs:
             completions = merge_delta(merged.setdefault(out.request_id, {}), out)
             if out.finished:
                 out.outputs = completions
@@ -80,7 +90,7 @@ def serve(llm, items, abort_at=12):
         raise AssertionError("the workload did not finish")
     usage = engine.allocator.usage()
     assert usage["used"] == 0 and not engine.requests, "blocks or requests left behind"
-    return final, llm.stats()
+    return final, llm.stats(), raised
 
 
 def outcome(out):
@@ -98,7 +108,8 @@ def test_run_ahead_changes_no_request(tiny, stop_case, block_size, num_blocks):
                   max_num_batched_tokens=32, max_num_seqs=8, debug_nan_pool=True,
                   decode_lookahead_rows=rows)
         runs[rows] = serve(llm, items)
-    (ahead, stats), (apart, apart_stats) = runs[8], runs[0]
+    (ahead, stats, raised), (apart, apart_stats, _) = runs[8], runs[0]
+    assert raised == 0
     assert apart_stats["lookahead_hits"] == apart_stats["lookahead_misses"] == 0
     # both paths taken: steps found run ahead, and run-ahead steps run anew
     assert stats["lookahead_hits"] >= 15 and stats["lookahead_misses"] >= 3, stats
@@ -180,27 +191,13 @@ def test_a_failed_run_ahead_loses_nothing(tiny, monkeypatch):
                                                        seed=4, ignore_eos=True), 0)]
 
     def run(fault_step=None):
-        llm = LLM(path, block_size=4, num_blocks=48, max_num_seqs=8, debug_nan_pool=True)
-        engine = llm.engine
-        pending, final, merged, raised = list(items), {}, {}, 0
-        for step in range(200):
-            add_due(engine, pending, step)
-            if not pending and not engine.has_unfinished_requests():
-                break
+        def arm(step):
             if step == fault_step:
                 monkeypatch.setattr(runner_module, "_NEXT_TOKENS", once)
-            try:
-                outputs = engine.step()
-            except RuntimeError as exc:
-                assert "injected" in str(exc)
-                raised += 1
-                continue
-            for out in outputs:
-                completions = merge_delta(merged.setdefault(out.request_id, {}), out)
-                if out.finished:
-                    final[out.request_id] = completions
-        return {r: [(c.token_ids, c.cumulative_logprob) for c in v]
-                for r, v in final.items()}, raised, llm.stats()
+
+        llm = LLM(path, block_size=4, num_blocks=48, max_num_seqs=8, debug_nan_pool=True)
+        final, stats, raised = serve(llm, items, abort_at=None, before_step=arm)
+        return {r: outcome(out) for r, out in final.items()}, raised, stats
 
     once = Once(runner_module._NEXT_TOKENS)
     clean, raised, _ = run()
