@@ -45,11 +45,12 @@ def make_llm(path, **overrides):
 SWAP = dict(swap_space=64 * 1024, preemption_mode="swap")
 
 
-def run(llm, fault=None):
-    """Serve the workload, calling `fault(engine, step)` before each step (it may arm a
-    failure). Returns ({request_id: final output}, number of steps that raised)."""
+def run(llm, fault=None, items=None):
+    """Serve the workload (or `items`, the same kind of list), calling `fault(engine, step)`
+    before each step (it may arm a failure, or abort a request). Returns ({request_id: final
+    output}, number of steps that raised)."""
     engine = llm.engine
-    pending = workload()
+    pending = workload() if items is None else list(items)
     merged, final, raised = {}, {}, 0
     for step in range(2000):
         add_due(engine, pending, step)

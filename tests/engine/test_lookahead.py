@@ -10,12 +10,11 @@ nobody: the pool starts as NaN and every released block is refilled with NaN
 from __future__ import annotations
 
 import pytest
-from conftest import add_due, hf_greedy
-from test_fault_injection import Once
+from conftest import hf_greedy
+from test_fault_injection import Once, run
 
 import jaxpage.engine.runner as runner_module
 from jaxpage import LLM, BeamSearchParams, SamplingParams
-from jaxpage.llm import merge_delta
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -59,37 +58,17 @@ def workload(stop_case):
 
 
 def serve(llm, items, abort_at=12, before_step=None):
-    """Serve `items` step by step (aborting "abort" at step `abort_at`, calling
-    `before_step(step)` first when given; a step that raises an injected failure is counted
-    and the next goes on); returns ({request_id: final output with merged completions}, engine
-    stats, steps that raised)."""
-    engine = llm.engine
-    pending = list(items)
-    merged, final, raised = {}, {}, 0
-    for step in range(1000):
-        add_due(engine, pending, step)
+    """Serve `items` step by step (test_fault_injection.run: invariants checked each step,
+    nothing left behind), aborting "abort" at step `abort_at` and calling `before_step(step)`
+    before each step when given; returns ({request_id: final output}, engine stats, steps
+    that raised an injected failure)."""
+    def fault(engine, step):
         if step == abort_at:
             engine.abort_request("abort")
-        if not pending and not engine.has_unfinished_requests():
-            break
         if before_step is not None:
             before_step(step)
-        try:
-            outputs = engine.step()
-        except RuntimeError as exc:
-            assert "injected" in str(exc)
-            raised += 1
-            outputs = []
-        for out in outputs:
-            completions = merge_delta(merged.setdefault(out.request_id, {}), out)
-            if out.finished:
-                out.outputs = completions
-                final[out.request_id] = out
-        engine.allocator.check_invariants()
-    else:
-        raise AssertionError("the workload did not finish")
-    usage = engine.allocator.usage()
-    assert usage["used"] == 0 and not engine.requests, "blocks or requests left behind"
+
+    final, raised = run(llm, fault, items)
     return final, llm.stats(), raised
 
 
