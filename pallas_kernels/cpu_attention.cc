@@ -2739,6 +2739,22 @@ ffi::Error DecoderLayerTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
                         " is outside the pool's " + std::to_string(slots_total) + " slots");
   const int64_t threads = thread_count(pool);
   const int64_t live = std::clamp<int64_t>(live_rows, 0, M);
+  // the helpers first: a parked pool thread takes microseconds to wake, spent here on the
+  // scratch and the prefetches below
+  auto team = std::make_shared<Team>();
+  struct Finish {  // on every return: the helpers stop serving
+    Team& team;
+    ~Finish() { team.finished.store(true, std::memory_order_release); }
+  } finish{*team};
+  for (int64_t i = 1; i < threads; ++i) pool.Schedule([team] { team->serve(); });
+  // the pool rows this step writes, prefetched for writing: read into cache while the qkv
+  // matmul runs, not one miss after another in write_rows
+  for (const void* pool_out : {k_out, v_out})
+    for (int64_t kh = 0; kh < KH; ++kh)
+      for (int64_t t = 0; t < M; ++t)
+        for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64)
+          __builtin_prefetch(static_cast<const char*>(pool_out) +
+                                 ((kh * slots_total + slot[t]) * D) * sizeof(T) + b, 1, 1);
   // scratch, every element written before it is read (not zeroed: at 8 rows that was ~5 us a
   // layer)
   const auto floats = [](int64_t n) { return std::unique_ptr<float[]>(new float[n]); };
@@ -2748,12 +2764,6 @@ ffi::Error DecoderLayerTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
   const auto q = ts(M * Q), k = ts(M * KH * D), v = ts(M * KH * D), a = ts(M * Q),
              x1 = ts(M * H), h1 = ts(M * H), act = ts(M * I);
 
-  auto team = std::make_shared<Team>();
-  struct Finish {  // on every return: the helpers stop serving
-    Team& team;
-    ~Finish() { team.finished.store(true, std::memory_order_release); }
-  } finish{*team};
-  for (int64_t i = 1; i < threads; ++i) pool.Schedule([team] { team->serve(); });
   auto matmul = [&](const void* in, int64_t K, ffi::AnyBuffer w, float* out) {
     auto work = std::make_shared<PackedWork>();
     const int64_t total = prepare_packed(*work, in, f32, M, live, K, w.untyped_data(),
