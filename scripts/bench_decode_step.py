@@ -9,16 +9,21 @@ model's projections do).
 Beside each step:
 - the weight-read bound: every weight is read once per step (bytes of the params / read
   bandwidth), what a small batch cannot beat;
+- `kv`: the K/V the step's attention reads at that bandwidth (every sequence's context and
+  new token, each layer's K and V pools, their scales where quantized): the weights and these
+  are the bytes a decode step cannot avoid reading (at 8 rows of context 128 bfloat16, 24 MB
+  beside 270 MB of weights; at 64 rows 190 MB);
 - the matmul bound: the step's FLOPs at the cores' multiply-add peak (`fma_peak_gflops`: a C
   loop of independent FMAs on every core, measured here; twice that for bfloat16 where the
   kernels run AVX512-BF16's `vdpbf16ps`, two multiply-adds a lane; 16 times it where they
   run on AMX tiles: `matmul_peak_gflops`), what a big batch cannot beat. Not XLA's dot rate:
   the packed kernels beat XLA's bfloat16 dot where the CPU has no bfloat16 dot product (AVX2:
   XLA widens on the way, the kernels run float32 FMAs), and a bound they beat bounds nothing;
-- `w+m`: the two added, what a step costs if reading the weights and the arithmetic never
-  overlap (at 8 rows on a 2-core AVX2 box the two are about equal, and a step lands between
-  the larger and the sum);
-and the step's time over the larger of the two bounds. Then the same step, same process, with
+- `w+m`: the bytes' and the arithmetic's bounds added, what a step costs if reading and
+  the arithmetic never overlap (at 8 rows on a 2-core AVX2 box the two are about equal, and
+  a step lands between the larger and the sum);
+and the step's time over the larger of the two bounds (`bound`: weights and K/V read, or the
+matmuls' arithmetic). Then the same step, same process, with
 the weights as a runner kept them before it packed them (`--no-unpacked` skips it): unpacked
 (`cpu_attention.unpack_weight`) into new buffers that nobody advised to use huge pages, the
 two alternating, and the packed step's speedup over it. As long as a step is bound by reading
@@ -235,6 +240,15 @@ def lookahead_step_seconds(llm, batch: int, context: int, rounds: int = 6,
     finally:
         runner.lookahead_rows = engine.scheduler.lookahead_rows = ahead
     return float(np.median(times[ahead])), float(np.median(times[0])), hits / max(steps, 1)
+
+
+def kv_bytes_per_token(llm) -> float:
+    """Bytes of K/V (and scales) one token holds across the layers: each pool array
+    [KH, blocks, block_size, ...] over its slots."""
+    import jax
+
+    return sum(x.nbytes / (x.shape[1] * x.shape[2])
+               for x in jax.tree.leaves(llm.engine.runner.kv_pool))
 
 
 def cores() -> int:
@@ -575,7 +589,7 @@ def main() -> None:
     f32_rate = matmul_gflops("float32")
     print(f"FMA peak {peak:.1f} GFLOP/s (every core); XLA's float32 2048^3 dot {f32_rate:.1f}")
     print(f"{'dtype':>9}{'batch':>6}{'ms/step':>9}{'ms/seq':>8}{'read':>6}{'weights':>9}"
-          f"{'matmul':>8}"
+          f"{'kv':>6}{'matmul':>8}"
           f"{'w+m':>7}{'bound':>7}{'x bound':>9}" + ("" if args.no_unpacked else
                                             f"{'unpacked':>10}{'speedup':>9}")
           + "   (read: GB/s alongside the steps; bounds and unpacked in ms)")
@@ -594,12 +608,13 @@ def main() -> None:
         for batch in batches:
             seconds, read = step_and_read(llm, batch, args.context)
             weights_ms = weight_bytes / (read * 1e9) * 1e3
+            kv_ms = batch * (args.context + 1) * kv_bytes_per_token(llm) / (read * 1e9) * 1e3
             flops = forward_flops(llm.engine.model.config, batch, args.context, True)
             matmul_ms = flops / (dtype_peak * 1e9) * 1e3
-            bound = max(weights_ms, matmul_ms)
+            bound = max(weights_ms + kv_ms, matmul_ms)
             line = (f"{dtype:>9}{batch:>6}{seconds * 1e3:>9.1f}{seconds * 1e3 / batch:>8.2f}"
-                    f"{read:>6.1f}{weights_ms:>9.1f}{matmul_ms:>8.1f}"
-                    f"{weights_ms + matmul_ms:>7.1f}"
+                    f"{read:>6.1f}{weights_ms:>9.1f}{kv_ms:>6.1f}{matmul_ms:>8.1f}"
+                    f"{weights_ms + kv_ms + matmul_ms:>7.1f}"
                     f"{bound:>7.1f}"
                     f"{seconds * 1e3 / bound:>9.2f}")
             if compare:
