@@ -93,7 +93,7 @@ def main() -> None:
           + (f"{'pf ' + str(args.vs_prefetch):>9}{'speedup':>9}" if args.vs_prefetch else ""))
     rng = np.random.default_rng(0)
     for dtype in [jnp.dtype(d) for d in args.dtypes.split(",") if d]:
-        def weights(*shape):
+        def weights(*shape, dtype=dtype):
             return jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02, dtype)
 
         layers = [{kind: weights(*shape) for kind, shape in KINDS.items()}
@@ -120,18 +120,18 @@ def main() -> None:
                 return jnp.einsum("mk,nk->mn" if transpose_w else "mk,kn->mn", x, w,
                                   preferred_element_type=jnp.float32)
 
-            def chain(kinds, with_head, matmul=kernel, in_turn=False):
-                def run(x, layers, head):
+            def chain(kinds, with_head, matmul=kernel, in_turn=False, rows=rows, dtype=dtype):
+                def run(inputs, layer_weights, head_weight):
                     total = jnp.zeros((rows,), jnp.float32)  # keeps every call's result live
-                    h = x
-                    for layer in layers:
+                    h = inputs
+                    for layer in layer_weights:
                         for kind in kinds:
                             out = matmul(h[:, : KINDS[kind][0]], layer[kind])
                             total += out[:, 0]
                             if in_turn:  # the next call's x: this one's output (N >= its K)
                                 h = out.astype(dtype)
                     if with_head:
-                        total += matmul(h[:, :HIDDEN], head, transpose_w=True)[:, 0]
+                        total += matmul(h[:, :HIDDEN], head_weight, transpose_w=True)[:, 0]
                     return total
                 return jax.jit(run)
 
