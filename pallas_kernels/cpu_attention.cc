@@ -48,6 +48,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -2653,6 +2654,54 @@ ffi::Error QkvRope(ffi::ThreadPool pool, ffi::AnyBuffer qkv, ffi::AnyBuffer cos,
 //   (x2, h2) = add_rms_norm(x1, s . W_down, next_norm)
 // and returns x2, h2 and the pools (written in place: the results alias them).
 
+// The decoder layer's stage clock, compiled in only where JAXPAGE_STAGE_CLOCK is defined
+// (scripts/profile_layer_stages.py builds such a library): the calling thread's wall time in
+// each stage of the call (LayerStage, in order), summed over the calls, and how late each
+// helper started after it was scheduled (a helper that starts late leaves the call's first
+// stages to the caller alone).
+#ifdef JAXPAGE_STAGE_CLOCK
+constexpr bool kStageClock = true;
+#else
+constexpr bool kStageClock = false;
+#endif
+enum LayerStage {
+  kStart, kQkv, kRope, kWrite, kAttnPrep, kAttn, kAttnFinish, kO, kNorm1, kGateUp, kSilu, kDown,
+  kNorm2, kLayerStages
+};
+constexpr int64_t kLateJoinNanos = 50'000;
+struct StageClock {  // zero-initialized (static storage)
+  std::atomic<int64_t> nanos[kLayerStages];
+  std::atomic<int64_t> calls, joins, join_nanos, late_joins;
+};
+StageClock g_stage_clock;
+
+int64_t nanos_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
+                                                              t).count();
+}
+
+// Laps of one call on the calling thread: lap(s) ends stage s (a no-op without the clock).
+struct StageLaps {
+  std::chrono::steady_clock::time_point t =
+      kStageClock ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
+  void operator()(LayerStage stage) {
+    if constexpr (kStageClock) {
+      g_stage_clock.nanos[stage].fetch_add(nanos_since(t), std::memory_order_relaxed);
+      t = std::chrono::steady_clock::now();
+      if (stage == kLayerStages - 1) g_stage_clock.calls.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+};
+
+void note_join(std::chrono::steady_clock::time_point scheduled) {
+  if constexpr (kStageClock) {
+    const int64_t late = nanos_since(scheduled);
+    g_stage_clock.joins.fetch_add(1, std::memory_order_relaxed);
+    g_stage_clock.join_nanos.fetch_add(late, std::memory_order_relaxed);
+    if (late > kLateJoinNanos) g_stage_clock.late_joins.fetch_add(1, std::memory_order_relaxed);
+  }
+}
+
 // The caller's helpers for one call: scheduled once, each runs every stage the caller publishes,
 // claiming its units as the caller does, until the caller has finished. A helper that starts
 // late finds the earlier stages' units claimed and goes on to the next.
@@ -2717,6 +2766,7 @@ ffi::Error DecoderLayerTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
                              int64_t num_heads, float eps, float scale, int64_t query_tile,
                              int64_t key_splits, int64_t bf16_dot, T* x_out, T* h_out,
                              void* k_out, void* v_out) {
+  StageLaps lap;
   constexpr bool f32 = std::is_same_v<T, float>;
   const ffi::DataType type = f32 ? ffi::DataType::F32 : ffi::DataType::BF16;
   const auto xd = x.dimensions(), pd = k_pool.dimensions();
@@ -2746,7 +2796,13 @@ ffi::Error DecoderLayerTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
     Team& team;
     ~Finish() { team.finished.store(true, std::memory_order_release); }
   } finish{*team};
-  for (int64_t i = 1; i < threads; ++i) pool.Schedule([team] { team->serve(); });
+  for (int64_t i = 1; i < threads; ++i) {
+    const auto scheduled = lap.t;
+    pool.Schedule([team, scheduled] {
+      note_join(scheduled);
+      team->serve();
+    });
+  }
   // the pool rows this step writes, prefetched for writing: read into cache while the qkv
   // matmul runs, not one miss after another in write_rows
   for (const void* pool_out : {k_out, v_out})
@@ -2780,13 +2836,16 @@ ffi::Error DecoderLayerTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
     team->stage(work, M);
   };
 
+  lap(kStart);
   matmul(h.untyped_data(), H, w_qkv, qkv.get());
+  lap(kQkv);
   const T *cos_t = static_cast<const T*>(cos.untyped_data()),
           *sin_t = static_cast<const T*>(sin.untyped_data());
   rows_stage([&](int64_t r0, int64_t r1) {
     qkv_rope_rows<T, float>(qkv.get(), cos_t, sin_t, num_heads, KH, D, r0, r1, q.get(), k.get(),
                             v.get());
   });
+  lap(kRope);
   // as SetRows writes them, on this thread alone (padding rows share a slot)
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
   write_rows(static_cast<char*>(k_out), k_pool.untyped_data(), KH, slots_total, row_bytes, slot,
@@ -2794,6 +2853,7 @@ ffi::Error DecoderLayerTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
   write_rows(static_cast<char*>(v_out), v_pool.untyped_data(), KH, slots_total, row_bytes, slot,
              M, reinterpret_cast<const char*>(v.get()), true);
 
+  lap(kWrite);
   const int64_t q_dims[3] = {M, num_heads, D};
   const ffi::Span<const int64_t> qd(q_dims, 3);
   const Mode mode = f32 ? Mode::kF32 : bf16_mode(bf16_dot);
@@ -2804,24 +2864,33 @@ ffi::Error DecoderLayerTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
                                       sizeof(T));
       e.failure())
     return e;
+  lap(kAttnPrep);
   team->stage(A.work, static_cast<int64_t>(A.work->items.size()));
+  lap(kAttn);
   if (ffi::Error e = FinishAttention(A); e.failure()) return e;
+  lap(kAttnFinish);
 
   matmul(a.get(), Q, w_o, o.get());
+  lap(kO);
   const T* x_in = static_cast<const T*>(x.untyped_data());
   const T* mlp_w = static_cast<const T*>(mlp_norm.untyped_data());
   rows_stage([&](int64_t r0, int64_t r1) {
     add_rms_norm_rows<T, float>(x_in, o.get(), mlp_w, eps, H, r0, r1, x1.get(), h1.get());
   });
+  lap(kNorm1);
   matmul(h1.get(), H, w_gate_up, gate_up.get());
+  lap(kGateUp);
   rows_stage([&](int64_t r0, int64_t r1) {
     silu_mul_rows<T, float>(gate_up.get(), I, r0, r1, act.get());
   });
+  lap(kSilu);
   matmul(act.get(), I, w_down, down.get());
+  lap(kDown);
   const T* next_w = static_cast<const T*>(next_norm.untyped_data());
   rows_stage([&](int64_t r0, int64_t r1) {
     add_rms_norm_rows<T, float>(x1.get(), down.get(), next_w, eps, H, r0, r1, x_out, h_out);
   });
+  lap(kNorm2);
   return ffi::Error::Success();
 }
 
@@ -3048,6 +3117,25 @@ extern "C" int JaxpagePanelColumns() { return kPanel; }
 // Whether the packed bfloat16 matmul can run on AMX tiles: built for a CPU with AMX-BF16, and
 // Linux lets this process use them.
 extern "C" int JaxpagePackedTiles() { return kHaveTiles && tiles_permitted() ? 1 : 0; }
+
+// The decoder layer's stage clock (see StageClock): writes the seconds of each LayerStage
+// summed over the calls, then the helpers' joins, their lateness summed (seconds) and the joins
+// later than 50 us, kLayerStages + 3 values; returns the calls clocked, or -1 where the library
+// was built without it. `reset` zeroes it after reading.
+extern "C" int64_t JaxpageStageClock(double* out, int reset) {
+  if (!kStageClock) return -1;
+  auto& c = g_stage_clock;
+  for (int i = 0; i < kLayerStages; ++i) out[i] = c.nanos[i].load() * 1e-9;
+  out[kLayerStages] = static_cast<double>(c.joins.load());
+  out[kLayerStages + 1] = c.join_nanos.load() * 1e-9;
+  out[kLayerStages + 2] = static_cast<double>(c.late_joins.load());
+  const int64_t calls = c.calls.load();
+  if (reset) {
+    for (auto& n : c.nanos) n.store(0);
+    for (auto* n : {&c.calls, &c.joins, &c.join_nanos, &c.late_joins}) n->store(0);
+  }
+  return calls;
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageGreedyDraw, GreedyDraw,
                               ffi::Ffi::Bind()

@@ -110,13 +110,23 @@ _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
           "-fopenmp-simd", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 
 
+def _flags() -> list[str]:
+    """The build's flags: `_FLAGS`, and the decoder layer's stage clock where
+    JAXPAGE_CPU_KERNEL_STAGE_CLOCK=1 (`stage_clock`; a library of its own in the cache)."""
+    value = os.environ.get("JAXPAGE_CPU_KERNEL_STAGE_CLOCK", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"JAXPAGE_CPU_KERNEL_STAGE_CLOCK must be '0' or '1', got {value!r}")
+    return _FLAGS + (["-DJAXPAGE_STAGE_CLOCK"] if value == "1" else [])
+
+
 def _build() -> Path:
     """Compile the kernel (or reuse a build of the same source and flags for this jaxlib and
     CPU)."""
     import jaxlib
 
+    flags = _flags()
     key = hashlib.sha256(b"\0".join([
-        _SOURCE.read_bytes(), " ".join(_FLAGS).encode(), jaxlib.__version__.encode(),
+        _SOURCE.read_bytes(), " ".join(flags).encode(), jaxlib.__version__.encode(),
         _cpu_id().encode()])).hexdigest()
     library = _cache_dir() / f"cpu_attention-{key[:16]}.so"
     if library.exists():
@@ -128,7 +138,7 @@ def _build() -> Path:
     # build beside the target and rename: concurrent processes never load a half-written file
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
         partial = Path(tmp) / library.name
-        cmd = [compiler, *_FLAGS, "-isystem", jax.ffi.include_dir(), "-o", str(partial),
+        cmd = [compiler, *flags, "-isystem", jax.ffi.include_dir(), "-o", str(partial),
                str(_SOURCE)]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if result.returncode:
@@ -211,6 +221,30 @@ def packed_tiles() -> bool:
     the tile registers (False when the kernel is not available)."""
     library = _loaded()
     return library is not None and bool(library.JaxpagePackedTiles())
+
+
+# the decoder layer's stages, in the order the stage clock reports them (cpu_attention.cc)
+LAYER_STAGES = ("start", "qkv", "rope", "write", "attn_prep", "attention", "attn_finish", "o",
+                "norm1", "gate_up", "silu", "down", "norm2")
+
+
+def stage_clock(reset: bool = False) -> dict | None:
+    """What the decoder layer's stage clock has summed since the last reset, or None where the
+    library was built without it (JAXPAGE_CPU_KERNEL_STAGE_CLOCK=1 before the first kernel
+    call builds one with it): `calls`, `seconds` per stage (LAYER_STAGES: the calling thread's
+    wall time in each, summed over the calls), the helper threads' `joins`, their
+    `join_seconds` (from being scheduled to starting, summed) and `late_joins` (over 50 us)."""
+    library = _loaded()
+    if library is None:
+        return None
+    out = (ctypes.c_double * (len(LAYER_STAGES) + 3))()
+    library.JaxpageStageClock.restype = ctypes.c_int64
+    calls = library.JaxpageStageClock(out, ctypes.c_int(int(reset)))
+    if calls < 0:
+        return None
+    n = len(LAYER_STAGES)
+    return {"calls": calls, "seconds": dict(zip(LAYER_STAGES, out[:n], strict=True)),
+            "joins": int(out[n]), "join_seconds": out[n + 1], "late_joins": int(out[n + 2])}
 
 
 def _default_tiles() -> bool:

@@ -160,3 +160,62 @@ def test_bad_slots_and_blocks_are_refused_by_name(hf_model_dir):
                                     jnp.ones(1, jnp.int32), jnp.asarray([0, 2], jnp.int32),
                                     layer["attn_norm"], num_heads=config.num_heads, eps=1e-5,
                                     key_splits=-1)
+
+
+_CLOCKED_STEPS = """
+import json, sys, time
+import jax, jax.numpy as jnp, numpy as np
+from jaxpage.attention import build_metadata, init_kv_pool
+from jaxpage.loading.hf import load_hf_dir
+from jaxpage.models import llama
+from pallas_kernels import cpu_attention
+
+config, params = load_hf_dir(sys.argv[1], "bfloat16")
+params = llama.pack_params(params)
+model = llama.LlamaModel(config)
+step = jax.jit(llama.LlamaModel.forward, static_argnums=0)
+pool = init_kv_pool(config.num_layers, 16, 16, config.num_kv_heads, config.head_dim,
+                    dtype=jnp.bfloat16)
+
+def run(lens):
+    positions, md = build_metadata([[1, 2], [3, 4], [5, 6]], lens, [1, 1, 1], 16,
+                                   backend="cpp")
+    return step(model, params, jnp.array([5, 6, 7], jnp.int32), positions, pool, md)
+
+jax.block_until_ready(run([3, 4, 5]))  # compiles
+assert cpu_attention.stage_clock(reset=True) is not None
+start = time.perf_counter()
+for i in range(int(sys.argv[2])):
+    logits, pool = run([4 + i, 5 + i, 6 + i])
+    jax.block_until_ready(logits)
+wall = time.perf_counter() - start
+print(json.dumps(dict(cpu_attention.stage_clock(), wall=wall, layers=config.num_layers)))
+"""
+
+
+@pytest.mark.slow
+def test_the_stage_clock_counts_every_layer_call_within_the_steps_wall_time(hf_model_dir):
+    """scripts/profile_layer_stages.py's clock (a library built with JAXPAGE_STAGE_CLOCK, in a
+    process of its own): one count per layer call of each decode step, every stage's time
+    counted, their sum within the steps' wall time, and the helpers' joins a whole number per
+    call; the default library has no clock."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    assert cpu_attention.stage_clock() is None  # this process's library: built without it
+    path, _ = hf_model_dir("llama", **PACKABLE)
+    steps = 5
+    env = dict(os.environ, JAXPAGE_CPU_KERNEL_STAGE_CLOCK="1")
+    done = subprocess.run([sys.executable, "-c", _CLOCKED_STEPS, path, str(steps)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    clock = json.loads(done.stdout.strip().splitlines()[-1])
+    calls = clock["calls"]
+    assert calls == clock["layers"] * steps
+    assert list(clock["seconds"]) == list(cpu_attention.LAYER_STAGES)
+    assert all(seconds > 0 for seconds in clock["seconds"].values()), clock["seconds"]
+    assert sum(clock["seconds"].values()) < clock["wall"]
+    assert clock["joins"] % calls == 0 and 0 <= clock["late_joins"] <= clock["joins"]
+    assert clock["join_seconds"] >= 0

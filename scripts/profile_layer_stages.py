@@ -1,0 +1,145 @@
+"""Where a small decode step's layer call spends its time, stage by stage.
+
+A decode step of at most `llama.FUSED_LAYER_ROWS` tokens runs each layer as one call of the
+kernel library (`cpu_attention.decoder_layer`): the qkv matmul, rope, the pool writes,
+attention, the o matmul, add + norm, gate_up, SiLU, down, add + norm. This script builds the
+library with its stage clock (JAXPAGE_CPU_KERNEL_STAGE_CLOCK=1: a build of its own, ~35 s the
+first time) and prints, per batch and dtype of the default model (SmolLM2-135M, every sequence
+at the same context):
+- each stage's wall time on the calling thread per layer call (µs), beside the bytes it must
+  read (a matmul its packed weight, attention the K/V of every sequence's context and new
+  token) and the rate that makes (GB/s), against the machine's read bandwidth (a C loop, a
+  thread a core, measured once before);
+- the helper threads: how late they started after the call scheduled them (a helper that
+  starts late leaves the first stages to the calling thread alone).
+Twice per batch: the runner alone, one step at a time (what the layer call costs), and the
+whole engine while requests decode, small steps run ahead (`decode_lookahead_rows`): there
+the host's Python thread shares the cores with the step, and the helpers' lateness shows how
+often it took one.
+
+    python scripts/profile_layer_stages.py                       # bfloat16, 1 and 8 rows
+    python scripts/profile_layer_stages.py --batches 8 --dtypes float32,bfloat16 --steps 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ["JAXPAGE_CPU_KERNEL_STAGE_CLOCK"] = "1"  # before the library is first built
+
+from bench_decode_step import read_gbps  # noqa: E402
+from bench_throughput import decode_seqs, make_llm  # noqa: E402
+
+
+def runner_steps(llm, batch: int, context: int, steps: int) -> None:
+    """`steps` decode steps of the runner alone, one at a time, after one that compiles."""
+    runner = llm.engine.runner
+    seqs = decode_seqs(runner, batch, context)
+    runner.execute(seqs)
+    _clock(reset=True)
+    for _ in range(steps):
+        runner.execute(seqs)
+
+
+def engine_steps(llm, batch: int, context: int, steps: int) -> None:
+    """`batch` requests of `context` random prompt tokens decoding `steps` greedy tokens each
+    through the engine (its decode steps run ahead where they may), after a round that
+    compiles; the clock counts the decode steps only."""
+    import numpy as np
+
+    from jaxpage import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    for round_ in range(2):
+        for i in range(batch):
+            engine.add_request(f"stages-{round_}-{i}",
+                               rng.integers(100, 10_000, context).tolist(), params)
+        while engine.scheduler.waiting:  # the prompts (and their first tokens)
+            engine.step()
+        _clock(reset=True)
+        while engine.has_unfinished_requests():
+            engine.step()
+
+
+def _clock(reset: bool = False) -> dict:
+    from pallas_kernels import cpu_attention
+
+    clock = cpu_attention.stage_clock(reset)
+    if clock is None:
+        raise SystemExit("the kernel library has no stage clock (no C++ compiler?)")
+    return clock
+
+
+def stage_bytes(llm, batch: int, context: int) -> dict[str, float]:
+    """Bytes each stage of one layer's call must read: its packed weight (the matmuls), the
+    K/V its sequences attend over (attention)."""
+    import jax
+
+    runner = llm.engine.runner
+    layer = runner.params["layers"][0]
+    k, v = runner.kv_pool[0]
+    per_token = sum(x.nbytes / (x.shape[1] * x.shape[2]) for x in jax.tree.leaves((k, v)))
+    out = {stage: float(layer[stage].nbytes) for stage in ("qkv", "o", "gate_up", "down")}
+    out["attention"] = batch * (context + 1) * per_token
+    return out
+
+
+def report(title: str, clock: dict, nbytes: dict[str, float], read: float) -> None:
+    calls = max(clock["calls"], 1)
+    per_call = {s: t / calls * 1e6 for s, t in clock["seconds"].items()}
+    total = sum(per_call.values())
+    print(f"{title}: {clock['calls']} layer calls, {total:.1f} us a call")
+    print(f"  {'stage':<12}{'us':>8}{'share':>7}{'KB read':>9}{'GB/s':>7}{'of read':>9}")
+    for stage, us in per_call.items():
+        line = f"  {stage:<12}{us:>8.1f}{us / total:>7.0%}"
+        if stage in nbytes:
+            rate = nbytes[stage] / (us * 1e-6) / 1e9 if us else 0.0
+            line += f"{nbytes[stage] / 1024:>9.0f}{rate:>7.1f}{rate / read:>9.0%}"
+        print(line)
+    matmul = sum(per_call[s] for s in ("qkv", "o", "gate_up", "down"))
+    weights = sum(nbytes[s] for s in ("qkv", "o", "gate_up", "down")) / (read * 1e9) * 1e6
+    print(f"  matmuls {matmul:.1f} us against {weights:.1f} us to read their weights; "
+          f"attention {per_call['attention']:.1f} us against "
+          f"{nbytes['attention'] / (read * 1e9) * 1e6:.1f} us for its K/V; the rest "
+          f"{total - matmul - per_call['attention']:.1f} us")
+    joins = max(clock["joins"], 1)
+    print(f"  helpers: {clock['joins']} started, {clock['join_seconds'] / joins * 1e6:.1f} us "
+          f"after being scheduled on average, {clock['late_joins']} "
+          f"({clock['late_joins'] / joins:.0%}) later than 50 us", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="1,8", help="decode rows per step (at most 8: the "
+                    "steps that run fused layers)")
+    ap.add_argument("--dtypes", default="bfloat16")
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=30, help="decode steps clocked per batch")
+    args = ap.parse_args()
+
+    from jaxpage.models import llama
+
+    batches = [int(b) for b in args.batches.split(",")]
+    if max(batches) > llama.FUSED_LAYER_ROWS:
+        raise SystemExit(f"batches must be at most {llama.FUSED_LAYER_ROWS} rows (a larger "
+                         "step runs no fused layer)")
+    read = read_gbps()
+    print(f"read bandwidth {read:.1f} GB/s (before the steps); context {args.context}")
+    for dtype in [d for d in args.dtypes.split(",") if d]:
+        llm = make_llm(max(batches), dtype=dtype)
+        for batch in batches:
+            nbytes = stage_bytes(llm, batch, args.context)
+            runner_steps(llm, batch, args.context, args.steps)
+            report(f"{dtype}, {batch} rows, the runner alone", _clock(), nbytes, read)
+            engine_steps(llm, batch, args.context, args.steps)
+            report(f"{dtype}, {batch} rows, the engine (run ahead)", _clock(), nbytes, read)
+        del llm
+
+
+if __name__ == "__main__":
+    main()
