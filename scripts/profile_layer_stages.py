@@ -71,7 +71,8 @@ def _clock(reset: bool = False) -> dict:
 
     clock = cpu_attention.stage_clock(reset)
     if clock is None:
-        raise SystemExit("the kernel library has no stage clock (no C++ compiler?)")
+        raise SystemExit("the kernel library has no stage clock: JAXPAGE_CPU_KERNEL_LIB names a "
+                         "library built without it, or there is no C++ compiler")
     return clock
 
 

@@ -197,8 +197,8 @@ print(json.dumps(dict(cpu_attention.stage_clock(), wall=wall, layers=config.num_
 def test_the_stage_clock_counts_every_layer_call_within_the_steps_wall_time(hf_model_dir):
     """scripts/profile_layer_stages.py's clock (a library built with JAXPAGE_STAGE_CLOCK, in a
     process of its own): one count per layer call of each decode step, every stage's time
-    counted, their sum within the steps' wall time, and the helpers' joins a whole number per
-    call; the default library has no clock."""
+    counted, their sum within the steps' wall time, and at most one join per helper and call;
+    the default library has no clock."""
     import json
     import os
     import subprocess
@@ -208,6 +208,7 @@ def test_the_stage_clock_counts_every_layer_call_within_the_steps_wall_time(hf_m
     path, _ = hf_model_dir("llama", **PACKABLE)
     steps = 5
     env = dict(os.environ, JAXPAGE_CPU_KERNEL_STAGE_CLOCK="1")
+    env.pop("JAXPAGE_CPU_KERNEL_LIB", None)  # a prebuilt library would have no clock
     done = subprocess.run([sys.executable, "-c", _CLOCKED_STEPS, path, str(steps)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -217,5 +218,7 @@ def test_the_stage_clock_counts_every_layer_call_within_the_steps_wall_time(hf_m
     assert list(clock["seconds"]) == list(cpu_attention.LAYER_STAGES)
     assert all(seconds > 0 for seconds in clock["seconds"].values()), clock["seconds"]
     assert sum(clock["seconds"].values()) < clock["wall"]
-    assert clock["joins"] % calls == 0 and 0 <= clock["late_joins"] <= clock["joins"]
+    # a helper joins its call at most once (one scheduled for a call the caller finished alone
+    # may start after the clock is read: CI saw 9 joins of 10 calls)
+    assert 0 <= clock["late_joins"] <= clock["joins"] <= calls * (os.cpu_count() or 1)
     assert clock["join_seconds"] >= 0
