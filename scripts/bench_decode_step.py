@@ -211,11 +211,8 @@ def lookahead_step_seconds(llm, batch: int, context: int, rounds: int = 6,
     runner, the draws' update and detokenizing, what a user waits for per token."""
     import numpy as np
 
-    from jaxpage import SamplingParams
-
     engine, runner = llm.engine, llm.engine.runner
     ahead = runner.lookahead_rows
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     rng = np.random.default_rng(0)
     times: dict[int, list[float]] = {ahead: [], 0: []}
     hits = steps = 0
@@ -223,11 +220,7 @@ def lookahead_step_seconds(llm, batch: int, context: int, rounds: int = 6,
         for r in range(rounds + 1):  # the first round compiles
             for value, out in times.items():
                 runner.lookahead_rows = engine.scheduler.lookahead_rows = value
-                for i in range(batch):
-                    engine.add_request(f"lookahead-{r}-{value}-{i}",
-                                       rng.integers(100, 10_000, context).tolist(), params)
-                while engine.scheduler.waiting:  # the prompts
-                    engine.step()
+                start_decoding(engine, f"lookahead-{r}-{value}", batch, context, tokens, rng)
                 before = runner.lookahead_hits
                 while engine.has_unfinished_requests():
                     start = time.perf_counter()
@@ -243,12 +236,22 @@ def lookahead_step_seconds(llm, batch: int, context: int, rounds: int = 6,
 
 
 def kv_bytes_per_token(llm) -> float:
-    """Bytes of K/V (and scales) one token holds across the layers: each pool array
-    [KH, blocks, block_size, ...] over its slots."""
-    import jax
+    """Bytes of K/V (and scales) one token holds across the layers: the runner's block over
+    its slots (`ModelRunner.block_bytes`)."""
+    runner = llm.engine.runner
+    return runner.block_bytes / runner.block_size
 
-    return sum(x.nbytes / (x.shape[1] * x.shape[2])
-               for x in jax.tree.leaves(llm.engine.runner.kv_pool))
+
+def start_decoding(engine, tag: str, batch: int, context: int, tokens: int, rng) -> None:
+    """Add `batch` requests of `context` random prompt tokens, `tokens` greedy tokens each
+    (ignore_eos), and step the engine through their prompts: what is left is decoding."""
+    from jaxpage import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"{tag}-{i}", rng.integers(100, 10_000, context).tolist(), params)
+    while engine.scheduler.waiting:
+        engine.step()
 
 
 def cores() -> int:

@@ -30,7 +30,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ["JAXPAGE_CPU_KERNEL_STAGE_CLOCK"] = "1"  # before the library is first built
 
-from bench_decode_step import read_gbps  # noqa: E402
+from bench_decode_step import kv_bytes_per_token, read_gbps, start_decoding  # noqa: E402
 from bench_throughput import decode_seqs, make_llm  # noqa: E402
 
 
@@ -50,17 +50,10 @@ def engine_steps(llm, batch: int, context: int, steps: int) -> None:
     compiles; the clock counts the decode steps only."""
     import numpy as np
 
-    from jaxpage import SamplingParams
-
     engine = llm.engine
-    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     rng = np.random.default_rng(0)
     for round_ in range(2):
-        for i in range(batch):
-            engine.add_request(f"stages-{round_}-{i}",
-                               rng.integers(100, 10_000, context).tolist(), params)
-        while engine.scheduler.waiting:  # the prompts (and their first tokens)
-            engine.step()
+        start_decoding(engine, f"stages-{round_}", batch, context, steps, rng)
         _clock(reset=True)
         while engine.has_unfinished_requests():
             engine.step()
@@ -79,12 +72,9 @@ def _clock(reset: bool = False) -> dict:
 def stage_bytes(llm, batch: int, context: int) -> dict[str, float]:
     """Bytes each stage of one layer's call must read: its packed weight (the matmuls), the
     K/V its sequences attend over (attention)."""
-    import jax
-
     runner = llm.engine.runner
     layer = runner.params["layers"][0]
-    k, v = runner.kv_pool[0]
-    per_token = sum(x.nbytes / (x.shape[1] * x.shape[2]) for x in jax.tree.leaves((k, v)))
+    per_token = kv_bytes_per_token(llm) / len(runner.kv_pool)  # one layer's
     out = {stage: float(layer[stage].nbytes) for stage in ("qkv", "o", "gate_up", "down")}
     out["attention"] = batch * (context + 1) * per_token
     return out
