@@ -38,8 +38,15 @@ def _same_pools(ours, theirs) -> bool:
                for a, b in zip(*pair, strict=True))
 
 
-def _setup(hf_model_dir, dtype):
-    path, hf_model = hf_model_dir("llama", **PACKABLE)
+# SmolLM2's head_dim (64: two 32-column panels a head with AVX-512; PACKABLE's is 16, two heads
+# a panel) and a gate_up of an odd number of panels (3 with AVX-512: the gate/up boundary
+# inside a panel)
+HEADS_64 = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                intermediate_size=48, vocab_size=128)
+
+
+def _setup(hf_model_dir, dtype, shapes=None):
+    path, hf_model = hf_model_dir("llama", **(shapes or PACKABLE))
     config, params = load_hf_dir(path, dtype)
     return config, llama.pack_params(params), hf_model
 
@@ -59,14 +66,15 @@ def _run(model, params, pool, tables, computed, new_tokens, **bucket):
     return STEP(model, params, jnp.asarray(tokens), positions, pool, metadata)
 
 
+@pytest.mark.parametrize("shapes", [PACKABLE, HEADS_64], ids=["head_dim16", "head_dim64"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_decode_steps_are_the_unfused_ones_bit_for_bit(dtype, hf_model_dir):
+def test_fused_decode_steps_are_the_unfused_ones_bit_for_bit(dtype, shapes, hf_model_dir):
     """Three sequences prefilled (unfused: more rows than FUSED_LAYER_ROWS), then decode steps
     in a bucket of 4 tokens / 4 sequences (one padding row) and in the exact shape: fused and
     unfused from the same pool give the same logits and pools, byte for byte."""
     import torch
 
-    config, params, hf_model = _setup(hf_model_dir, dtype)
+    config, params, hf_model = _setup(hf_model_dir, dtype, shapes)
     fused, unfused = llama.LlamaModel(config), llama.LlamaModel(config, fuse_layers=False)
     prompts = [list(range(3, 40)), list(range(50, 59)), list(range(60, 80))]
     tables = [[1, 2, 3, 4], [5, 6], [7, 8, 9]]
