@@ -44,7 +44,10 @@ layer as its eleven kernel calls (`LlamaModel(fuse_layers=False)`) instead of on
 `--vs-lookahead` times the whole engine's step while the batch decodes (scheduling, the
 runner, the update, detokenizing: what a user waits for per token) with small decode steps
 run ahead (`EngineConfig.decode_lookahead_rows`: the next step started before the draws of
-the one before are read) and without, over the step's bound.
+the one before are read) and without, over the step's bound. `--vs-burst 4` times the
+engine's step against the same forward chained on the device one step a call and four steps a
+call (greedy draws fed to the next step; the host only dispatching): what the engine's host
+work costs beyond a dispatch a step, and what one dispatch and launch a step costs.
 
     python scripts/bench_decode_step.py                      # context 128, float32 and bf16
     python scripts/bench_decode_step.py --context 256 --batches 8,64 --dtypes float32
@@ -56,6 +59,7 @@ the one before are read) and without, over the step's bound.
         --vs-uncut-attention
     python scripts/bench_decode_step.py --no-unpacked --batches 1,2,4,8 --vs-unfused
     python scripts/bench_decode_step.py --no-unpacked --batches 1,2,4,8 --vs-lookahead
+    python scripts/bench_decode_step.py --no-unpacked --batches 1,8 --dtypes bfloat16 --vs-burst 4
 
 With --profile each step's line is followed by where its time goes (`jax.profiler` over 5
 steps): the forward's span, the sampler and the host's share (Python, dispatch), the matmuls
@@ -481,6 +485,82 @@ def _op_kinds(hlo_text: str) -> dict[str, str]:
     return kinds
 
 
+def forward_args(runner, seqs) -> tuple:
+    """The arguments the runner's step over `seqs` hands its jitted forward (model, params,
+    pool, token ids, positions, attention metadata), caught as it runs the step once."""
+    from jaxpage.engine import runner as runner_module
+
+    forward, captured = runner_module._FORWARD, []
+
+    def capture(*args):
+        captured.append(args)
+        return forward(*args)
+
+    runner_module._FORWARD = capture
+    try:
+        runner.execute(seqs)
+    finally:
+        runner_module._FORWARD = forward
+    return captured[0]
+
+
+def burst_step_seconds(llm, batch: int, context: int, steps: int, rounds: int = 6,
+                       tokens: int = 24) -> tuple[float, float, float]:
+    """Median seconds a decode step of `batch` sequences takes (1) in the engine (as
+    `lookahead_step_seconds` runs it, run ahead), (2) as a chain of jitted one-step calls,
+    each the runner's forward and a greedy draw fed to the next call on the device (the host
+    only dispatching), and (3) as a chain of jitted calls of `steps` such steps each (one
+    dispatch, one pool donation and one launch for all of them), alternating round by round.
+    (2) against (1) is what the engine's host work costs beyond dispatching a step; (3)
+    against (2) what dispatching and launching one executable a step costs: what running
+    several decode steps a call (vLLM's multi-step scheduling) could save at most."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    engine, runner = llm.engine, llm.engine.runner
+    model, params, _, token_ids, positions, attn_md = forward_args(
+        runner, decode_seqs(runner, batch, context))
+
+    def run(params, pool, token_ids, positions, attn_md, n):
+        drawn = []
+        for _ in range(n):
+            logits, pool = model.forward(params, token_ids, positions, pool, attn_md)
+            token_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            drawn.append(token_ids)
+        return jnp.stack(drawn), pool
+
+    call = jax.jit(run, static_argnums=5, donate_argnums=1)
+
+    def chain(n: int) -> float:
+        start, ids = time.perf_counter(), token_ids
+        for _ in range(tokens // n):
+            drawn, runner.kv_pool = call(params, runner.kv_pool, ids, positions, attn_md, n)
+            ids = drawn[-1]
+        jax.block_until_ready(drawn)
+        return (time.perf_counter() - start) / (tokens // n * n)
+
+    rng = np.random.default_rng(0)
+
+    def engine_step() -> float:
+        start_decoding(engine, f"burst-{rng.integers(1 << 30)}", batch, context, tokens, rng)
+        times = []
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        return float(np.median(times))
+
+    times = {"engine": [], 1: [], steps: []}
+    for r in range(rounds + 1):  # the first round compiles
+        for key, fn in (("engine", engine_step), (1, lambda: chain(1)),
+                        (steps, lambda: chain(steps))):
+            seconds = fn()
+            if r:
+                times[key].append(seconds)
+    return tuple(float(np.median(t)) for t in times.values())
+
+
 def step_profile(llm, batch: int, context: int, steps: int = 5) -> dict[str, float]:
     """Milliseconds a decode step spends per kind of op (`_op_kinds`), the mean of `steps`
     steps under `jax.profiler` (which adds a little to each op), with "forward" (its first op's
@@ -497,18 +577,8 @@ def step_profile(llm, batch: int, context: int, steps: int = 5) -> dict[str, flo
 
     runner = llm.engine.runner
     seqs = decode_seqs(runner, batch, context)
-    forward, captured = runner_module._FORWARD, []
-
-    def capture(*args):  # the step's own arguments, to read the compiled step's HLO
-        captured.append(args)
-        return forward(*args)
-
-    runner_module._FORWARD = capture
-    try:
-        runner.execute(seqs)
-    finally:
-        runner_module._FORWARD = forward
-    kinds = _op_kinds(forward.lower(*captured[0]).compile().as_text())
+    kinds = _op_kinds(runner_module._FORWARD.lower(*forward_args(runner, seqs)).compile()
+                      .as_text())
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
             start = time.perf_counter()
@@ -578,6 +648,10 @@ def main() -> None:
                     help="also the engine's step while the batch decodes, with the runner "
                          "starting each small decode step before reading the one before "
                          "(decode_lookahead_rows) and without (alternating, 6 x 47 steps each)")
+    ap.add_argument("--vs-burst", type=int, default=0, metavar="STEPS",
+                    help="also the engine's step against a chain of one-step jitted calls and "
+                         "of STEPS-step calls (greedy draws fed on the device; alternating, 6 "
+                         "rounds of 24 steps each)")
     ap.add_argument("--profile", action="store_true",
                     help="after each step's line, where its time goes by kind of op "
                          "(jax.profiler, 5 steps)")
@@ -652,6 +726,12 @@ def main() -> None:
                 print(f"{'':>15}engine step run ahead {ahead * 1e3:.1f} ms, not "
                       f"{apart * 1e3:.1f} ms: {apart / ahead:.2f}x ({share:.0%} of steps run "
                       f"ahead; {ahead * 1e3 / bound:.2f}x the bound)", flush=True)
+            if args.vs_burst:
+                in_engine, one, burst = burst_step_seconds(llm, batch, args.context,
+                                                           args.vs_burst)
+                print(f"{'':>15}engine step {in_engine * 1e3:.1f} ms; one step a call "
+                      f"{one * 1e3:.1f} ms, {args.vs_burst} a call {burst * 1e3:.1f} ms a step: "
+                      f"{one / burst:.2f}x ({burst * 1e3 / bound:.2f}x the bound)", flush=True)
             if args.profile:
                 print_profile(step_profile(llm, batch, args.context), weights_ms)
         del llm, other
