@@ -19,6 +19,7 @@ times them in a step).
     python scripts/bench_small_matmul.py --rows 1,8,16 --dtypes bfloat16
     python scripts/bench_small_matmul.py --rows 16,24,32,48,64 --vs-xla   # where the kernel pays
     python scripts/bench_small_matmul.py --rows 1,2,4,8 --vs-prefetch 4096
+    python scripts/bench_small_matmul.py --rows 1,8 --dtypes bfloat16 --cached   # arithmetic
 
 Each chain also runs on the same weights packed into 32-column panels
 (`cpu_attention.pack_weight` / `packed_matmul`; the head packed as [H, V]: how a CPU runner
@@ -29,7 +30,10 @@ above `jaxpage.models.llama.SMALL_MATMUL_ROWS` on unpacked weights) and prints t
 speedup over it. With --vs-prefetch BYTES each packed chain also runs with its panels
 prefetched BYTES ahead (`packed_matmul(prefetch_bytes=...)`) instead of the kernel's own
 distance for the rows, the two alternating run by run (60 each), and prints the kernel's
-speedup over it.
+speedup over it. With --cached each row count also runs the packed kernel on one weight held in
+the caches (o in L2, gate_up in L3), called in turn: the rate its arithmetic allows, beside
+the read bandwidth (at 8 bfloat16 rows on the 2-core Zen 4 box the two are alike, so a step's
+matmuls from memory take more than either unless the two overlap perfectly).
 """
 
 from __future__ import annotations
@@ -67,6 +71,40 @@ def alternating_seconds(fns, *args, runs: int = 60) -> list[float]:
     return [float(np.median(t)) for t in times]
 
 
+CACHED_KINDS, CACHED_CALLS = ("o", "gate_up"), 100
+
+
+def cached_line(kind: str, packed_w, x, rows: int, dtype, dtype_peak: float,
+                bandwidth: float) -> str:
+    """The packed kernel on one weight (layer 0's `kind`: o's 0.6 MiB in bfloat16 stays in L2,
+    gate_up's 3.4 MiB in L3) `CACHED_CALLS` times in turn (each call's x the one before's
+    output): the rate its arithmetic allows at `rows` rows when memory is not what it waits on,
+    as GFLOP/s, the share of the dot instructions' peak and the weight bytes a second that makes
+    beside the read bandwidth (a step from memory cannot stream faster than the lower of the
+    two)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import cpu_attention
+
+    K, N = KINDS[kind]
+
+    def run(x, w):
+        total, h = jnp.zeros((rows,), jnp.float32), x[:, :K]
+        for _ in range(CACHED_CALLS):
+            out = cpu_attention.packed_matmul(h, w)
+            total += out[:, 0]
+            h = out[:, :K].astype(dtype)  # N >= K for both kinds
+        return total
+
+    seconds = median_seconds(jax.jit(run), x, packed_w, runs=15) / CACHED_CALLS
+    flops, nbytes = 2 * rows * K * N, K * N * dtype.itemsize
+    rate, streamed = flops / seconds / 1e9, nbytes / seconds / 1e9
+    return (f"{'':>16}{kind} from cache ({nbytes / 2**20:.1f} MiB): {seconds * 1e6:.1f} us a "
+            f"call, {rate:.0f} GFLOP/s ({rate / dtype_peak:.0%} of the peak), "
+            f"{streamed:.1f} GB/s of weights ({streamed / bandwidth:.2f}x the read bandwidth)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="8")
@@ -74,6 +112,9 @@ def main() -> None:
     ap.add_argument("--vs-xla", action="store_true", help="also time XLA:CPU's dot")
     ap.add_argument("--vs-prefetch", type=int, default=0, metavar="BYTES",
                     help="also the packed chains prefetching BYTES ahead in a panel")
+    ap.add_argument("--cached", action="store_true",
+                    help="also the packed kernel on one weight called in turn from the caches "
+                         "(o: L2, gate_up: L3): its arithmetic ceiling at these rows")
     args = ap.parse_args()
 
     import jax
@@ -164,6 +205,10 @@ def main() -> None:
                          chain(kinds, with_head, other_prefetch, in_turn)], x, packed, packed_head)
                     line += f"{other * 1e3:>9.2f}{other / own:>8.2f}x"
                 print(line, flush=True)
+            if args.cached:
+                for kind in CACHED_KINDS:
+                    print(cached_line(kind, packed[0][kind], x, rows, dtype, dtype_peak,
+                                      bandwidth), flush=True)
 
 
 if __name__ == "__main__":
