@@ -1952,7 +1952,20 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
 // call's `prefetch_bytes` attribute overrides it (0: this choice), for those measurements.
 constexpr int64_t packed_prefetch_bytes(int64_t rows) { return rows <= 2 ? 2048 : 6144; }
 constexpr int64_t kMaxPrefetchBytes = int64_t{1} << 20;
-constexpr int64_t kPackedUnitsPerThread = 4;    // panels shared in about this many units each
+// Panels are shared among the threads in units (each claimed by the next free thread) of about
+// this many a thread where M's rows take several passes over each panel (prefill; the arithmetic
+// dominates, and small units even out threads that run at different speeds), and in one unit a
+// thread where they take one (few rows, e.g. a decode step; a stream of the weights): each
+// thread then reads one contiguous range, where four units a thread made it jump between
+// ranges, restarting its prefetch stream at each. Measured on the 2-core Zen 4 box, bfloat16
+// SmolLM2, against four units a thread in one process (scripts/ab_env_switch.py: a scratch
+// build switched at run time; the median of paired differences): the engine's 8-row decode
+// step 0.12-0.43 ms faster in 4 runs of 16-24 rounds (of ~12.5-13 ms; the four-unit build
+// faster in 38-50% of the rounds), the runner's alone 0.23 and 0.34 ms faster in two runs of
+// 40 and 0.24 ms slower in a third: a small gain, near the machine's noise; one row within
+// noise (-0.09 ms). A thread that falls behind (descheduled, or late to start) leaves its range
+// to the other only where that one has not started it.
+constexpr int64_t kPackedUnitsPerThread = 4;
 
 // The packed panels' vectors are the machine's own width (kLanes floats: 16 with AVX-512, else
 // 8), a panel two of them: 32 columns with AVX-512, 16 with AVX2. GCC lowers a vector wider
@@ -2300,7 +2313,7 @@ int64_t prepare_packed(PackedWork& work, const void* x, bool f32, int64_t M, int
   // a multiple of the threads' count of units (where there are enough panels), so that each
   // thread has as many: units of floor(P / (4 x threads)) panels cut SmolLM2's 36-panel o and
   // down projections (AVX2's 16-column panels) into 9 units of 4 for 2 threads, 5 for one
-  work.units = std::min(P, threads * kPackedUnitsPerThread);
+  work.units = std::min(P, threads * (rows <= kPackedRows ? 1 : kPackedUnitsPerThread));
   return work.units;
 }
 

@@ -1,0 +1,90 @@
+"""A kernel variant against the build it came from, in one process: an environment variable
+that a scratch build of the CPU kernel library reads at each call, set and unset round by
+round while the runner (or the engine) decodes.
+
+On a shared machine whose read bandwidth drifts 25-50 GB/s within an hour, two processes (one
+per build) compare the hours they ran in as much as the builds; here both variants share every
+round's conditions, and the paired differences' median says which is faster and by how much.
+The scratch build: a copy of pallas_kernels/cpu_attention.cc whose change is taken only while
+`getenv("NAME")` is set (`#include <cstdlib>`), compiled with cpu_attention's flags and handed
+to JAXPAGE_CPU_KERNEL_LIB, e.g. for the packed matmuls' units:
+
+    work.units = std::min(P, threads * (getenv("ONE_UNIT") ? 1 : kPackedUnitsPerThread));
+
+    g++ $(python -c "from pallas_kernels import cpu_attention as c; print(*c._FLAGS)") \
+        -isystem $(python -c "import jax; print(jax.ffi.include_dir())") -o /tmp/v.so /tmp/v.cc
+    JAXPAGE_CPU_KERNEL_LIB=/tmp/v.so python scripts/ab_env_switch.py ONE_UNIT --batch 8
+    JAXPAGE_CPU_KERNEL_LIB=/tmp/v.so python scripts/ab_env_switch.py ONE_UNIT --engine
+
+The runner's rounds time 4 decode steps of `--batch` sequences of context 128 (bfloat16, the
+default model) after one untimed; the engine's (`--engine`) the median step while `--batch`
+requests decode 24 tokens each (run ahead, scheduling and detokenizing included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_decode_step import start_decoding  # noqa: E402
+from bench_throughput import decode_seqs, make_llm  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("name", help="the environment variable the scratch build reads")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=0, help="default: 40 (runner), 16 (engine)")
+    ap.add_argument("--engine", action="store_true", help="the engine's steps, not the runner's")
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args()
+
+    import numpy as np
+
+    llm = make_llm(max(args.batch, 8), dtype=args.dtype)
+    engine, runner = llm.engine, llm.engine.runner
+    rng = np.random.default_rng(0)
+    seqs = decode_seqs(runner, args.batch, 128)
+
+    def runner_ms() -> float:
+        runner.execute(seqs)
+        start = time.perf_counter()
+        for _ in range(4):
+            runner.execute(seqs)
+        return (time.perf_counter() - start) / 4 * 1e3
+
+    def engine_ms() -> float:
+        start_decoding(engine, f"ab-{rng.integers(1 << 30)}", args.batch, 128, 24, rng)
+        times = []
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        return float(np.median(times)) * 1e3
+
+    measure = engine_ms if args.engine else runner_ms
+    rounds = args.rounds or (16 if args.engine else 40)
+    measure()  # compiles
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(rounds):
+        for on in (r % 2 == 0, r % 2 == 1):  # which goes first alternates
+            if on:
+                os.environ[args.name] = "1"
+            else:
+                os.environ.pop(args.name, None)
+            times[on].append(measure())
+    os.environ.pop(args.name, None)
+    off, on = np.array(times[False]), np.array(times[True])
+    diff = on - off
+    print(f"{'engine' if args.engine else 'runner'} step, {args.batch} rows, {args.dtype}: "
+          f"{args.name} unset {np.median(off):.2f} ms, set {np.median(on):.2f} ms; paired "
+          f"difference median {np.median(diff):+.2f} ms, set faster in {np.mean(diff < 0):.0%} "
+          f"of {rounds} rounds")
+
+
+if __name__ == "__main__":
+    main()
