@@ -30,7 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_decode_step import start_decoding  # noqa: E402
+from bench_decode_step import decode_step_seconds  # noqa: E402
 from bench_throughput import decode_seqs, make_llm  # noqa: E402
 
 
@@ -58,13 +58,8 @@ def main() -> None:
         return (time.perf_counter() - start) / 4 * 1e3
 
     def engine_ms() -> float:
-        start_decoding(engine, f"ab-{rng.integers(1 << 30)}", args.batch, 128, 24, rng)
-        times = []
-        while engine.has_unfinished_requests():
-            start = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - start)
-        return float(np.median(times)) * 1e3
+        return float(np.median(decode_step_seconds(engine, f"ab-{rng.integers(1 << 30)}",
+                                                   args.batch, 128, 24, rng))) * 1e3
 
     measure = engine_ms if args.engine else runner_ms
     rounds = args.rounds or (16 if args.engine else 40)

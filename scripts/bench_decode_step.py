@@ -224,16 +224,14 @@ def lookahead_step_seconds(llm, batch: int, context: int, rounds: int = 6,
         for r in range(rounds + 1):  # the first round compiles
             for value, out in times.items():
                 runner.lookahead_rows = engine.scheduler.lookahead_rows = value
-                start_decoding(engine, f"lookahead-{r}-{value}", batch, context, tokens, rng)
                 before = runner.lookahead_hits
-                while engine.has_unfinished_requests():
-                    start = time.perf_counter()
-                    engine.step()
-                    if r:
-                        out.append(time.perf_counter() - start)
-                        steps += value > 0
-                if r and value:
-                    hits += runner.lookahead_hits - before
+                decoded = decode_step_seconds(engine, f"lookahead-{r}-{value}", batch, context,
+                                              tokens, rng)
+                if r:
+                    out += decoded
+                    if value:
+                        steps += len(decoded)
+                        hits += runner.lookahead_hits - before
     finally:
         runner.lookahead_rows = engine.scheduler.lookahead_rows = ahead
     return float(np.median(times[ahead])), float(np.median(times[0])), hits / max(steps, 1)
@@ -244,6 +242,19 @@ def kv_bytes_per_token(llm) -> float:
     its slots (`ModelRunner.block_bytes`)."""
     runner = llm.engine.runner
     return runner.block_bytes / runner.block_size
+
+
+def decode_step_seconds(engine, tag: str, batch: int, context: int, tokens: int,
+                        rng) -> list[float]:
+    """Seconds of each engine step while `batch` requests (`start_decoding`'s) decode to
+    their end."""
+    start_decoding(engine, tag, batch, context, tokens, rng)
+    times = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def start_decoding(engine, tag: str, batch: int, context: int, tokens: int, rng) -> None:
@@ -543,13 +554,8 @@ def burst_step_seconds(llm, batch: int, context: int, steps: int, rounds: int = 
     rng = np.random.default_rng(0)
 
     def engine_step() -> float:
-        start_decoding(engine, f"burst-{rng.integers(1 << 30)}", batch, context, tokens, rng)
-        times = []
-        while engine.has_unfinished_requests():
-            start = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - start)
-        return float(np.median(times))
+        return float(np.median(decode_step_seconds(engine, f"burst-{rng.integers(1 << 30)}",
+                                                   batch, context, tokens, rng)))
 
     times = {"engine": [], 1: [], steps: []}
     for r in range(rounds + 1):  # the first round compiles
@@ -656,6 +662,8 @@ def main() -> None:
                     help="after each step's line, where its time goes by kind of op "
                          "(jax.profiler, 5 steps)")
     args = ap.parse_args()
+    if args.vs_burst == 1 or args.vs_burst < 0:
+        ap.error(f"--vs-burst takes 2 steps a call or more, got {args.vs_burst}")
     batches = [int(b) for b in args.batches.split(",")]
     dtypes = [d for d in args.dtypes.split(",") if d]
 
