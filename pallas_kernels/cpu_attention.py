@@ -119,14 +119,15 @@ def _flags() -> list[str]:
     return _FLAGS + (["-DJAXPAGE_STAGE_CLOCK"] if value == "1" else [])
 
 
-def _build() -> Path:
+def _build(source: Path = _SOURCE) -> Path:
     """Compile the kernel (or reuse a build of the same source and flags for this jaxlib and
-    CPU)."""
+    CPU). `source`: another version of cpu_attention.cc (a variant to measure against this
+    one: scripts/ab_env_switch.py --source)."""
     import jaxlib
 
     flags = _flags()
     key = hashlib.sha256(b"\0".join([
-        _SOURCE.read_bytes(), " ".join(flags).encode(), jaxlib.__version__.encode(),
+        source.read_bytes(), " ".join(flags).encode(), jaxlib.__version__.encode(),
         _cpu_id().encode()])).hexdigest()
     library = _cache_dir() / f"cpu_attention-{key[:16]}.so"
     if library.exists():
@@ -139,7 +140,7 @@ def _build() -> Path:
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
         partial = Path(tmp) / library.name
         cmd = [compiler, *flags, "-isystem", jax.ffi.include_dir(), "-o", str(partial),
-               str(_SOURCE)]
+               str(source)]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if result.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")

@@ -5,16 +5,16 @@ round while the runner (or the engine) decodes.
 On a shared machine whose read bandwidth drifts 25-50 GB/s within an hour, two processes (one
 per build) compare the hours they ran in as much as the builds; here both variants share every
 round's conditions, and the paired differences' median says which is faster and by how much.
-The scratch build: a copy of pallas_kernels/cpu_attention.cc whose change is taken only while
-`getenv("NAME")` is set (`#include <cstdlib>`), compiled with cpu_attention's flags and handed
-to JAXPAGE_CPU_KERNEL_LIB, e.g. for the packed matmuls' units:
+The variant: a copy of pallas_kernels/cpu_attention.cc whose change is taken only while
+`getenv("NAME")` is set (`#include <cstdlib>`), built as the library builds itself
+(`--source`: cpu_attention's flags, cached by content) or given prebuilt in
+JAXPAGE_CPU_KERNEL_LIB. E.g. for the packed matmuls' units (2026-12-04):
 
-    work.units = std::min(P, threads * (getenv("ONE_UNIT") ? 1 : kPackedUnitsPerThread));
+    work.units = std::min(P, threads * (rows <= kPackedRows && !getenv("FOUR_UNITS")
+                                        ? 1 : kPackedUnitsPerThread));
 
-    g++ $(python -c "from pallas_kernels import cpu_attention as c; print(*c._FLAGS)") \
-        -isystem $(python -c "import jax; print(jax.ffi.include_dir())") -o /tmp/v.so /tmp/v.cc
-    JAXPAGE_CPU_KERNEL_LIB=/tmp/v.so python scripts/ab_env_switch.py ONE_UNIT --batch 8
-    JAXPAGE_CPU_KERNEL_LIB=/tmp/v.so python scripts/ab_env_switch.py ONE_UNIT --engine
+    python scripts/ab_env_switch.py FOUR_UNITS --source /tmp/variant.cc --batch 8
+    python scripts/ab_env_switch.py FOUR_UNITS --source /tmp/variant.cc --engine
 
 The runner's rounds time 4 decode steps of `--batch` sequences of context 128 (bfloat16, the
 default model) after one untimed; the engine's (`--engine`) the median step while `--batch`
@@ -41,7 +41,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=0, help="default: 40 (runner), 16 (engine)")
     ap.add_argument("--engine", action="store_true", help="the engine's steps, not the runner's")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--source", help="the variant's C++ source, built here (else the library "
+                                     "JAXPAGE_CPU_KERNEL_LIB names)")
     args = ap.parse_args()
+    if args.source:
+        from pathlib import Path
+
+        from pallas_kernels import cpu_attention
+
+        os.environ["JAXPAGE_CPU_KERNEL_LIB"] = str(cpu_attention._build(Path(args.source)))
 
     import numpy as np
 
