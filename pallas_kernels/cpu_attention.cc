@@ -346,9 +346,12 @@ struct TilePump {
     return (2 * tile_bytes / 64 + 2 * rows - 1) / (2 * rows);
   }
 
+  // `count` more lines: K's, then V's, in two plain loops (one loop choosing between them per
+  // line was a quarter of a 3-row decode item's time with its tiles in cache)
   void step(int64_t count) {
-    for (; count > 0 && issued < 2 * lines; --count, ++issued)
-      __builtin_prefetch(issued < lines ? k + issued * 64 : v + (issued - lines) * 64, 0, 1);
+    const int64_t end = std::min(issued + count, 2 * lines), k_end = std::min(end, lines);
+    for (; issued < k_end; ++issued) __builtin_prefetch(k + issued * 64, 0, 1);
+    for (; issued < end; ++issued) __builtin_prefetch(v + (issued - lines) * 64, 0, 1);
   }
   void finish() { step(2 * lines); }
 };
@@ -387,6 +390,14 @@ inline void store_rows(const Problem& P, const Item& it, const Scratch& s, int64
   }
 }
 
+// The online softmax's factor on a row's sums when its running max goes from old_max to new_max
+// (>= old_max): exp(old_max - new_max), 0 for a row that saw no key yet, and 1 without the exp
+// where the max did not move (most blocks after the first few; exp_nonpositive(0) is 1 exactly).
+inline float max_correction(float old_max, float new_max) {
+  if (old_max == kNegInf) return 0.0f;
+  return old_max == new_max ? 1.0f : exp_nonpositive(old_max - new_max);
+}
+
 // Fold row r's scores for one key tile (keys [m, n) visible, 0 <= m < n) into its running max,
 // denominator and accumulator (the online softmax), leaving the probabilities in `probs`. The
 // scores are soft-capped first (in place) when `soft_cap` is set.
@@ -404,7 +415,7 @@ inline float softmax_step(float* scores, int64_t m, int64_t n, int64_t block_siz
     block_max = std::max(block_max, t >= m && t < n ? scores[t] : kNegInf);
   const float old_max = *row_max;
   const float new_max = std::max(old_max, block_max);
-  const float correction = old_max == kNegInf ? 0.0f : exp_nonpositive(old_max - new_max);
+  const float correction = max_correction(old_max, new_max);
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t t = 0; t < B; ++t) {
@@ -658,7 +669,7 @@ inline float softmax_step16(const float* scores, int64_t m, int64_t n, uint32_t*
   }
   const float old_max = *row_max;
   const float new_max = std::max(old_max, _mm512_reduce_max_ps(block_max));
-  const float correction = old_max == kNegInf ? 0.0f : exp_nonpositive(old_max - new_max);
+  const float correction = max_correction(old_max, new_max);
   __m512 sum = _mm512_setzero_ps();
   const __m512 shift = _mm512_set1_ps(new_max);
   for (int v = 0; v < kV; ++v) {
@@ -686,6 +697,50 @@ inline void v_pairs(const bf16* va, const bf16* vb, bool keep_a, bool keep_b, ui
     const __m512i b = keep_b ? _mm512_loadu_si512(vb + 32 * c) : _mm512_setzero_si512();
     _mm512_storeu_si512(out + 32 * c, _mm512_permutex2var_epi16(a, lo, b));
     _mm512_storeu_si512(out + 32 * c + 16, _mm512_permutex2var_epi16(a, hi, b));
+  }
+}
+
+// P.V for R rows of one key tile: acc[i] = acc[i] * correction[i] + the sum over pairs tp in
+// [tp_begin, tp_end) of p2[i][tp] . vpairs[tp] (vdpbf16ps, in tp order). A row's
+// probabilities are 0 outside the keys it sees.
+template <int kD, int kB, int R>
+inline void pv_rows(float* acc, const float* correction, const uint32_t (*p2)[kB / 2],
+                    int64_t tp_begin, int64_t tp_end, const uint32_t* __restrict vpairs) {
+  constexpr int64_t D = kD, DV = kD / 16;
+  __m512 out[R][DV];
+  for (int64_t i = 0; i < R; ++i) {
+    const __m512 c = _mm512_set1_ps(correction[i]);
+    for (int64_t v = 0; v < DV; ++v)
+      out[i][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + i * D + 16 * v), c);
+  }
+  for (int64_t tp = tp_begin; tp < tp_end; ++tp) {
+    __m512i vv[DV];
+    for (int64_t v = 0; v < DV; ++v) vv[v] = _mm512_loadu_si512(vpairs + tp * D + 16 * v);
+    for (int64_t i = 0; i < R; ++i) {
+      const __m512bh p = as_bh(_mm512_set1_epi32(static_cast<int32_t>(p2[i][tp])));
+      for (int64_t v = 0; v < DV; ++v) out[i][v] = _mm512_dpbf16_ps(out[i][v], p, as_bh(vv[v]));
+    }
+  }
+  for (int64_t i = 0; i < R; ++i)
+    for (int64_t v = 0; v < DV; ++v) _mm512_storeu_ps(acc + i * D + 16 * v, out[i][v]);
+}
+
+// pv_rows for `nr` (at most 8) rows, kRows at a time (kRows * kD / 16 = 16 accumulators): each
+// V pair is read once for them, and their dot chains interleave.
+template <int kD, int kB>
+inline void accumulate_pv(float* acc, int64_t nr, const float* correction,
+                          const uint32_t (*p2)[kB / 2], int64_t tp_begin, int64_t tp_end,
+                          const uint32_t* __restrict vpairs) {
+  constexpr int64_t kRows = 256 / kD;
+  static_assert(kRows <= 4, "pv_rows is instantiated for up to 4 rows");
+  for (int64_t i0 = 0; i0 < nr; i0 += kRows) {
+    float* a = acc + i0 * kD;
+    switch (std::min<int64_t>(kRows, nr - i0)) {
+      case 1: pv_rows<kD, kB, 1>(a, correction + i0, p2 + i0, tp_begin, tp_end, vpairs); break;
+      case 2: pv_rows<kD, kB, 2>(a, correction + i0, p2 + i0, tp_begin, tp_end, vpairs); break;
+      case 3: pv_rows<kD, kB, 3>(a, correction + i0, p2 + i0, tp_begin, tp_end, vpairs); break;
+      default: pv_rows<kD, kB, 4>(a, correction + i0, p2 + i0, tp_begin, tp_end, vpairs);
+    }
   }
 }
 
@@ -755,10 +810,21 @@ bool attend_dot(const Problem& P, const Item& it, Scratch& s) {
                   vpairs + tp * D);
 
     if (rows < 8) {
+      // each row's scores and probabilities, then P.V for the rows together (kRows at a time:
+      // a V pair read once for them, their accumulators' dot chains interleaved)
+      alignas(64) uint32_t p2[8][kB / 2];  // the probabilities rounded to bf16, in pairs
+      float correction[8];
+      int64_t tp_begin = B / 2, tp_end = 0;  // the pairs some row sees
       for (int64_t r = 0; r < rows; ++r) {
         pump.step(share);
         const Span keys = visible(P, s.pos[r], key0, valid);  // the slots row r sees
-        if (keys.empty()) continue;
+        if (keys.empty()) {  // its sums unchanged: P.V adds zero products
+          correction[r] = 1.0f;
+          std::fill_n(p2[r], kB / 2, 0u);
+          continue;
+        }
+        tp_begin = std::min<int64_t>(tp_begin, keys.begin / 2);
+        tp_end = std::max<int64_t>(tp_end, (keys.end + 1) / 2);
         __m512i qv[D / 32];
         for (int64_t c = 0; c < D / 32; ++c)
           qv[c] = _mm512_loadu_si512(s.q16.data() + r * D + 32 * c);
@@ -774,31 +840,18 @@ bool attend_dot(const Problem& P, const Item& it, Scratch& s) {
           }
           _mm512_storeu_ps(scores + t0, _mm512_mul_ps(sum16(dots), sv));
         }
-        alignas(32) uint32_t p2[kB / 2];  // the probabilities rounded to bf16, in pairs
-        float correction;
         if (P.soft_cap > 0.0f) {
-          correction = softmax_step<kB>(scores, keys.begin, keys.end, B, P.soft_cap, probs,
-                                        &s.row_max[r], &s.denom[r]);
+          correction[r] = softmax_step<kB>(scores, keys.begin, keys.end, B, P.soft_cap, probs,
+                                           &s.row_max[r], &s.denom[r]);
           for (int64_t tp = 0; tp < B / 2; ++tp)
-            p2[tp] = pair(narrow(probs[2 * tp]), narrow(probs[2 * tp + 1]));
+            p2[r][tp] = pair(narrow(probs[2 * tp]), narrow(probs[2 * tp + 1]));
         } else {
-          correction = softmax_step16<kB>(scores, keys.begin, keys.end, p2, &s.row_max[r],
-                                          &s.denom[r]);
+          correction[r] = softmax_step16<kB>(scores, keys.begin, keys.end, p2[r],
+                                             &s.row_max[r], &s.denom[r]);
         }
         pump.step(share);
-        float* acc = s.acc.data() + r * D;
-        __m512 out[DV];
-        const __m512 c = _mm512_set1_ps(correction);
-        for (int64_t v = 0; v < DV; ++v) out[v] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * v), c);
-        // probs outside [begin, end) are 0: pairs straddling an end are whole
-        for (int64_t tp = keys.begin / 2; tp < (keys.end + 1) / 2; ++tp) {
-          const __m512bh p = as_bh(_mm512_set1_epi32(static_cast<int32_t>(p2[tp])));
-          for (int64_t v = 0; v < DV; ++v)
-            out[v] = _mm512_dpbf16_ps(out[v], p,
-                                      as_bh(_mm512_loadu_si512(vpairs + tp * D + 16 * v)));
-        }
-        for (int64_t v = 0; v < DV; ++v) _mm512_storeu_ps(acc + 16 * v, out[v]);
       }
+      accumulate_pv<kD, kB>(s.acc.data(), rows, correction, p2, tp_begin, tp_end, vpairs);
       pump.finish();
       continue;
     }
@@ -852,29 +905,8 @@ bool attend_dot(const Problem& P, const Item& it, Scratch& s) {
       for (int64_t i = 0; i < nr; ++i)
         for (int64_t tp = 0; tp < B / 2; ++tp)
           p2[i][tp] = pair(narrow(probs[i * B + 2 * tp]), narrow(probs[i * B + 2 * tp + 1]));
-      for (int64_t i0 = 0; i0 < nr; i0 += kRows) {
-        const int64_t ni = std::min<int64_t>(kRows, nr - i0);
-        __m512 out[kRows][DV];
-        for (int64_t i = 0; i < kRows; ++i) {
-          const int64_t row = r0 + i0 + std::min<int64_t>(i, ni - 1);
-          const __m512 c = _mm512_set1_ps(i < ni ? correction[i0 + i] : 0.0f);
-          for (int64_t v = 0; v < DV; ++v)
-            out[i][v] = _mm512_mul_ps(_mm512_loadu_ps(s.acc.data() + row * D + 16 * v), c);
-        }
-        for (int64_t tp = 0; tp < (n_max + 1) / 2; ++tp) {
-          __m512i vv[DV];
-          for (int64_t v = 0; v < DV; ++v) vv[v] = _mm512_loadu_si512(vpairs + tp * D + 16 * v);
-          for (int64_t i = 0; i < kRows; ++i) {
-            const uint32_t pp = i < ni ? p2[i0 + i][tp] : 0u;
-            const __m512bh p = as_bh(_mm512_set1_epi32(static_cast<int32_t>(pp)));
-            for (int64_t v = 0; v < DV; ++v)
-              out[i][v] = _mm512_dpbf16_ps(out[i][v], p, as_bh(vv[v]));
-          }
-        }
-        for (int64_t i = 0; i < ni; ++i)
-          for (int64_t v = 0; v < DV; ++v)
-            _mm512_storeu_ps(s.acc.data() + (r0 + i0 + i) * D + 16 * v, out[i][v]);
-      }
+      accumulate_pv<kD, kB>(s.acc.data() + r0 * D, nr, correction, p2, 0, (n_max + 1) / 2,
+                            vpairs);
     }
   }
 
