@@ -18,7 +18,10 @@ JAXPAGE_CPU_KERNEL_LIB. E.g. for the packed matmuls' units (2026-12-04):
 
 The runner's rounds time 4 decode steps of `--batch` sequences of context 128 (bfloat16, the
 default model) after one untimed; the engine's (`--engine`) the median step while `--batch`
-requests decode 24 tokens each (run ahead, scheduling and detokenizing included).
+requests decode 24 tokens each (run ahead, scheduling and detokenizing included);
+`--attention`'s the paged attention kernel alone, 30 layers of a decode step of `--batch`
+sequences of 129 tokens over scattered blocks (bench_attention.py's pools and step), where a
+change to the kernel shows without the rest of the step's noise around it.
 """
 
 from __future__ import annotations
@@ -34,12 +37,46 @@ from bench_decode_step import decode_step_seconds  # noqa: E402
 from bench_throughput import decode_seqs, make_llm  # noqa: E402
 
 
+def attention_ms(batch: int, dtype: str):
+    """A function timing 30 layers of the attention kernel on a decode step of `batch`
+    sequences of 129 tokens (each layer its own pools, blocks scattered), in ms."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from bench_attention import BLOCK, HEAD_DIM, KV_HEADS, LAYERS, POOL_BLOCKS, make_step
+
+    from pallas_kernels import cpu_attention
+
+    pool_rng = np.random.default_rng(1)
+    shape = (KV_HEADS, POOL_BLOCKS, BLOCK, HEAD_DIM)
+    pools = [[jnp.asarray(pool_rng.standard_normal(shape, np.float32), dtype)
+              for _ in range(LAYERS)] for _ in range(2)]
+    q, tables, lens, qsl, _ = make_step(np.random.default_rng(0), [129] * batch, [1] * batch,
+                                        jnp.dtype(dtype))
+
+    @jax.jit
+    def layers(q, ks, vs):
+        return sum(cpu_attention.paged_attention_cpu(q + i * 1e-3, ks[i], vs[i], tables, lens,
+                                                     qsl) for i in range(LAYERS))
+
+    def ms() -> float:
+        start = time.perf_counter()
+        jax.block_until_ready(layers(q, *pools))
+        return (time.perf_counter() - start) * 1e3
+
+    return ms
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("name", help="the environment variable the scratch build reads")
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=0, help="default: 40 (runner), 16 (engine)")
-    ap.add_argument("--engine", action="store_true", help="the engine's steps, not the runner's")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="default: 40 (runner, attention), 16 (engine)")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--engine", action="store_true", help="the engine's steps, not the runner's")
+    mode.add_argument("--attention", action="store_true",
+                      help="the attention kernel alone (30 layers of a decode step)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--source", help="the variant's C++ source, built here (else the library "
                                      "JAXPAGE_CPU_KERNEL_LIB names)")
@@ -53,24 +90,29 @@ def main() -> None:
 
     import numpy as np
 
-    llm = make_llm(max(args.batch, 8), dtype=args.dtype)
-    engine, runner = llm.engine, llm.engine.runner
-    rng = np.random.default_rng(0)
-    seqs = decode_seqs(runner, args.batch, 128)
+    if args.attention:
+        measure, what = attention_ms(args.batch, args.dtype), "attention (30 layers)"
+        rounds = args.rounds or 40
+    else:
+        llm = make_llm(max(args.batch, 8), dtype=args.dtype)
+        engine, runner = llm.engine, llm.engine.runner
+        rng = np.random.default_rng(0)
+        seqs = decode_seqs(runner, args.batch, 128)
 
-    def runner_ms() -> float:
-        runner.execute(seqs)
-        start = time.perf_counter()
-        for _ in range(4):
+        def runner_ms() -> float:
             runner.execute(seqs)
-        return (time.perf_counter() - start) / 4 * 1e3
+            start = time.perf_counter()
+            for _ in range(4):
+                runner.execute(seqs)
+            return (time.perf_counter() - start) / 4 * 1e3
 
-    def engine_ms() -> float:
-        return float(np.median(decode_step_seconds(engine, f"ab-{rng.integers(1 << 30)}",
-                                                   args.batch, 128, 24, rng))) * 1e3
+        def engine_ms() -> float:
+            return float(np.median(decode_step_seconds(engine, f"ab-{rng.integers(1 << 30)}",
+                                                       args.batch, 128, 24, rng))) * 1e3
 
-    measure = engine_ms if args.engine else runner_ms
-    rounds = args.rounds or (16 if args.engine else 40)
+        measure = engine_ms if args.engine else runner_ms
+        what = "engine step" if args.engine else "runner step"
+        rounds = args.rounds or (16 if args.engine else 40)
     measure()  # compiles
     times: dict[bool, list[float]] = {False: [], True: []}
     for r in range(rounds):
@@ -83,7 +125,7 @@ def main() -> None:
     os.environ.pop(args.name, None)
     off, on = np.array(times[False]), np.array(times[True])
     diff = on - off
-    print(f"{'engine' if args.engine else 'runner'} step, {args.batch} rows, {args.dtype}: "
+    print(f"{what}, {args.batch} rows, {args.dtype}: "
           f"{args.name} unset {np.median(off):.2f} ms, set {np.median(on):.2f} ms; paired "
           f"difference median {np.median(diff):+.2f} ms, set faster in {np.mean(diff < 0):.0%} "
           f"of {rounds} rounds")

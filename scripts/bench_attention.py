@@ -50,6 +50,7 @@ def cases(rng):
         ("decode b64, log-normal context", lognormal(64), [1] * 64, 1),
         ("decode b32, log-normal context", lognormal(32), [1] * 32, 1),
         ("decode b8, mixed context", [700, 30, 50, 100, 200, 20, 10, 300], [1] * 8, 1),
+        ("decode b8, context 129", [129] * 8, [1] * 8, 1),  # profile_layer_stages' step
         ("prefill 7 chunks ~70 tokens", chunks + [0], chunks + [0], 128),
         ("prefill 374 (after 80) + 92", [454, 92, 0, 0], [374, 92, 0, 0], 512),
         ("prefill 1 long + 40 short", [300] + [20] * 40 + [0] * 23,
