@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ["JAXPAGE_CPU_KERNEL_STAGE_CLOCK"] = "1"  # before the library is first built
@@ -34,20 +35,23 @@ from bench_decode_step import kv_bytes_per_token, read_gbps, start_decoding  # n
 from bench_throughput import decode_seqs, make_llm  # noqa: E402
 
 
-def runner_steps(llm, batch: int, context: int, steps: int) -> None:
-    """`steps` decode steps of the runner alone, one at a time, after one that compiles."""
+def runner_steps(llm, batch: int, context: int, steps: int) -> float:
+    """`steps` decode steps of the runner alone, one at a time, after one that compiles; their
+    wall time (s)."""
     runner = llm.engine.runner
     seqs = decode_seqs(runner, batch, context)
     runner.execute(seqs)
     _clock(reset=True)
+    start = time.perf_counter()
     for _ in range(steps):
         runner.execute(seqs)
+    return time.perf_counter() - start
 
 
-def engine_steps(llm, batch: int, context: int, steps: int) -> None:
+def engine_steps(llm, batch: int, context: int, steps: int) -> float:
     """`batch` requests of `context` random prompt tokens decoding `steps` greedy tokens each
     through the engine (its decode steps run ahead where they may), after a round that
-    compiles; the clock counts the decode steps only."""
+    compiles; the clock counts the decode steps only. Their wall time (s)."""
     import numpy as np
 
     engine = llm.engine
@@ -55,8 +59,10 @@ def engine_steps(llm, batch: int, context: int, steps: int) -> None:
     for round_ in range(2):
         start_decoding(engine, f"stages-{round_}", batch, context, steps, rng)
         _clock(reset=True)
+        start = time.perf_counter()
         while engine.has_unfinished_requests():
             engine.step()
+    return time.perf_counter() - start
 
 
 def _clock(reset: bool = False) -> dict:
@@ -80,11 +86,16 @@ def stage_bytes(llm, batch: int, context: int) -> dict[str, float]:
     return out
 
 
-def report(title: str, clock: dict, nbytes: dict[str, float], read: float) -> None:
+def report(title: str, clock: dict, nbytes: dict[str, float], read: float, seconds: float,
+           layers: int) -> None:
     calls = max(clock["calls"], 1)
     per_call = {s: t / calls * 1e6 for s, t in clock["seconds"].items()}
     total = sum(per_call.values())
-    print(f"{title}: {clock['calls']} layer calls, {total:.1f} us a call")
+    steps = calls / layers
+    step_ms, in_layers_ms = seconds / steps * 1e3, total * layers / 1e3
+    print(f"{title}: {clock['calls']} layer calls, {total:.1f} us a call; a step {step_ms:.2f} "
+          f"ms, its {layers} layer calls {in_layers_ms:.2f} ({in_layers_ms / step_ms:.0%}), the "
+          f"rest {step_ms - in_layers_ms:.2f} (LM head, sampling, the host's work)")
     print(f"  {'stage':<12}{'us':>8}{'share':>7}{'KB read':>9}{'GB/s':>7}{'of read':>9}")
     for stage, us in per_call.items():
         line = f"  {stage:<12}{us:>8.1f}{us / total:>7.0%}"
@@ -125,10 +136,13 @@ def main() -> None:
         llm = make_llm(max(batches), dtype=dtype)
         for batch in batches:
             nbytes = stage_bytes(llm, batch, args.context)
-            runner_steps(llm, batch, args.context, args.steps)
-            report(f"{dtype}, {batch} rows, the runner alone", _clock(), nbytes, read)
-            engine_steps(llm, batch, args.context, args.steps)
-            report(f"{dtype}, {batch} rows, the engine (run ahead)", _clock(), nbytes, read)
+            layers = len(llm.engine.runner.params["layers"])
+            seconds = runner_steps(llm, batch, args.context, args.steps)
+            report(f"{dtype}, {batch} rows, the runner alone", _clock(), nbytes, read, seconds,
+                   layers)
+            seconds = engine_steps(llm, batch, args.context, args.steps)
+            report(f"{dtype}, {batch} rows, the engine (run ahead)", _clock(), nbytes, read,
+                   seconds, layers)
         del llm
 
 
