@@ -392,7 +392,8 @@ inline void store_rows(const Problem& P, const Item& it, const Scratch& s, int64
 
 // The online softmax's factor on a row's sums when its running max goes from old_max to new_max
 // (>= old_max): exp(old_max - new_max), 0 for a row that saw no key yet, and 1 without the exp
-// where the max did not move (most blocks after the first few; exp_nonpositive(0) is 1 exactly).
+// where the max did not move (most blocks after the first few; exp_nonpositive(0) is 1 exactly,
+// so finite maxima give what the exp gave; a max stuck at +inf, scores overflowed, now gives 1).
 inline float max_correction(float old_max, float new_max) {
   if (old_max == kNegInf) return 0.0f;
   return old_max == new_max ? 1.0f : exp_nonpositive(old_max - new_max);
@@ -818,7 +819,10 @@ bool attend_dot(const Problem& P, const Item& it, Scratch& s) {
       for (int64_t r = 0; r < rows; ++r) {
         pump.step(share);
         const Span keys = visible(P, s.pos[r], key0, valid);  // the slots row r sees
-        if (keys.empty()) {  // its sums unchanged: P.V adds zero products
+        // a row that sees none of the tile: P.V adds zero products (its sums unchanged, V being
+        // finite in the slots other rows see; slots past `valid` are zeroed), as in the
+        // many-row path below
+        if (keys.empty()) {
           correction[r] = 1.0f;
           std::fill_n(p2[r], kB / 2, 0u);
           continue;

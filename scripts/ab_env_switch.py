@@ -43,14 +43,11 @@ def attention_ms(batch: int, dtype: str):
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from bench_attention import BLOCK, HEAD_DIM, KV_HEADS, LAYERS, POOL_BLOCKS, make_step
+    from bench_attention import LAYERS, make_pools, make_step
 
     from pallas_kernels import cpu_attention
 
-    pool_rng = np.random.default_rng(1)
-    shape = (KV_HEADS, POOL_BLOCKS, BLOCK, HEAD_DIM)
-    pools = [[jnp.asarray(pool_rng.standard_normal(shape, np.float32), dtype)
-              for _ in range(LAYERS)] for _ in range(2)]
+    pools = make_pools(jnp.dtype(dtype))
     q, tables, lens, qsl, _ = make_step(np.random.default_rng(0), [129] * batch, [1] * batch,
                                         jnp.dtype(dtype))
 

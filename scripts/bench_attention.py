@@ -81,6 +81,14 @@ def make_step(rng, lens, new, dtype=np.float32, ordered=False):
     return q, tables, np.asarray(lens, np.int32), query_start_loc, kv_bytes
 
 
+def make_pools(dtype) -> tuple[list, list]:
+    """Each layer's K and V pools (LAYERS of each, POOL_BLOCKS blocks), standard normal."""
+    pool_rng = np.random.default_rng(1)
+    shape = (KV_HEADS, POOL_BLOCKS, BLOCK, HEAD_DIM)
+    return tuple([jnp.asarray(pool_rng.standard_normal(shape, np.float32), dtype)
+                  for _ in range(LAYERS)] for _ in range(2))
+
+
 def timed(fn, *args, repeats=5) -> float:
     jax.block_until_ready(fn(*args))  # compile
     times = []
@@ -100,12 +108,8 @@ def main() -> None:
                          "dense path on the same inputs)")
     args = ap.parse_args()
     dtype = jnp.dtype(args.dtype)
-    rng, pool_rng = np.random.default_rng(0), np.random.default_rng(1)
-    shape = (KV_HEADS, POOL_BLOCKS, BLOCK, HEAD_DIM)
-    k_pools = [jnp.asarray(pool_rng.standard_normal(shape, np.float32), dtype)
-               for _ in range(LAYERS)]
-    v_pools = [jnp.asarray(pool_rng.standard_normal(shape, np.float32), dtype)
-               for _ in range(LAYERS)]
+    rng = np.random.default_rng(0)
+    k_pools, v_pools = make_pools(dtype)
     pool_bytes = LAYERS * k_pools[0].nbytes
     read_s = timed(jax.jit(lambda pools: sum(p.sum() for p in pools)), k_pools)
     copy_s = timed(jax.jit(lambda pools: [p + 1.0 for p in pools]), k_pools)
