@@ -27,6 +27,7 @@ change to the kernel shows without the rest of the step's noise around it.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -43,22 +44,17 @@ def attention_ms(batch: int, dtype: str):
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from bench_attention import LAYERS, make_pools, make_step
+    from bench_attention import all_layers, make_pools, make_step
 
     from pallas_kernels import cpu_attention
 
     pools = make_pools(jnp.dtype(dtype))
-    q, tables, lens, qsl, _ = make_step(np.random.default_rng(0), [129] * batch, [1] * batch,
-                                        jnp.dtype(dtype))
-
-    @jax.jit
-    def layers(q, ks, vs):
-        return sum(cpu_attention.paged_attention_cpu(q + i * 1e-3, ks[i], vs[i], tables, lens,
-                                                     qsl) for i in range(LAYERS))
+    step = make_step(np.random.default_rng(0), [129] * batch, [1] * batch, jnp.dtype(dtype))[:4]
+    layers = jax.jit(functools.partial(all_layers, cpu_attention.paged_attention_cpu))
 
     def ms() -> float:
         start = time.perf_counter()
-        jax.block_until_ready(layers(q, *pools))
+        jax.block_until_ready(layers(step[0], *pools, *step[1:]))
         return (time.perf_counter() - start) * 1e3
 
     return ms

@@ -26,6 +26,7 @@ To compare two builds of the kernel, run it twice with JAXPAGE_CPU_KERNEL_LIB na
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import jax
@@ -89,6 +90,12 @@ def make_pools(dtype) -> tuple[list, list]:
                   for _ in range(LAYERS)] for _ in range(2))
 
 
+def all_layers(attend, q, k_pools, v_pools, *step):
+    """One step's attention in every layer (`attend(q, k_pool, v_pool, *step)`), each layer's
+    queries a little apart, summed: one output for LAYERS calls."""
+    return sum(attend(q + i * 1e-3, k_pools[i], v_pools[i], *step) for i in range(LAYERS))
+
+
 def timed(fn, *args, repeats=5) -> float:
     jax.block_until_ready(fn(*args))  # compile
     times = []
@@ -128,11 +135,8 @@ def main() -> None:
         q, tables, seq_lens, qsl, kv_bytes = make_step(rng, lens, new, dtype)
         seconds, outs = {}, {}
         for label, attend in paths.items():
-            def layers(q, ks, vs, t, n, s, attend=attend, qm=max_query_len):  # 30 layers
-                return sum(attend(q + i * 1e-3, ks[i], vs[i], t, n, s, max_query_len=qm)
-                           for i in range(LAYERS))
-
-            fn = jax.jit(layers)
+            fn = jax.jit(functools.partial(
+                all_layers, functools.partial(attend, max_query_len=max_query_len)))
             seconds[label] = timed(fn, q, k_pools, v_pools, tables, seq_lens, qsl)
             outs[label] = fn(q, k_pools, v_pools, tables, seq_lens, qsl)
             if label == "cpp":  # the same step over tables in pool order: where blocks lie

@@ -134,9 +134,9 @@ def main() -> None:
     print(f"read bandwidth {read:.1f} GB/s (before the steps); context {args.context}")
     for dtype in [d for d in args.dtypes.split(",") if d]:
         llm = make_llm(max(batches), dtype=dtype)
+        layers = len(llm.engine.runner.params["layers"])
         for batch in batches:
             nbytes = stage_bytes(llm, batch, args.context)
-            layers = len(llm.engine.runner.params["layers"])
             seconds = runner_steps(llm, batch, args.context, args.steps)
             report(f"{dtype}, {batch} rows, the runner alone", _clock(), nbytes, read, seconds,
                    layers)
