@@ -259,13 +259,16 @@ def decode_step_seconds(engine, tag: str, batch: int, context: int, tokens: int,
 
 def start_decoding(engine, tag: str, batch: int, context: int, tokens: int, rng) -> None:
     """Add `batch` requests of `context` random prompt tokens, `tokens` greedy tokens each
-    (ignore_eos), and step the engine through their prompts: what is left is decoding."""
+    (ignore_eos), and step the engine through their prompts: what is left is decoding. A
+    request admitted with part of its prompt (chunked prefill) is still prefilling: stepping
+    until none waits is not enough; the steps go on until every request has its first token."""
     from jaxpage import SamplingParams
 
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"{tag}-{i}", rng.integers(100, 10_000, context).tolist(), params)
-    while engine.scheduler.waiting:
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(r.num_output_tokens == 0 for r in scheduler.running):
         engine.step()
 
 
