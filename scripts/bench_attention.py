@@ -18,6 +18,12 @@ materializing gathered K/V).
 
     python scripts/bench_attention.py
     python scripts/bench_attention.py --cpp-only --dtype bfloat16   # the kernel alone
+    python scripts/bench_attention.py --cpp-only --dtype bfloat16 --vs-4k-pool
+
+With --vs-4k-pool each case's cpp kernel also runs on a second copy of the pools backed by
+huge pages (`huge_pages.advise`, as a CPU runner's pool is since 2026-12-04), alternating with
+the pools as XLA allocated them (4 KiB pages: each block of a permuted table a page and a TLB
+miss of its own), and prints the 4 KiB pools' time over the huge ones'.
 
 To compare two builds of the kernel, run it twice with JAXPAGE_CPU_KERNEL_LIB naming each
 (`cpu_attention._build()` writes the current source's under ~/.cache/jaxpage).
@@ -106,6 +112,20 @@ def timed(fn, *args, repeats=5) -> float:
     return float(np.median(times))
 
 
+def alternating(fn, arg_sets, rounds: int = 15) -> list[float]:
+    """Median seconds of `fn(*args)` for each of `arg_sets`, run in turn `rounds` times after
+    one call each (the machine's drift falls on all of them)."""
+    times = [[] for _ in arg_sets]
+    for args in arg_sets:
+        jax.block_until_ready(fn(*args))
+    for _ in range(rounds):
+        for args, out in zip(arg_sets, times, strict=True):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            out.append(time.perf_counter() - start)
+    return [float(np.median(t)) for t in times]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -113,6 +133,9 @@ def main() -> None:
     ap.add_argument("--cpp-only", action="store_true",
                     help="time the C++ kernel only (the max diff is then against float32's "
                          "dense path on the same inputs)")
+    ap.add_argument("--vs-4k-pool", action="store_true",
+                    help="also the cpp kernel on the pools backed by huge pages, alternating "
+                         "with them on 4 KiB pages (15 each)")
     args = ap.parse_args()
     dtype = jnp.dtype(args.dtype)
     rng = np.random.default_rng(0)
@@ -129,8 +152,16 @@ def main() -> None:
         paths["cpp"] = lambda *args, max_query_len: cpu_attention.paged_attention_cpu(*args)
     elif args.cpp_only:
         raise SystemExit("the CPU kernel library is not available")
+    huge_pools = None
+    if args.vs_4k_pool and "cpp" in paths:
+        from jaxpage.engine import huge_pages
+
+        huge_pools = make_pools(dtype)
+        if not huge_pages.advise(jax.tree.leaves(huge_pools)):
+            raise SystemExit("Linux backed none of the pools with huge pages here")
     print(f"{'case':<34}{'dense ms':>10}{'blockwise ms':>14}{'cpp ms':>8}{'blockw/cpp':>11}"
-          f"{'KV MB':>7}{'cpp GB/s':>9}{'max diff':>10}{'cpp ordered':>12}{'perm/ord':>9}")
+          f"{'KV MB':>7}{'cpp GB/s':>9}{'max diff':>10}{'cpp ordered':>12}{'perm/ord':>9}"
+          + ("" if huge_pools is None else f"{'cpp 4K':>8}{'cpp huge':>9}{'4K/huge':>8}"))
     for name, lens, new, max_query_len in cases(rng):
         q, tables, seq_lens, qsl, kv_bytes = make_step(rng, lens, new, dtype)
         seconds, outs = {}, {}
@@ -142,6 +173,10 @@ def main() -> None:
             if label == "cpp":  # the same step over tables in pool order: where blocks lie
                 ordered = make_step(np.random.default_rng(0), lens, new, dtype, ordered=True)[1]
                 seconds["cpp ordered"] = timed(fn, q, k_pools, v_pools, ordered, seq_lens, qsl)
+                if huge_pools is not None:
+                    seconds["cpp 4K"], seconds["cpp huge"] = alternating(
+                        fn, [(q, k_pools, v_pools, tables, seq_lens, qsl),
+                             (q, *huge_pools, tables, seq_lens, qsl)])
         nan = float("nan")
         diff = nan if "dense" not in outs else max(
             float(jnp.abs(outs["dense"] - out).max()) / LAYERS for out in outs.values())
@@ -157,7 +192,10 @@ def main() -> None:
               f"{kv_bytes / 1e6:>7.0f}{column(kv_bytes / cpp / 1e9, 9, '.1f')}"
               f"{column(diff, 10, '.1e')}"
               f"{column(seconds.get('cpp ordered', nan) * 1e3, 12, '.1f')}"
-              f"{column(cpp / seconds.get('cpp ordered', nan), 9, '.2f')}", flush=True)
+              f"{column(cpp / seconds.get('cpp ordered', nan), 9, '.2f')}"
+              + ("" if huge_pools is None else
+                 f"{seconds['cpp 4K'] * 1e3:>8.1f}{seconds['cpp huge'] * 1e3:>9.1f}"
+                 f"{seconds['cpp 4K'] / seconds['cpp huge']:>8.2f}"), flush=True)
 
 if __name__ == "__main__":
     main()

@@ -41,7 +41,10 @@ sequence's keys among the threads (`paged_attention_cpu(key_splits=1)`; it cuts 
 step has few sequences over long contexts). `--vs-unfused` against the same step with each
 layer as its eleven kernel calls (`LlamaModel(fuse_layers=False)`) instead of one
 (`cpu_attention.decoder_layer`, taken by steps of at most `llama.FUSED_LAYER_ROWS` tokens).
-`--vs-lookahead` times the whole engine's step while the batch decodes (scheduling, the
+`--vs-4k-pool` times the step over blocks spread across the whole pool (as a pool long in
+use hands them out) on the runner's pool, backed by huge pages (`huge_pages.advise_zeroed`),
+against a pool of 4 KiB pages, where each block's K or V tile is a page and a TLB miss of its
+own. `--vs-lookahead` times the whole engine's step while the batch decodes (scheduling, the
 runner, the update, detokenizing: what a user waits for per token) with small decode steps
 run ahead (`EngineConfig.decode_lookahead_rows`: the next step started before the draws of
 the one before are read) and without, over the step's bound. `--vs-burst 4` times the
@@ -58,6 +61,7 @@ work costs beyond a dispatch a step, and what one dispatch and launch a step cos
     python scripts/bench_decode_step.py --no-unpacked --batches 1,2 --context 1000 \
         --vs-uncut-attention
     python scripts/bench_decode_step.py --no-unpacked --batches 1,2,4,8 --vs-unfused
+    python scripts/bench_decode_step.py --no-unpacked --batches 8,32 --vs-4k-pool
     python scripts/bench_decode_step.py --no-unpacked --batches 1,2,4,8 --vs-lookahead
     python scripts/bench_decode_step.py --no-unpacked --batches 1,8 --dtypes bfloat16 --vs-burst 4
 
@@ -235,6 +239,39 @@ def lookahead_step_seconds(llm, batch: int, context: int, rounds: int = 6,
     finally:
         runner.lookahead_rows = engine.scheduler.lookahead_rows = ahead
     return float(np.median(times[ahead])), float(np.median(times[0])), hits / max(steps, 1)
+
+
+def pool_pages_step_seconds(llm, batch: int, context: int, rounds: int = 40):
+    """Median seconds of a decode step whose sequences' blocks are spread over the whole pool
+    (`decode_seqs(spread=True)`), on the runner's pool (2 MiB pages where Linux gives them:
+    `huge_pages.advise_zeroed`) and on a second pool made as before 2026-12-04 (4 KiB pages),
+    alternating step by step (each step donates its pool and returns the next)."""
+    import numpy as np
+
+    runner = llm.engine.runner
+    seqs = decode_seqs(runner, batch, context, spread=True)
+    before = os.environ.get("JAXPAGE_CPU_HUGE_PAGES")
+    os.environ["JAXPAGE_CPU_HUGE_PAGES"] = "0"
+    try:
+        pools = [runner.kv_pool, runner._new_pool()]
+    finally:
+        if before is None:
+            del os.environ["JAXPAGE_CPU_HUGE_PAGES"]
+        else:
+            os.environ["JAXPAGE_CPU_HUGE_PAGES"] = before
+    times: list[list[float]] = [[], []]
+    try:
+        for r in range(rounds + 1):  # the first round compiles and writes the blocks
+            for i, out in enumerate(times):
+                runner.kv_pool = pools[i]
+                start = time.perf_counter()
+                runner.execute(seqs)
+                if r:
+                    out.append(time.perf_counter() - start)
+                pools[i] = runner.kv_pool
+    finally:
+        runner.kv_pool = pools[0]
+    return float(np.median(times[0])), float(np.median(times[1]))
 
 
 def kv_bytes_per_token(llm) -> float:
@@ -661,6 +698,9 @@ def main() -> None:
                     help="also the engine's step against a chain of one-step jitted calls and "
                          "of STEPS-step calls (greedy draws fed on the device; alternating, 6 "
                          "rounds of 24 steps each)")
+    ap.add_argument("--vs-4k-pool", action="store_true",
+                    help="also the step over blocks spread across the pool, on the runner's "
+                         "pool (huge pages) and on one of 4 KiB pages (alternating, 40 each)")
     ap.add_argument("--profile", action="store_true",
                     help="after each step's line, where its time goes by kind of op "
                          "(jax.profiler, 5 steps)")
@@ -743,6 +783,10 @@ def main() -> None:
                 print(f"{'':>15}engine step {in_engine * 1e3:.1f} ms; one step a call "
                       f"{one * 1e3:.1f} ms, {args.vs_burst} a call {burst * 1e3:.1f} ms a step: "
                       f"{one / burst:.2f}x ({burst * 1e3 / bound:.2f}x the bound)", flush=True)
+            if args.vs_4k_pool:
+                huge, small = pool_pages_step_seconds(llm, batch, args.context)
+                print(f"{'':>15}blocks spread over the pool: huge pages {huge * 1e3:.1f} ms, "
+                      f"4 KiB pages {small * 1e3:.1f} ms: {small / huge:.2f}x", flush=True)
             if args.profile:
                 print_profile(step_profile(llm, batch, args.context), weights_ms)
         del llm, other

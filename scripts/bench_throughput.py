@@ -256,14 +256,18 @@ def _attention_free_child(num_requests: int) -> float:
     return run_jaxpage(llm, prompts, output_lens)[0]
 
 
-def decode_seqs(runner, batch: int, context: int) -> list:
-    """A decode step's inputs: `batch` sequences of `context` tokens each, greedy."""
+def decode_seqs(runner, batch: int, context: int, spread: bool = False) -> list:
+    """A decode step's inputs: `batch` sequences of `context` tokens each, greedy. Their blocks
+    are scattered among the pool's first ones, or with `spread` drawn from the whole pool, as
+    one long in use hands them out (then each block of a 4 KiB-paged pool is a page of its
+    own)."""
     from jaxpage.engine.batch import SeqInput
     from jaxpage.sampling_params import SamplingParams, SamplingRow
 
     blocks = -(-(context + 1) // runner.block_size)
     # scattered blocks, as a pool in use hands them out (contiguous ones read faster)
-    ids = np.random.default_rng(0).permutation(np.arange(1, 1 + batch * blocks)).tolist()
+    pool = runner.num_blocks if spread else 1 + batch * blocks
+    ids = np.random.default_rng(0).permutation(np.arange(1, pool))[: batch * blocks].tolist()
     return [SeqInput(ids[s * blocks : (s + 1) * blocks], context, [5],
                      [SamplingRow(SamplingParams(temperature=0.0), seed=0, step=0)])
             for s in range(batch)]

@@ -1,4 +1,4 @@
-"""Transparent huge pages for a CPU runner's weights.
+"""Transparent huge pages for a CPU runner's weights and KV pool.
 
 A decode step streams every weight once, and on CPU it is bound by that read. With 4 KiB
 pages the read pays a TLB miss every 4 KiB, and under a hypervisor (nested paging) each miss
@@ -16,6 +16,17 @@ mapping it lies in: a buffer smaller than 2 MiB (most of a small model's) gets a
 together with its neighbours in the heap, whose contents a collapse keeps as they are. Best
 effort: anywhere this fails (no THP, another OS, an old kernel, no huge page free) the buffers
 keep their pages and nothing else changes. `JAXPAGE_CPU_HUGE_PAGES=0` turns it off.
+
+The KV pool (`advise_zeroed`) needs them as much: attention reads each sequence's blocks where
+they lie, and in a pool in use those are scattered over it, a 4 KiB page apiece (a bfloat16 K
+tile of SmolLM2 is 2 KiB), each a TLB miss. Collapsing the pool as the weights are would copy
+it (~6 s a GiB on the development VM); a fresh pool holds only zeros, so instead the whole
+2 MiB pages inside each of its buffers are marked MADV_HUGEPAGE and given back
+(MADV_DONTNEED): a private anonymous page given back reads as zeros, as the pool did, and the
+first write into each 2 MiB faults in a huge page. Measured on the 2-core box, the runner's
+decode step over blocks spread across a 1 GiB bfloat16 pool, two runners alternating in one
+process: 8 rows 12.61 -> 11.72 ms, 32 rows 36.49 -> 34.68 ms; attention alone (30 layers,
+scattered blocks) 8 sequences 2.06 -> 1.58 ms, 32 sequences 7.41 -> 5.61 ms.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ from typing import Any
 import jax
 
 HUGE_PAGE = 2 << 20
+MADV_DONTNEED = 4
 MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25
 
@@ -46,15 +58,32 @@ def _madvise():
     return libc.madvise
 
 
-def _mappings() -> tuple[list[int], list[int]]:
-    """The process's mappings (/proc/self/maps) as sorted start and end addresses."""
-    starts, ends = [], []
+def _mappings() -> tuple[list[int], list[int], list[bool]]:
+    """The process's mappings (/proc/self/maps) as sorted start and end addresses, and whether
+    each is private anonymous memory (malloc's: no file behind it), whose pages given back
+    read as zeros."""
+    starts, ends, anonymous = [], [], []
     with open("/proc/self/maps") as f:
         for line in f:
-            start, end = line.split(None, 1)[0].split("-")
+            fields = line.split()
+            start, end = fields[0].split("-")
             starts.append(int(start, 16))
             ends.append(int(end, 16))
-    return starts, ends
+            path = fields[5] if len(fields) > 5 else ""
+            anonymous.append(fields[1].endswith("p") and fields[4] == "0"
+                             and (not path or path == "[heap]" or path.startswith("[anon")))
+    return starts, ends, anonymous
+
+
+def _mapped(starts: list[int], ends: list[int], address: int, nbytes: int) -> range | None:
+    """The indices of the mappings holding a buffer's bytes: one, or a run of adjacent ones (an
+    earlier madvise splits a mapping where its range ends); None if /proc/self/maps does not
+    show it all mapped."""
+    i = bisect.bisect_right(starts, address) - 1
+    j = bisect.bisect_right(starts, address + nbytes - 1) - 1
+    if i < 0 or ends[j] < address + nbytes or any(ends[m] != starts[m + 1] for m in range(i, j)):
+        return None
+    return range(i, j + 1)
 
 
 def host_buffers(arrays: Iterable[Any]) -> list[tuple[int, int]]:
@@ -81,20 +110,15 @@ def advise(arrays: Iterable[Any]) -> int:
         return 0
     try:
         madvise = _madvise()
-        starts, ends = _mappings()
-    except (OSError, AttributeError, ValueError):
+        starts, ends, _ = _mappings()
+    except (OSError, AttributeError, ValueError, IndexError):
         return 0
     ranges = set()  # buffers in one huge page share its range
     for address, nbytes in buffers:
-        # the mappings holding the buffer's first and last bytes: one, or a run of adjacent
-        # ones (an earlier MADV_HUGEPAGE splits the heap's mapping where its range ends)
-        i = bisect.bisect_right(starts, address) - 1
-        j = bisect.bisect_right(starts, address + nbytes - 1) - 1
-        if i < 0 or ends[j] < address + nbytes or any(
-                ends[m] != starts[m + 1] for m in range(i, j)):
+        if (held := _mapped(starts, ends, address, nbytes)) is None:
             continue  # not in mapped memory, as far as /proc/self/maps says: leave it
-        lo = max(starts[i], address // HUGE_PAGE * HUGE_PAGE)
-        hi = min(ends[j], -(-(address + nbytes) // HUGE_PAGE) * HUGE_PAGE)
+        lo = max(starts[held[0]], address // HUGE_PAGE * HUGE_PAGE)
+        hi = min(ends[held[-1]], -(-(address + nbytes) // HUGE_PAGE) * HUGE_PAGE)
         ranges.add((lo, hi))
     collapsed = 0
     for lo, hi in sorted(ranges):
@@ -106,3 +130,41 @@ def advise(arrays: Iterable[Any]) -> int:
             if madvise(page, HUGE_PAGE, MADV_COLLAPSE) == 0:
                 collapsed += HUGE_PAGE
     return collapsed
+
+
+def inner_pages(address: int, nbytes: int) -> tuple[int, int]:
+    """[first, last): the whole 2 MiB pages inside a buffer's bytes (first == last: none)."""
+    first = -(-address // HUGE_PAGE) * HUGE_PAGE
+    return first, max(first, (address + nbytes) // HUGE_PAGE * HUGE_PAGE)
+
+
+def advise_zeroed(arrays: Iterable[Any]) -> int:
+    """Back the CPU buffers of `arrays`, which must hold only zero bytes (a fresh KV pool),
+    with transparent huge pages without copying them (see the module docstring): the whole
+    2 MiB pages inside each buffer, where it lies in private anonymous memory, are marked
+    MADV_HUGEPAGE and given back (MADV_DONTNEED; they read as zeros again, and each comes back
+    as a huge page on its first write). Nothing outside a buffer's own bytes is touched: its
+    partial pages at either end keep their 4 KiB pages. Waits for the arrays first (an array
+    still being filled would be written after). Returns the bytes given back (0 where none, or
+    when not `enabled()`)."""
+    if not enabled():
+        return 0
+    arrays = [a for a in arrays if isinstance(a, jax.Array)]
+    buffers = host_buffers(jax.block_until_ready(arrays))
+    if not buffers:
+        return 0
+    try:
+        madvise = _madvise()
+        starts, ends, anonymous = _mappings()
+    except (OSError, AttributeError, ValueError, IndexError):
+        return 0
+    given = 0
+    for address, nbytes in buffers:
+        first, last = inner_pages(address, nbytes)
+        held = _mapped(starts, ends, address, nbytes)
+        if first == last or held is None or not all(anonymous[m] for m in held):
+            continue  # a file's or shared pages would not read as zeros once given back
+        if (madvise(first, last - first, MADV_HUGEPAGE) == 0
+                and madvise(first, last - first, MADV_DONTNEED) == 0):
+            given += last - first
+    return given

@@ -437,6 +437,11 @@ class ModelRunner:
                                      fill_value=self._pool_fill, sharding=self._pool_sharding)
                 for i, layer_kv in zip(layers, group, strict=True):
                     pool[i] = layer_kv
+        if self._pool_fill == 0.0 and self.devices[0].platform == "cpu":
+            # the K/V arrays and a quantized pool's values hold zeros (its scales hold 1)
+            huge_pages.advise_zeroed(
+                leaf.values if quantized.is_quantized(leaf) else leaf
+                for leaf in jax.tree.leaves(pool, is_leaf=quantized.is_quantized))
         return pool
 
     def execute(self, seqs: list[SeqInput]) -> list[list[SeqResult]]:

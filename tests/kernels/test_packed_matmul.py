@@ -360,3 +360,91 @@ def test_huge_pages_back_a_buffer_and_keep_its_contents(monkeypatch):
     assert _anon_huge_bytes(array.unsafe_buffer_pointer(), array.nbytes) >= collapsed
     np.testing.assert_array_equal(np.asarray(array), values)
     assert float(jnp.sum(array)) == pytest.approx(float(values.astype(np.float64).sum()), rel=1e-4)
+
+
+def test_the_whole_huge_pages_inside_a_buffer():
+    """Hand-worked: only 2 MiB pages wholly inside [address, address + nbytes)."""
+    page = huge_pages.HUGE_PAGE
+    assert huge_pages.inner_pages(page + 10, 3 * page) == (2 * page, 4 * page)
+    assert huge_pages.inner_pages(2 * page, 2 * page) == (2 * page, 4 * page)
+    assert huge_pages.inner_pages(5, page) == (page, page)  # none whole
+    assert huge_pages.inner_pages(page + 1, 10) == (2 * page, 2 * page)
+
+
+def test_only_private_anonymous_memory_counts_as_zero_on_release():
+    """/proc/self/maps as `advise_zeroed` reads it: a jax buffer (malloc's memory) is private
+    anonymous, libc's code (a file's pages) is not."""
+    import bisect
+    import ctypes
+
+    starts, _, anonymous = huge_pages._mappings()
+    array = jax.block_until_ready(jnp.zeros(1 << 20, jnp.float32))
+    code = ctypes.cast(ctypes.CDLL(None).printf, ctypes.c_void_p).value
+    assert anonymous[bisect.bisect_right(starts, array.unsafe_buffer_pointer()) - 1]
+    assert not anonymous[bisect.bisect_right(starts, code) - 1]
+
+
+def test_a_zeroed_buffer_given_back_reads_zeros_and_refaults_as_huge_pages(monkeypatch):
+    """A fresh pool's way to huge pages: the whole 2 MiB pages inside a zero-filled buffer are
+    given back; it still reads zeros, a write through a donating call lands (the step's way),
+    and the pages it faults in are huge ones."""
+    if _thp_mode() not in ("always", "madvise"):
+        pytest.skip(f"transparent huge pages are {_thp_mode()} here")
+    array = jnp.zeros(3 << 20, jnp.float32)  # 12 MiB, allocated and zero-filled by XLA
+    monkeypatch.setenv("JAXPAGE_CPU_HUGE_PAGES", "0")
+    assert huge_pages.advise_zeroed([array]) == 0
+    monkeypatch.delenv("JAXPAGE_CPU_HUGE_PAGES")
+    address = array.unsafe_buffer_pointer()
+    first, last = huge_pages.inner_pages(address, array.nbytes)
+    given = huge_pages.advise_zeroed([array, "not an array", np.ones(3)])
+    assert given == last - first >= array.nbytes - 2 * huge_pages.HUGE_PAGE
+    assert not np.asarray(array).any()
+    values = np.random.default_rng(6).standard_normal(array.shape).astype(np.float32)
+    written = jax.jit(lambda a, v: a + v, donate_argnums=0)(array, jnp.asarray(values))
+    assert written.unsafe_buffer_pointer() == address  # donated: the same buffer, written
+    np.testing.assert_array_equal(np.asarray(written), values)
+    assert _anon_huge_bytes(address, written.nbytes) >= huge_pages.HUGE_PAGE
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_a_cpu_runner_generates_the_same_on_a_pool_of_huge_pages(kv_dtype, hf_model_dir,
+                                                                  monkeypatch):
+    """The runner gives its fresh pool's pages back to come back huge (JAXPAGE_CPU_HUGE_PAGES
+    unset) or keeps XLA's (=0): the pool reads as made either way (zeros; a quantized pool's
+    scales 1, which it keeps), its written pages are huge ones where given back, and the greedy
+    tokens and their logprobs are the same. A pool poisoned with NaN is left as it is."""
+    from jaxpage import LLM, SamplingParams
+    from pallas_kernels import quantized
+
+    path, _ = hf_model_dir("llama", **PACKABLE)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17, 30)]
+    sampling = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1, ignore_eos=True)
+    # [2 heads, 8192 blocks, 16, 16]: 8 MiB a bfloat16 pool array, 4 MiB int8 values
+    small = dict(block_size=16, num_blocks=8192, max_num_batched_tokens=32, max_num_seqs=4,
+                 kv_cache_dtype=kv_dtype)
+    results = {}
+    for huge in ("1", "0"):
+        monkeypatch.setenv("JAXPAGE_CPU_HUGE_PAGES", huge)
+        llm = LLM(path, dtype="bfloat16", **small)
+        layers = llm.engine.runner.kv_pool
+        if kv_dtype == "auto":
+            zeros, ones = jax.tree.leaves(layers), []
+        else:
+            pools = jax.tree.leaves(layers, is_leaf=quantized.is_quantized)
+            zeros, ones = [p.values for p in pools], [p.scales for p in pools]
+        assert not any(np.asarray(leaf, np.float32).any() for leaf in zeros)
+        assert all((np.asarray(leaf) == 1).all() for leaf in ones)
+        results[huge] = [(o.outputs[0].token_ids,
+                          [lp[t] for lp, t in zip(o.outputs[0].logprobs,
+                                                  o.outputs[0].token_ids, strict=True)])
+                         for o in llm.generate(prompts, sampling)]
+        if huge == "1" and _thp_mode() == "madvise":
+            written = jax.tree.leaves(llm.engine.runner.kv_pool)[0]  # layer 0's K (values)
+            assert _anon_huge_bytes(written.unsafe_buffer_pointer(), written.nbytes) > 0
+    assert results["1"] == results["0"]
+    # a pool poisoned with NaN (debug_nan_pool) is not zeros: it keeps XLA's pages, and NaN
+    monkeypatch.setenv("JAXPAGE_CPU_HUGE_PAGES", "1")
+    poisoned = LLM(path, dtype="bfloat16", debug_nan_pool=True, **small).engine.runner.kv_pool
+    leaves = (jax.tree.leaves(poisoned) if kv_dtype == "auto" else
+              [p.scales for p in jax.tree.leaves(poisoned, is_leaf=quantized.is_quantized)])
+    assert all(np.isnan(np.asarray(leaf, np.float32)).all() for leaf in leaves)
