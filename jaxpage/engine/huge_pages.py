@@ -23,10 +23,11 @@ tile of SmolLM2 is 2 KiB), each a TLB miss. Collapsing the pool as the weights a
 it (~6 s a GiB on the development VM); a fresh pool holds only zeros, so instead the whole
 2 MiB pages inside each of its buffers are marked MADV_HUGEPAGE and given back
 (MADV_DONTNEED): a private anonymous page given back reads as zeros, as the pool did, and the
-first write into each 2 MiB faults in a huge page. Measured on the 2-core box, the runner's
-decode step over blocks spread across a 1 GiB bfloat16 pool, two runners alternating in one
-process: 8 rows 12.61 -> 11.72 ms, 32 rows 36.49 -> 34.68 ms; attention alone (30 layers,
-scattered blocks) 8 sequences 2.06 -> 1.58 ms, 32 sequences 7.41 -> 5.61 ms.
+first write into each 2 MiB faults in a huge page. Measured on the 2-core box, alternating in
+one process (docs/bench/cpu_pool_huge_pages_2026-12-04.log): decode attention alone, 30 layers
+over permuted tables, 1.14-1.36x (`bench_attention.py --cpp-only --dtype bfloat16
+--vs-4k-pool`); a bfloat16 decode step over blocks spread across a 1 GiB pool 1.07x at 8 rows
+(`bench_decode_step.py --vs-4k-pool`).
 """
 
 from __future__ import annotations
