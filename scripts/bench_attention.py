@@ -112,20 +112,6 @@ def timed(fn, *args, repeats=5) -> float:
     return float(np.median(times))
 
 
-def alternating(fn, arg_sets, rounds: int = 15) -> list[float]:
-    """Median seconds of `fn(*args)` for each of `arg_sets`, run in turn `rounds` times after
-    one call each (the machine's drift falls on all of them)."""
-    times = [[] for _ in arg_sets]
-    for args in arg_sets:
-        jax.block_until_ready(fn(*args))
-    for _ in range(rounds):
-        for args, out in zip(arg_sets, times, strict=True):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            out.append(time.perf_counter() - start)
-    return [float(np.median(t)) for t in times]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -154,6 +140,8 @@ def main() -> None:
         raise SystemExit("the CPU kernel library is not available")
     huge_pools = None
     if args.vs_4k_pool and "cpp" in paths:
+        from bench_small_matmul import alternating_seconds
+
         from jaxpage.engine import huge_pages
 
         huge_pools = make_pools(dtype)
@@ -174,9 +162,10 @@ def main() -> None:
                 ordered = make_step(np.random.default_rng(0), lens, new, dtype, ordered=True)[1]
                 seconds["cpp ordered"] = timed(fn, q, k_pools, v_pools, ordered, seq_lens, qsl)
                 if huge_pools is not None:
-                    seconds["cpp 4K"], seconds["cpp huge"] = alternating(
-                        fn, [(q, k_pools, v_pools, tables, seq_lens, qsl),
-                             (q, *huge_pools, tables, seq_lens, qsl)])
+                    seconds["cpp 4K"], seconds["cpp huge"] = alternating_seconds(
+                        [functools.partial(fn, q, *pools)
+                         for pools in ((k_pools, v_pools), huge_pools)],
+                        tables, seq_lens, qsl, runs=15)
         nan = float("nan")
         diff = nan if "dense" not in outs else max(
             float(jnp.abs(outs["dense"] - out).max()) / LAYERS for out in outs.values())
