@@ -23,7 +23,11 @@ Beside each step:
   the arithmetic never overlap (at 8 rows on a 2-core AVX2 box the two are about equal, and
   a step lands between the larger and the sum);
 and the step's time over the larger of the two bounds (`bound`: weights and K/V read, or the
-matmuls' arithmetic). Then the same step, same process, with
+matmuls' arithmetic); then `stream`, the packed matmul kernel run over one contiguous weight
+as large as the step's, at the step's rows, alongside too (`stream_probe`: the read and the
+dot products overlapped as well as the kernel does, nothing else; where the runner packs its
+weights), and the step's time over it (`x strm`: what the step costs beyond streaming its
+weights through its own kernel). Then the same step, same process, with
 the weights as a runner kept them before it packed them (`--no-unpacked` skips it): unpacked
 (`cpu_attention.unpack_weight`) into new buffers that nobody advised to use huge pages, the
 two alternating, and the packed step's speedup over it. As long as a step is bound by reading
@@ -489,23 +493,65 @@ def read_gbps() -> float:
     return rates[len(rates) // 2]
 
 
-def step_and_read(llm, batch: int, context: int, rounds: int = 15) -> tuple[float, float]:
-    """(median seconds of a decode step, median read rate in GB/s), the step and a read of
-    `read_probe` alternating round by round: on a shared machine whose read bandwidth drifts
-    (30-55 GB/s within an hour on the 2-core Zen 4 box), a bound from a probe taken minutes
-    before or after the steps says little about them."""
+def stream_probe(llm, batch: int):
+    """A function timing the packed kernel (`cpu_attention.packed_matmul`) over one contiguous
+    packed weight as large as the runner's weights, at the step's rows, in seconds: what
+    streaming the step's weight bytes through its own matmul kernel costs, the read and the
+    dot products overlapped as well as the kernel overlaps them (one range of panels a thread,
+    no other work between). A bound a step of few rows can reach only where nothing else costs;
+    at 8 bfloat16 rows on the 2-core Zen 4 box the dot products can bind it, not the read. None
+    where the runner's weights are not packed."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxpage.engine import huge_pages
+    from pallas_kernels import cpu_attention
+
+    params = llm.engine.runner.params
+    layer = params["layers"][0]
+    if layer["qkv"].ndim != 4:
+        return None
+    _, pairs, columns, group = layer["qkv"].shape  # [panels, K / G, PANEL, G] of hidden K
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    panel_bytes = pairs * columns * group * layer["qkv"].dtype.itemsize
+    dtype = layer["qkv"].dtype
+    w = jnp.full((weight_bytes // panel_bytes, pairs, columns, group), 0.01, dtype)
+    huge_pages.advise([w])  # as the runner's weights
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((batch, pairs * group)), dtype)
+    stream = jax.jit(cpu_attention.packed_matmul)
+    jax.block_until_ready(stream(x, w))
+
+    def seconds() -> float:
+        start = time.perf_counter()
+        jax.block_until_ready(stream(x, w))
+        return time.perf_counter() - start
+
+    return seconds
+
+
+def step_and_read(llm, batch: int, context: int,
+                  rounds: int = 15) -> tuple[float, float, float | None]:
+    """(median seconds of a decode step, median read rate in GB/s, median seconds of
+    `stream_probe` or None), the step, a read of `read_probe` and the stream alternating round
+    by round: on a shared machine whose read bandwidth drifts (30-55 GB/s within an hour on
+    the 2-core Zen 4 box, and 34 -> 59 -> 34 within minutes), a bound from a probe taken
+    minutes before or after the steps says little about them."""
     import numpy as np
 
     runner = llm.engine.runner
     seqs = decode_seqs(runner, batch, context)
     runner.execute(seqs)  # compile
-    probe, steps, rates = read_probe(), [], []
+    probe, stream, steps, rates, streams = read_probe(), stream_probe(llm, batch), [], [], []
     for _ in range(rounds):
         rates.append(probe())
         start = time.perf_counter()
         runner.execute(seqs)
         steps.append(time.perf_counter() - start)
-    return float(np.median(steps)), float(np.median(rates))
+        if stream is not None:
+            streams.append(stream())
+    return (float(np.median(steps)), float(np.median(rates)),
+            float(np.median(streams)) if streams else None)
 
 
 def _op_kinds(hlo_text: str) -> dict[str, str]:
@@ -718,9 +764,9 @@ def main() -> None:
     print(f"FMA peak {peak:.1f} GFLOP/s (every core); XLA's float32 2048^3 dot {f32_rate:.1f}")
     print(f"{'dtype':>9}{'batch':>6}{'ms/step':>9}{'ms/seq':>8}{'read':>6}{'weights':>9}"
           f"{'kv':>6}{'matmul':>8}"
-          f"{'w+m':>7}{'bound':>7}{'x bound':>9}" + ("" if args.no_unpacked else
-                                            f"{'unpacked':>10}{'speedup':>9}")
-          + "   (read: GB/s alongside the steps; bounds and unpacked in ms)")
+          f"{'w+m':>7}{'bound':>7}{'x bound':>9}{'stream':>8}{'x strm':>7}"
+          + ("" if args.no_unpacked else f"{'unpacked':>10}{'speedup':>9}")
+          + "   (read: GB/s alongside the steps; bounds, stream and unpacked in ms)")
     for dtype in dtypes:
         rate = f32_rate if dtype == "float32" else matmul_gflops(dtype)
         dtype_peak = matmul_peak_gflops(peak, dtype)
@@ -734,7 +780,7 @@ def main() -> None:
         compare = packed and not args.no_unpacked
         other = unpacked(params) if compare else None
         for batch in batches:
-            seconds, read = step_and_read(llm, batch, args.context)
+            seconds, read, stream = step_and_read(llm, batch, args.context)
             weights_ms = weight_bytes / (read * 1e9) * 1e3
             kv_ms = batch * (args.context + 1) * kv_bytes_per_token(llm) / (read * 1e9) * 1e3
             flops = forward_flops(llm.engine.model.config, batch, args.context, True)
@@ -744,7 +790,9 @@ def main() -> None:
                     f"{read:>6.1f}{weights_ms:>9.1f}{kv_ms:>6.1f}{matmul_ms:>8.1f}"
                     f"{weights_ms + kv_ms + matmul_ms:>7.1f}"
                     f"{bound:>7.1f}"
-                    f"{seconds * 1e3 / bound:>9.2f}")
+                    f"{seconds * 1e3 / bound:>9.2f}"
+                    + (f"{'-':>8}{'-':>7}" if stream is None else
+                       f"{stream * 1e3:>8.1f}{seconds / stream:>7.2f}"))
             if compare:
                 ours, theirs = paired_step_seconds(llm, batch, args.context, other)
                 line += f"{theirs * 1e3:>10.1f}{theirs / ours:>8.2f}x"
