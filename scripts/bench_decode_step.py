@@ -109,28 +109,36 @@ def unpacked(params):
     return out
 
 
-def _alternating(llm, batch: int, context: int, name: str, values, rounds: int) -> tuple:
-    """Median seconds of a decode step of `batch` sequences with the runner's attribute `name`
-    set to each of `values` in turn, alternating step by step (the machine's drift falls on
-    all of them; each compiles first); the attribute is restored after."""
+def _alternating(llm, batch: int, context: int, name: str, values, rounds: int,
+                 spread: bool = False) -> tuple:
+    """Median seconds of a decode step of `batch` sequences (`decode_seqs(spread=...)`) with
+    the runner's attribute `name` set to each of `values` in turn, alternating step by step
+    (the machine's drift falls on all of them; each compiles first). `values[0]` is the
+    runner's own, which it keeps after. Each value is read back after its step: a step
+    donates the KV pool and returns the next."""
     import numpy as np
 
     runner = llm.engine.runner
-    before = getattr(runner, name)
-    seqs = decode_seqs(runner, batch, context)
+    values = list(values)
+    seqs = decode_seqs(runner, batch, context, spread)
     times = [[] for _ in values]
+
+    def step(i: int) -> float:
+        setattr(runner, name, values[i])
+        start = time.perf_counter()
+        runner.execute(seqs)
+        seconds = time.perf_counter() - start
+        values[i] = getattr(runner, name)
+        return seconds
+
     try:
-        for value in values:
-            setattr(runner, name, value)
-            runner.execute(seqs)
+        for i in range(len(values)):
+            step(i)
         for _ in range(rounds):
-            for value, out in zip(values, times, strict=True):
-                setattr(runner, name, value)
-                start = time.perf_counter()
-                runner.execute(seqs)
-                out.append(time.perf_counter() - start)
+            for i, out in enumerate(times):
+                out.append(step(i))
     finally:
-        setattr(runner, name, before)
+        setattr(runner, name, values[0])
     return tuple(float(np.median(t)) for t in times)
 
 
@@ -249,33 +257,14 @@ def pool_pages_step_seconds(llm, batch: int, context: int, rounds: int = 40):
     """Median seconds of a decode step whose sequences' blocks are spread over the whole pool
     (`decode_seqs(spread=True)`), on the runner's pool (2 MiB pages where Linux gives them:
     `huge_pages.advise_zeroed`) and on a second pool made as before 2026-12-04 (4 KiB pages),
-    alternating step by step (each step donates its pool and returns the next)."""
-    import numpy as np
+    alternating."""
+    from unittest import mock
 
     runner = llm.engine.runner
-    seqs = decode_seqs(runner, batch, context, spread=True)
-    before = os.environ.get("JAXPAGE_CPU_HUGE_PAGES")
-    os.environ["JAXPAGE_CPU_HUGE_PAGES"] = "0"
-    try:
-        pools = [runner.kv_pool, runner._new_pool()]
-    finally:
-        if before is None:
-            del os.environ["JAXPAGE_CPU_HUGE_PAGES"]
-        else:
-            os.environ["JAXPAGE_CPU_HUGE_PAGES"] = before
-    times: list[list[float]] = [[], []]
-    try:
-        for r in range(rounds + 1):  # the first round compiles and writes the blocks
-            for i, out in enumerate(times):
-                runner.kv_pool = pools[i]
-                start = time.perf_counter()
-                runner.execute(seqs)
-                if r:
-                    out.append(time.perf_counter() - start)
-                pools[i] = runner.kv_pool
-    finally:
-        runner.kv_pool = pools[0]
-    return float(np.median(times[0])), float(np.median(times[1]))
+    with mock.patch.dict(os.environ, {"JAXPAGE_CPU_HUGE_PAGES": "0"}):
+        small_pages = runner._new_pool()
+    return _alternating(llm, batch, context, "kv_pool", (runner.kv_pool, small_pages), rounds,
+                        spread=True)
 
 
 def kv_bytes_per_token(llm) -> float:
@@ -493,14 +482,15 @@ def read_gbps() -> float:
     return rates[len(rates) // 2]
 
 
-def stream_probe(llm, batch: int):
+def stream_probe(llm):
     """A function timing the packed kernel (`cpu_attention.packed_matmul`) over one contiguous
-    packed weight as large as the runner's weights, at the step's rows, in seconds: what
+    packed weight as large as the runner's weights, at a given count of rows, in seconds: what
     streaming the step's weight bytes through its own matmul kernel costs, the read and the
     dot products overlapped as well as the kernel overlaps them (one range of panels a thread,
     no other work between). A bound a step of few rows can reach only where nothing else costs;
     at 8 bfloat16 rows on the 2-core Zen 4 box the dot products can bind it, not the read. None
-    where the runner's weights are not packed."""
+    where the runner's weights are not packed. The weight is made once (and backed by huge
+    pages, as the runner's are); each count of rows compiles on its first call."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -509,47 +499,51 @@ def stream_probe(llm, batch: int):
     from pallas_kernels import cpu_attention
 
     params = llm.engine.runner.params
-    layer = params["layers"][0]
-    if layer["qkv"].ndim != 4:
+    qkv = params["layers"][0]["qkv"]
+    if qkv.ndim != 4:
         return None
-    _, pairs, columns, group = layer["qkv"].shape  # [panels, K / G, PANEL, G] of hidden K
+    _, pairs, columns, group = qkv.shape  # [panels, K / G, PANEL, G] of hidden K
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-    panel_bytes = pairs * columns * group * layer["qkv"].dtype.itemsize
-    dtype = layer["qkv"].dtype
-    w = jnp.full((weight_bytes // panel_bytes, pairs, columns, group), 0.01, dtype)
-    huge_pages.advise([w])  # as the runner's weights
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((batch, pairs * group)), dtype)
+    panel_bytes = pairs * columns * group * qkv.dtype.itemsize
+    w = jnp.full((weight_bytes // panel_bytes, pairs, columns, group), 0.01, qkv.dtype)
+    huge_pages.advise([w])
     stream = jax.jit(cpu_attention.packed_matmul)
-    jax.block_until_ready(stream(x, w))
+    xs = {}
 
-    def seconds() -> float:
+    def seconds(rows: int) -> float:
+        if rows not in xs:
+            xs[rows] = jnp.asarray(
+                np.random.default_rng(0).standard_normal((rows, pairs * group)), qkv.dtype)
         start = time.perf_counter()
-        jax.block_until_ready(stream(x, w))
+        jax.block_until_ready(stream(xs[rows], w))
         return time.perf_counter() - start
 
     return seconds
 
 
-def step_and_read(llm, batch: int, context: int,
+def step_and_read(llm, batch: int, context: int, stream=None,
                   rounds: int = 15) -> tuple[float, float, float | None]:
     """(median seconds of a decode step, median read rate in GB/s, median seconds of
-    `stream_probe` or None), the step, a read of `read_probe` and the stream alternating round
-    by round: on a shared machine whose read bandwidth drifts (30-55 GB/s within an hour on
-    the 2-core Zen 4 box, and 34 -> 59 -> 34 within minutes), a bound from a probe taken
-    minutes before or after the steps says little about them."""
+    `stream` (a `stream_probe`) at the step's rows or None), the step, a read of `read_probe`
+    and the stream alternating round by round: on a shared machine whose read bandwidth
+    drifts (30-55 GB/s within an hour on the 2-core Zen 4 box, and 34 -> 59 -> 34 within
+    minutes), a bound from a probe taken minutes before or after the steps says little about
+    them."""
     import numpy as np
 
     runner = llm.engine.runner
     seqs = decode_seqs(runner, batch, context)
     runner.execute(seqs)  # compile
-    probe, stream, steps, rates, streams = read_probe(), stream_probe(llm, batch), [], [], []
+    probe, steps, rates, streams = read_probe(), [], [], []
+    if stream is not None:
+        stream(batch)  # compiles
     for _ in range(rounds):
         rates.append(probe())
         start = time.perf_counter()
         runner.execute(seqs)
         steps.append(time.perf_counter() - start)
         if stream is not None:
-            streams.append(stream())
+            streams.append(stream(batch))
     return (float(np.median(steps)), float(np.median(rates)),
             float(np.median(streams)) if streams else None)
 
@@ -778,9 +772,10 @@ def main() -> None:
               f"({'packed' if packed else 'not packed'}), XLA's 2048^3 dot {rate:.1f} GFLOP/s, "
               f"decode buckets {llm.engine.runner.decode_buckets}")
         compare = packed and not args.no_unpacked
+        streamer = stream_probe(llm)
         other = unpacked(params) if compare else None
         for batch in batches:
-            seconds, read, stream = step_and_read(llm, batch, args.context)
+            seconds, read, stream = step_and_read(llm, batch, args.context, streamer)
             weights_ms = weight_bytes / (read * 1e9) * 1e3
             kv_ms = batch * (args.context + 1) * kv_bytes_per_token(llm) / (read * 1e9) * 1e3
             flops = forward_flops(llm.engine.model.config, batch, args.context, True)
@@ -837,7 +832,7 @@ def main() -> None:
                       f"4 KiB pages {small * 1e3:.1f} ms: {small / huge:.2f}x", flush=True)
             if args.profile:
                 print_profile(step_profile(llm, batch, args.context), weights_ms)
-        del llm, other
+        del llm, other, streamer
 
 
 if __name__ == "__main__":

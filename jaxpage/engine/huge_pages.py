@@ -100,20 +100,27 @@ def host_buffers(arrays: Iterable[Any]) -> list[tuple[int, int]]:
     return buffers
 
 
+def _prepared(arrays: Iterable[Any]) -> tuple | None:
+    """(`host_buffers(arrays)`, madvise, `_mappings()`), or None where there is nothing to
+    do: not `enabled()`, no CPU buffer, or no madvise or /proc/self/maps here."""
+    if not enabled():
+        return None
+    buffers = host_buffers(arrays)
+    if not buffers:
+        return None
+    try:
+        return buffers, _madvise(), _mappings()
+    except (OSError, AttributeError, ValueError, IndexError):
+        return None
+
+
 def advise(arrays: Iterable[Any]) -> int:
     """Back the CPU buffers of `arrays` with transparent huge pages (see the module docstring);
     returns the bytes of the 2 MiB-aligned ranges Linux collapsed into huge pages now (0 where
     it could not, or when not `enabled()`)."""
-    if not enabled():
+    if (prepared := _prepared(arrays)) is None:
         return 0
-    buffers = host_buffers(arrays)
-    if not buffers:
-        return 0
-    try:
-        madvise = _madvise()
-        starts, ends, _ = _mappings()
-    except (OSError, AttributeError, ValueError, IndexError):
-        return 0
+    buffers, madvise, (starts, ends, _) = prepared
     ranges = set()  # buffers in one huge page share its range
     for address, nbytes in buffers:
         if (held := _mapped(starts, ends, address, nbytes)) is None:
@@ -126,7 +133,7 @@ def advise(arrays: Iterable[Any]) -> int:
         madvise(lo, hi - lo, MADV_HUGEPAGE)
         # only whole huge pages collapse: the aligned part of the range, a page at a time (one
         # that cannot, e.g. for want of a free huge page, fails alone)
-        first, last = -(-lo // HUGE_PAGE) * HUGE_PAGE, hi // HUGE_PAGE * HUGE_PAGE
+        first, last = inner_pages(lo, hi - lo)
         for page in range(first, last, HUGE_PAGE):
             if madvise(page, HUGE_PAGE, MADV_COLLAPSE) == 0:
                 collapsed += HUGE_PAGE
@@ -148,17 +155,11 @@ def advise_zeroed(arrays: Iterable[Any]) -> int:
     partial pages at either end keep their 4 KiB pages. Waits for the arrays first (an array
     still being filled would be written after). Returns the bytes given back (0 where none, or
     when not `enabled()`)."""
-    if not enabled():
-        return 0
     arrays = [a for a in arrays if isinstance(a, jax.Array)]
-    buffers = host_buffers(jax.block_until_ready(arrays))
-    if not buffers:
+    if (prepared := _prepared(arrays)) is None:
         return 0
-    try:
-        madvise = _madvise()
-        starts, ends, anonymous = _mappings()
-    except (OSError, AttributeError, ValueError, IndexError):
-        return 0
+    buffers, madvise, (starts, ends, anonymous) = prepared
+    jax.block_until_ready(arrays)
     given = 0
     for address, nbytes in buffers:
         first, last = inner_pages(address, nbytes)

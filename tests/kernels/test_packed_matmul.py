@@ -292,6 +292,17 @@ def _final_hidden(model, params, pool, position, token):
     return np.asarray(h, np.float32)[0]
 
 
+def _greedy_tokens_and_logprobs(llm) -> list:
+    """Each of three short prompts' 12 greedy tokens (ignore_eos) and their logprobs."""
+    from jaxpage import SamplingParams
+
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17, 30)]
+    sampling = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1, ignore_eos=True)
+    return [(o.outputs[0].token_ids,
+             [lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)])
+            for o in llm.generate(prompts, sampling)]
+
+
 @pytest.mark.parametrize("dtype", [pytest.param("float32", marks=SLOW), "bfloat16"])
 def test_a_cpu_runner_packs_the_weights_and_generates_as_unpacked(dtype, hf_model_dir,
                                                                    monkeypatch):
@@ -299,14 +310,12 @@ def test_a_cpu_runner_packs_the_weights_and_generates_as_unpacked(dtype, hf_mode
     logprobs are the same, the prompts short enough (<= 32 rows a step) that the unpacked model
     takes small_matmul's [K, N] tiles, which round as the packed kernel does on vectors (AMX
     tiles off: they sum in the hardware's order; the model test above holds them to HF)."""
-    from jaxpage import LLM, SamplingParams
+    from jaxpage import LLM
 
     monkeypatch.setenv("JAXPAGE_CPU_KERNEL_TILES", "0")
     jax.clear_caches()  # read when a step is traced: no step traced under another setting
 
     path, _ = hf_model_dir("llama", **PACKABLE)
-    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17, 30)]
-    sampling = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1, ignore_eos=True)
     small = dict(block_size=16, num_blocks=40, max_num_batched_tokens=32, max_num_seqs=4)
     results = {}
     for packs in ("1", "0"):
@@ -314,10 +323,7 @@ def test_a_cpu_runner_packs_the_weights_and_generates_as_unpacked(dtype, hf_mode
         llm = LLM(path, dtype=dtype, **small)
         layer = llm.engine.runner.params["layers"][0]
         assert all((layer[name].ndim == 4) == (packs == "1") for name in llama.PACKED_WEIGHTS)
-        results[packs] = [(o.outputs[0].token_ids,
-                           [lp[t] for lp, t in zip(o.outputs[0].logprobs,
-                                                   o.outputs[0].token_ids, strict=True)])
-                          for o in llm.generate(prompts, sampling)]
+        results[packs] = _greedy_tokens_and_logprobs(llm)
     assert results["1"] == results["0"]
 
 
@@ -413,12 +419,10 @@ def test_a_cpu_runner_generates_the_same_on_a_pool_of_huge_pages(kv_dtype, hf_mo
     unset) or keeps XLA's (=0): the pool reads as made either way (zeros; a quantized pool's
     scales 1, which it keeps), its written pages are huge ones where given back, and the greedy
     tokens and their logprobs are the same. A pool poisoned with NaN is left as it is."""
-    from jaxpage import LLM, SamplingParams
+    from jaxpage import LLM
     from pallas_kernels import quantized
 
     path, _ = hf_model_dir("llama", **PACKABLE)
-    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17, 30)]
-    sampling = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1, ignore_eos=True)
     # [2 heads, 8192 blocks, 16, 16]: 8 MiB a bfloat16 pool array, 4 MiB int8 values
     small = dict(block_size=16, num_blocks=8192, max_num_batched_tokens=32, max_num_seqs=4,
                  kv_cache_dtype=kv_dtype)
@@ -434,10 +438,7 @@ def test_a_cpu_runner_generates_the_same_on_a_pool_of_huge_pages(kv_dtype, hf_mo
             zeros, ones = [p.values for p in pools], [p.scales for p in pools]
         assert not any(np.asarray(leaf, np.float32).any() for leaf in zeros)
         assert all((np.asarray(leaf) == 1).all() for leaf in ones)
-        results[huge] = [(o.outputs[0].token_ids,
-                          [lp[t] for lp, t in zip(o.outputs[0].logprobs,
-                                                  o.outputs[0].token_ids, strict=True)])
-                         for o in llm.generate(prompts, sampling)]
+        results[huge] = _greedy_tokens_and_logprobs(llm)
         if huge == "1" and _thp_mode() == "madvise":
             written = jax.tree.leaves(llm.engine.runner.kv_pool)[0]  # layer 0's K (values)
             assert _anon_huge_bytes(written.unsafe_buffer_pointer(), written.nbytes) > 0
