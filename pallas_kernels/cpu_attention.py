@@ -234,18 +234,36 @@ def stage_clock(reset: bool = False) -> dict | None:
     library was built without it (JAXPAGE_CPU_KERNEL_STAGE_CLOCK=1 before the first kernel
     call builds one with it): `calls`, `seconds` per stage (LAYER_STAGES: the calling thread's
     wall time in each, summed over the calls), the helper threads' `joins`, their
-    `join_seconds` (from being scheduled to starting, summed) and `late_joins` (over 50 us)."""
+    `join_seconds` (from being scheduled to starting, summed), `late_joins` (over 50 us) and
+    `join_buckets`, the joins by lateness: bucket b those of [2^b - 1, 2^(b+1) - 1) ns, the
+    last every later one (`join_quantile` reads them)."""
     library = _loaded()
     if library is None:
         return None
-    out = (ctypes.c_double * (len(LAYER_STAGES) + 3))()
+    n, buckets = len(LAYER_STAGES), library.JaxpageStageClockJoinBuckets()
+    out = (ctypes.c_double * (n + 3 + buckets))()
     library.JaxpageStageClock.restype = ctypes.c_int64
     calls = library.JaxpageStageClock(out, ctypes.c_int(int(reset)))
     if calls < 0:
         return None
-    n = len(LAYER_STAGES)
     return {"calls": calls, "seconds": dict(zip(LAYER_STAGES, out[:n], strict=True)),
-            "joins": int(out[n]), "join_seconds": out[n + 1], "late_joins": int(out[n + 2])}
+            "joins": int(out[n]), "join_seconds": out[n + 1], "late_joins": int(out[n + 2]),
+            "join_buckets": [int(c) for c in out[n + 3:]]}
+
+
+def join_quantile(buckets: list[int], q: float) -> float:
+    """An upper bound (seconds) on the q-quantile of the helpers' lateness from `stage_clock`'s
+    `join_buckets`: the upper edge of the bucket the quantile falls in (inf in the last one;
+    NaN with no joins)."""
+    total = sum(buckets)
+    if not total:
+        return float("nan")
+    seen = 0
+    for b, count in enumerate(buckets):
+        seen += count
+        if seen >= q * total:
+            return float("inf") if b == len(buckets) - 1 else (2 ** (b + 1) - 1) * 1e-9
+    return float("inf")
 
 
 def _default_tiles() -> bool:

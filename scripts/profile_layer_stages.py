@@ -11,7 +11,8 @@ at the same context):
   token) and the rate that makes (GB/s), against the machine's read bandwidth (a C loop, a
   thread a core, measured once before);
 - the helper threads: how late they started after the call scheduled them (a helper that
-  starts late leaves the first stages to the calling thread alone).
+  starts late leaves the first stages to the calling thread alone): the median, 90th and
+  99th percentiles (a few helpers kept off their core for milliseconds set the mean).
 Twice per batch: the runner alone, one step at a time (what the layer call costs), and the
 whole engine while requests decode, small steps run ahead (`decode_lookahead_rows`): there
 the host's Python thread shares the cores with the step, and the helpers' lateness shows how
@@ -33,6 +34,8 @@ os.environ["JAXPAGE_CPU_KERNEL_STAGE_CLOCK"] = "1"  # before the library is firs
 
 from bench_decode_step import kv_bytes_per_token, read_gbps, start_decoding  # noqa: E402
 from bench_throughput import decode_seqs, make_llm  # noqa: E402
+
+from pallas_kernels import cpu_attention  # noqa: E402
 
 
 def runner_steps(llm, batch: int, context: int, steps: int) -> float:
@@ -66,8 +69,6 @@ def engine_steps(llm, batch: int, context: int, steps: int) -> float:
 
 
 def _clock(reset: bool = False) -> dict:
-    from pallas_kernels import cpu_attention
-
     clock = cpu_attention.stage_clock(reset)
     if clock is None:
         raise SystemExit("the kernel library has no stage clock: JAXPAGE_CPU_KERNEL_LIB names a "
@@ -110,9 +111,13 @@ def report(title: str, clock: dict, nbytes: dict[str, float], read: float, secon
           f"{nbytes['attention'] / (read * 1e9) * 1e6:.1f} us for its K/V; the rest "
           f"{total - matmul - per_call['attention']:.1f} us")
     joins = max(clock["joins"], 1)
-    print(f"  helpers: {clock['joins']} started, {clock['join_seconds'] / joins * 1e6:.1f} us "
-          f"after being scheduled on average, {clock['late_joins']} "
-          f"({clock['late_joins'] / joins:.0%}) later than 50 us", flush=True)
+    quantiles = ", ".join(
+        f"{q:.0%} within {cpu_attention.join_quantile(clock['join_buckets'], q) * 1e6:.3g}"
+        for q in (0.5, 0.9, 0.99))
+    print(f"  helpers: {clock['joins']} started after being scheduled: {quantiles} us (upper "
+          f"edges of powers of 2 ns), {clock['late_joins']} ({clock['late_joins'] / joins:.0%}) "
+          f"later than 50 us, {clock['join_seconds'] / joins * 1e6:.1f} us on average",
+          flush=True)
 
 
 def main() -> None:

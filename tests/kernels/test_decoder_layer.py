@@ -10,6 +10,7 @@ to. Bad slots and block ids are refused with an error naming them."""
 from __future__ import annotations
 
 import copy
+import math
 
 import jax
 import jax.numpy as jnp
@@ -230,3 +231,20 @@ def test_the_stage_clock_counts_every_layer_call_within_the_steps_wall_time(hf_m
     # may start after the clock is read: CI saw 9 joins of 10 calls)
     assert 0 <= clock["late_joins"] <= clock["joins"] <= calls * (os.cpu_count() or 1)
     assert clock["join_seconds"] >= 0
+    # every join in one bucket of lateness; those past 50 us in the buckets from 2^15 ns on
+    # (bucket 15 holds 32.8-65.5 us: the late ones are at most it and those after it)
+    buckets = clock["join_buckets"]
+    assert len(buckets) == 32 and min(buckets) >= 0 and sum(buckets) == clock["joins"]
+    assert sum(buckets[16:]) <= clock["late_joins"] <= sum(buckets[15:])
+
+
+def test_join_quantile_is_the_upper_edge_of_the_bucket_a_quantile_falls_in():
+    """Hand-worked: 5 joins 7-14 ns late (bucket 3), 4 joins 1023-2046 ns (bucket 10), one
+    past the last bucket's lower edge."""
+    buckets = [0] * 32
+    buckets[3], buckets[10], buckets[31] = 5, 4, 1
+    assert cpu_attention.join_quantile(buckets, 0.5) == pytest.approx(15e-9)
+    assert cpu_attention.join_quantile(buckets, 0.51) == pytest.approx(2047e-9)
+    assert cpu_attention.join_quantile(buckets, 0.9) == pytest.approx(2047e-9)
+    assert cpu_attention.join_quantile(buckets, 0.99) == float("inf")
+    assert math.isnan(cpu_attention.join_quantile([0] * 32, 0.5))
