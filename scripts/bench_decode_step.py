@@ -55,6 +55,11 @@ the one before are read) and without, over the step's bound. `--vs-burst 4` time
 engine's step against the same forward chained on the device one step a call and four steps a
 call (greedy draws fed to the next step; the host only dispatching): what the engine's host
 work costs beyond a dispatch a step, and what one dispatch and launch a step costs.
+`--by-placement 240` times the runner's and the engine's steps for 240 s a batch by where the
+step's two threads ran, a round trip of a cache line between two threads alongside (`near`:
+cores sharing a cache; `far`: not), each beside the bound at the read rate of its own rounds:
+on the 2-core Zen 4 VM the fast reads come only with far placements, where every handoff
+between the step's threads costs ~6x a near one's.
 
     python scripts/bench_decode_step.py                      # context 128, float32 and bf16
     python scripts/bench_decode_step.py --context 256 --batches 8,64 --dtypes float32
@@ -68,6 +73,7 @@ work costs beyond a dispatch a step, and what one dispatch and launch a step cos
     python scripts/bench_decode_step.py --no-unpacked --batches 8,32 --vs-4k-pool
     python scripts/bench_decode_step.py --no-unpacked --batches 1,2,4,8 --vs-lookahead
     python scripts/bench_decode_step.py --no-unpacked --batches 1,8 --dtypes bfloat16 --vs-burst 4
+    python scripts/bench_decode_step.py --no-unpacked --batches 1,8 --by-placement 240
 
 With --profile each step's line is followed by where its time goes (`jax.profiler` over 5
 steps): the forward's span, the sampler and the host's share (Python, dispatch), the matmuls
@@ -311,6 +317,7 @@ def cores() -> int:
 
 PROBES = r"""
 #include <pthread.h>
+#include <stdatomic.h>
 #include <time.h>
 #ifdef __AVX512F__
 typedef float vf __attribute__((vector_size(64)));
@@ -374,6 +381,34 @@ double fma_flops(int threads, long n) {
   return 2.0 * kAcc * (sizeof(vf) / sizeof(float)) * n * threads / s;
 }
 
+/* the mean round trip (ns) of a cache line between this thread and a second one, `n` times:
+   each stores the next count the other waits for (a step's threads meet so at every stage) */
+static _Atomic long ball __attribute__((aligned(64)));
+static void* return_ball(void* arg) {
+  long n = *(long*)arg;
+  for (long i = 0; i < n; ++i) {
+    while (atomic_load_explicit(&ball, memory_order_acquire) != 2 * i + 1) {
+    }
+    atomic_store_explicit(&ball, 2 * i + 2, memory_order_release);
+  }
+  return 0;
+}
+double round_trip_ns(long n) {
+  pthread_t other;
+  struct timespec t0, t1;
+  atomic_store(&ball, 0);
+  pthread_create(&other, 0, return_ball, &n);
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  for (long i = 0; i < n; ++i) {
+    atomic_store_explicit(&ball, 2 * i + 1, memory_order_release);
+    while (atomic_load_explicit(&ball, memory_order_acquire) != 2 * i + 2) {
+    }
+  }
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  pthread_join(other, 0);
+  return ((t1.tv_sec - t0.tv_sec) * 1e9 + (t1.tv_nsec - t0.tv_nsec)) / n;
+}
+
 /* bytes/s of `threads` threads reading `bytes` at `data` once between them, a contiguous
    slice each (NumPy's buffers are 16-byte aligned, not 64: the loads take any address) */
 double read_bytes(int threads, const void* data, long bytes) {
@@ -412,6 +447,8 @@ def _probes():
     lib.fma_flops.restype = ctypes.c_double
     lib.read_bytes.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long]
     lib.read_bytes.restype = ctypes.c_double
+    lib.round_trip_ns.argtypes = [ctypes.c_long]
+    lib.round_trip_ns.restype = ctypes.c_double
     return lib
 
 
@@ -546,6 +583,49 @@ def step_and_read(llm, batch: int, context: int, stream=None,
             streams.append(stream(batch))
     return (float(np.median(steps)), float(np.median(rates)),
             float(np.median(streams)) if streams else None)
+
+
+NEAR_NS = 150  # a round trip under it: the two cores share a cache (Zen 4: ~57 ns in one CCX)
+
+
+def placement_steps(llm, batch: int, context: int, seconds: float,
+                    tokens: int = 16) -> dict[str, tuple]:
+    """Where the two threads run, and what it does to a step: rounds for `seconds`, each a
+    round trip of a cache line between two threads (`round_trip_ns`, 5,000 times), a read of
+    `read_probe`, a runner step, the engine's median step while `batch` requests decode
+    `tokens` tokens (run ahead) and a round trip again; by placement, `near` (both round trips
+    under NEAR_NS: cores sharing a cache) and `far` (both over; a round whose two disagree, the
+    threads moved, is dropped), the medians (rounds, round trip ns, read GB/s, runner step s,
+    engine step s). On the 2-core Zen 4 VM the hypervisor moves the two vCPUs between cores of
+    one CCX (~57 ns round trips; one CCD's link, reads ~35 GB/s) and of two (~350 ns; two
+    links, ~50-58 GB/s) within minutes: the fast reads come with slow handoffs between the
+    threads, which a step makes at every stage of every layer."""
+    import numpy as np
+
+    lib = _probes()
+    if lib is None or cores() < 2:
+        raise SystemExit("--by-placement needs the C probes and two cores")
+    engine, runner = llm.engine, llm.engine.runner
+    seqs = decode_seqs(runner, batch, context)
+    runner.execute(seqs)
+    rng = np.random.default_rng(0)
+    decode_step_seconds(engine, "placement-warm", batch, context, tokens, rng)
+    probe, rounds = read_probe(), {"near": [], "far": []}
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        before = lib.round_trip_ns(5000)
+        read = probe()
+        start = time.perf_counter()
+        runner.execute(seqs)
+        step = time.perf_counter() - start
+        engine_step = float(np.median(decode_step_seconds(
+            engine, f"placement-{len(rounds['near']) + len(rounds['far'])}", batch, context,
+            tokens, rng)))
+        after = lib.round_trip_ns(5000)
+        if (before < NEAR_NS) == (after < NEAR_NS):
+            rounds["near" if before < NEAR_NS else "far"].append(
+                ((before + after) / 2, read, step, engine_step))
+    return {name: (len(r), *np.median(np.array(r), axis=0)) for name, r in rounds.items() if r}
 
 
 def _op_kinds(hlo_text: str) -> dict[str, str]:
@@ -741,6 +821,10 @@ def main() -> None:
     ap.add_argument("--vs-4k-pool", action="store_true",
                     help="also the step over blocks spread across the pool, on the runner's "
                          "pool (huge pages) and on one of 4 KiB pages (alternating, 40 each)")
+    ap.add_argument("--by-placement", type=float, default=0, metavar="SECONDS",
+                    help="also, for SECONDS a batch, the runner's and the engine's steps by where "
+                         "the two threads ran (a round trip between them alongside: cores "
+                         "sharing a cache or not), each beside the bound at its read rate")
     ap.add_argument("--profile", action="store_true",
                     help="after each step's line, where its time goes by kind of op "
                          "(jax.profiler, 5 steps)")
@@ -830,6 +914,17 @@ def main() -> None:
                 huge, small = pool_pages_step_seconds(llm, batch, args.context)
                 print(f"{'':>15}blocks spread over the pool: huge pages {huge * 1e3:.1f} ms, "
                       f"4 KiB pages {small * 1e3:.1f} ms: {small / huge:.2f}x", flush=True)
+            if args.by_placement:
+                for name, (n, trip, rate, step, engine_step) in placement_steps(
+                        llm, batch, args.context, args.by_placement).items():
+                    at_rate = max((weight_bytes + batch * (args.context + 1)
+                                   * kv_bytes_per_token(llm)) / (rate * 1e9), flops
+                                  / (dtype_peak * 1e9))
+                    print(f"{'':>15}{name} ({n} rounds, round trip {trip:.0f} ns, read "
+                          f"{rate:.1f} GB/s, bound {at_rate * 1e3:.1f} ms): runner step "
+                          f"{step * 1e3:.1f} ms ({step / at_rate:.2f}x), engine step "
+                          f"{engine_step * 1e3:.1f} ms ({engine_step / at_rate:.2f}x)",
+                          flush=True)
             if args.profile:
                 print_profile(step_profile(llm, batch, args.context), weights_ms)
         del llm, other, streamer
