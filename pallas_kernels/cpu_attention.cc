@@ -2899,10 +2899,15 @@ ffi::Error DecoderLayerTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
   const auto q = ts(M * Q), k = ts(M * KH * D), v = ts(M * KH * D), a = ts(M * Q),
              x1 = ts(M * H), h1 = ts(M * H), act = ts(M * I);
 
-  auto matmul = [&](const void* in, int64_t K, ffi::AnyBuffer w, float* out) {
+  // a matmul's work over this call's rows, and its units (0: nothing to run)
+  auto packed_work = [&](const void* in, int64_t K, ffi::AnyBuffer w, float* out) {
     auto work = std::make_shared<PackedWork>();
     const int64_t total = prepare_packed(*work, in, f32, M, live, K, w.untyped_data(),
                                          w.dimensions()[0], out, bf16_dot, 0, threads);
+    return std::make_pair(work, total);
+  };
+  auto matmul = [&](const void* in, int64_t K, ffi::AnyBuffer w, float* out) {
+    const auto [work, total] = packed_work(in, K, w, out);
     if (total) team->stage(work, total);
   };
 
@@ -2958,13 +2963,11 @@ ffi::Error DecoderLayerTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
   });
   lap(kNorm1);
   // gate_up and SiLU as one stage where each gate panel's up panel lies I columns on (I a
-  // multiple of kPanel): the thread that runs a gate panel runs its up panel and their SiLU,
-  // from its own cache, where a stage of its own read half of gate_up from the other thread's
-  // (8 bfloat16 rows: 0.2 ms a step with the two vCPUs in one CCX, 0.5 ms across two CCDs)
-  auto gate_up_work = std::make_shared<PackedWork>();
-  const int64_t gate_up_units =
-      prepare_packed(*gate_up_work, h1.get(), f32, M, live, H, w_gate_up.untyped_data(), P_gu,
-                     gate_up.get(), bf16_dot, 0, threads);
+  // multiple of kPanel; not on AMX tiles): the thread that runs a gate panel runs its up panel
+  // and their SiLU, from its own cache, where a stage of its own read half of gate_up from the
+  // other thread's (8 bfloat16 rows: 0.2 ms a step with the two vCPUs in one CCX, 0.5 ms
+  // across two CCDs). The stage clock then counts SiLU in gate_up.
+  const auto [gate_up_work, gate_up_units] = packed_work(h1.get(), H, w_gate_up, gate_up.get());
   if (gate_up_units && !gate_up_work->tiles && I % kPanel == 0) {
     gate_up_work->pair = gate_up_work->panels = P_gu / 2;
     gate_up_work->units = std::min(gate_up_units, P_gu / 2);

@@ -585,6 +585,12 @@ def step_and_read(llm, batch: int, context: int, stream=None,
             float(np.median(streams)) if streams else None)
 
 
+def bound_ms(nbytes: float, flops: float, peak_gflops: float, read_gbps: float) -> float:
+    """A step's bound (ms): the larger of reading `nbytes` at `read_gbps` and its `flops` at
+    `peak_gflops`."""
+    return max(nbytes / (read_gbps * 1e9), flops / (peak_gflops * 1e9)) * 1e3
+
+
 NEAR_NS = 150  # a round trip under it: the two cores share a cache (Zen 4: ~57 ns in one CCX)
 
 
@@ -860,11 +866,12 @@ def main() -> None:
         other = unpacked(params) if compare else None
         for batch in batches:
             seconds, read, stream = step_and_read(llm, batch, args.context, streamer)
-            weights_ms = weight_bytes / (read * 1e9) * 1e3
-            kv_ms = batch * (args.context + 1) * kv_bytes_per_token(llm) / (read * 1e9) * 1e3
+            kv_bytes = batch * (args.context + 1) * kv_bytes_per_token(llm)
             flops = forward_flops(llm.engine.model.config, batch, args.context, True)
+            weights_ms = weight_bytes / (read * 1e9) * 1e3
+            kv_ms = kv_bytes / (read * 1e9) * 1e3
             matmul_ms = flops / (dtype_peak * 1e9) * 1e3
-            bound = max(weights_ms + kv_ms, matmul_ms)
+            bound = bound_ms(weight_bytes + kv_bytes, flops, dtype_peak, read)
             line = (f"{dtype:>9}{batch:>6}{seconds * 1e3:>9.1f}{seconds * 1e3 / batch:>8.2f}"
                     f"{read:>6.1f}{weights_ms:>9.1f}{kv_ms:>6.1f}{matmul_ms:>8.1f}"
                     f"{weights_ms + kv_ms + matmul_ms:>7.1f}"
@@ -917,9 +924,7 @@ def main() -> None:
             if args.by_placement:
                 for name, (n, trip, rate, step, engine_step) in placement_steps(
                         llm, batch, args.context, args.by_placement).items():
-                    at_rate = max((weight_bytes + batch * (args.context + 1)
-                                   * kv_bytes_per_token(llm)) / (rate * 1e9), flops
-                                  / (dtype_peak * 1e9))
+                    at_rate = bound_ms(weight_bytes + kv_bytes, flops, dtype_peak, rate) / 1e3
                     print(f"{'':>15}{name} ({n} rounds, round trip {trip:.0f} ns, read "
                           f"{rate:.1f} GB/s, bound {at_rate * 1e3:.1f} ms): runner step "
                           f"{step * 1e3:.1f} ms ({step / at_rate:.2f}x), engine step "
