@@ -565,7 +565,8 @@ def step_and_read(llm, batch: int, context: int, stream=None,
     and the stream alternating round by round: on a shared machine whose read bandwidth
     drifts (30-55 GB/s within an hour on the 2-core Zen 4 box, and 34 -> 59 -> 34 within
     minutes), a bound from a probe taken minutes before or after the steps says little about
-    them."""
+    them. The medians mix the placements of the step's two threads, which set that rate and
+    the cost of the threads' handoffs together: `placement_steps` splits them."""
     import numpy as np
 
     runner = llm.engine.runner
