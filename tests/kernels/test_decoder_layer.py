@@ -39,9 +39,10 @@ def _same_pools(ours, theirs) -> bool:
                for a, b in zip(*pair, strict=True))
 
 
-# SmolLM2's head_dim (64: two 32-column panels a head with AVX-512; PACKABLE's is 16, two heads
-# a panel) and a gate_up of an odd number of panels (3 with AVX-512: the gate/up boundary
-# inside a panel)
+# SmolLM2's head_dim (64: two 32-column panels a head with AVX-512, so the qkv stage rotates
+# each head and writes k and v to the pools in its epilogue; PACKABLE's is 16, two heads a
+# panel, a rotary stage of its own) and a gate_up of an odd number of panels (3 with AVX-512:
+# the gate/up boundary inside a panel)
 HEADS_64 = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
                 intermediate_size=48, vocab_size=128)
 
