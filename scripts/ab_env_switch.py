@@ -22,6 +22,11 @@ requests decode 24 tokens each (run ahead, scheduling and detokenizing included)
 `--attention`'s the paged attention kernel alone, 30 layers of a decode step of `--batch`
 sequences of 129 tokens over scattered blocks (bench_attention.py's pools and step), where a
 change to the kernel shows without the rest of the step's noise around it.
+
+`--by-placement SECONDS` runs rounds for that long instead and reports them by where the two
+threads ran (bench_decode_step's `round_trip_ns` before and after each round: `near`, one CCX,
+and `far`, two CCDs; a round whose two disagree is dropped): on the 2-core VM a change to the
+handoffs between the threads can win in one placement and lose in the other.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_decode_step import decode_step_seconds  # noqa: E402
+from bench_decode_step import NEAR_NS, _probes, decode_step_seconds  # noqa: E402
 from bench_throughput import decode_seqs, make_llm  # noqa: E402
 
 
@@ -71,6 +76,8 @@ def main() -> None:
     mode.add_argument("--attention", action="store_true",
                       help="the attention kernel alone (30 layers of a decode step)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--by-placement", type=float, default=0, metavar="SECONDS",
+                    help="rounds for SECONDS, reported by where the two threads ran")
     ap.add_argument("--source", help="the variant's C++ source, built here (else the library "
                                      "JAXPAGE_CPU_KERNEL_LIB names)")
     args = ap.parse_args()
@@ -107,21 +114,44 @@ def main() -> None:
         what = "engine step" if args.engine else "runner step"
         rounds = args.rounds or (16 if args.engine else 40)
     measure()  # compiles
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for r in range(rounds):
-        for on in (r % 2 == 0, r % 2 == 1):  # which goes first alternates
+
+    def paired_round(r: int) -> tuple[float, float]:
+        """(unset, set) ms, which goes first alternating with r."""
+        times = {}
+        for on in (r % 2 == 0, r % 2 == 1):
             if on:
                 os.environ[args.name] = "1"
             else:
                 os.environ.pop(args.name, None)
-            times[on].append(measure())
-    os.environ.pop(args.name, None)
-    off, on = np.array(times[False]), np.array(times[True])
-    diff = on - off
-    print(f"{what}, {args.batch} rows, {args.dtype}: "
-          f"{args.name} unset {np.median(off):.2f} ms, set {np.median(on):.2f} ms; paired "
-          f"difference median {np.median(diff):+.2f} ms, set faster in {np.mean(diff < 0):.0%} "
-          f"of {rounds} rounds")
+            times[on] = measure()
+        os.environ.pop(args.name, None)
+        return times[False], times[True]
+
+    groups: dict[str, list] = {"": []}
+    if args.by_placement:
+        lib = _probes()
+        if lib is None:
+            raise SystemExit("--by-placement needs bench_decode_step's C probes")
+        groups = {"near": [], "far": []}
+        end, r = time.perf_counter() + args.by_placement, 0
+        while time.perf_counter() < end:
+            before = lib.round_trip_ns(3000)
+            pair = paired_round(r)
+            after = lib.round_trip_ns(3000)
+            r += 1
+            if (before < NEAR_NS) == (after < NEAR_NS):
+                groups["near" if before < NEAR_NS else "far"].append(pair)
+    else:
+        groups[""] = [paired_round(r) for r in range(rounds)]
+    for where, pairs in groups.items():
+        if not pairs:
+            continue
+        off, on = np.array(pairs).T
+        diff = on - off
+        print(f"{what}, {args.batch} rows, {args.dtype}{', ' + where if where else ''}: "
+              f"{args.name} unset {np.median(off):.2f} ms, set {np.median(on):.2f} ms; paired "
+              f"difference median {np.median(diff):+.2f} ms, set faster in "
+              f"{np.mean(diff < 0):.0%} of {len(pairs)} rounds")
 
 
 if __name__ == "__main__":
