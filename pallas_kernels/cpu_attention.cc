@@ -2182,6 +2182,7 @@ inline void configure_tiles() {
 }
 
 constexpr int64_t kTileStepBytes = kTilePairs * kPanel * 2 * 2;  // a k-step of a panel: 2 KB
+constexpr int64_t kTilePrefetchBytes = 2 * kTileStepBytes;  // how far ahead a panel's walk reads
 static_assert(kPanel == 32, "a panel is two 16-column tiles wide");
 
 // out[r0 .. r0 + rows, n0 .. n0 + 32] from output tiles 0 and 1 (`lower`: 2 and 3; the
@@ -2208,7 +2209,8 @@ inline void store_tiles(bool lower, float* out, int64_t N, int64_t r0, int64_t r
 // rows zero-padded (used where KG % 16).
 template <bool Two>
 void tile_panel(const uint32_t* xt, int64_t KGT, int64_t KG, int64_t b, int64_t rows,
-                const char* panel, const char* w_end, float* out, int64_t N, int64_t n0) {
+                const char* panel, const char* w_end, int64_t ahead, float* out, int64_t N,
+                int64_t n0) {
   _tile_zero(0);
   _tile_zero(1);
   if constexpr (Two) {
@@ -2228,8 +2230,7 @@ void tile_panel(const uint32_t* xt, int64_t KGT, int64_t KG, int64_t b, int64_t 
       wt = tail;
     } else {
       for (int64_t line = 0; line < kTileStepBytes; line += 64)
-        if (wt + 2 * kTileStepBytes + line < w_end)
-          __builtin_prefetch(wt + 2 * kTileStepBytes + line, 0, 2);
+        if (wt + ahead + line < w_end) __builtin_prefetch(wt + ahead + line, 0, 2);
     }
     _tile_loadd(6, wt, kPanel * 4);
     _tile_loadd(7, wt + 64, kPanel * 4);
@@ -2268,11 +2269,12 @@ struct PackedWork {
   bool tiles = false;
   std::vector<uint32_t> x_tiles;
   int64_t KGT = 0;
-  // Epilogues (not with tiles), for the decoder layer: the units share groups of `span`
-  // panels, [0, panels / span); each panel p of a group is run with panel p + pair where
-  // `pair` > 0, and `after_group(g)` (where set) follows group g on the same thread, reading
-  // its columns from this thread's cache: gate_up (span 1, pair I / kPanel: a gate panel, its
-  // up panel, SiLU of their columns) and qkv (span D / kPanel: a head, its rotary embedding).
+  // Epilogues, for the decoder layer (vector panels and tiles alike): the units share groups
+  // of `span` panels, [0, panels / span); each panel p of a group is run with panel p + pair
+  // where `pair` > 0, and `after_group(g)` (where set) follows group g on the same thread,
+  // reading its columns from this thread's cache: gate_up (span 1, pair I / kPanel: a gate
+  // panel, its up panel, SiLU of their columns) and qkv (span D / kPanel: a head, its rotary
+  // embedding).
   int64_t span = 1, pair = 0;
   std::function<void(int64_t)> after_group;
 
@@ -2281,13 +2283,13 @@ struct PackedWork {
     if (tiles) {
       configure_tiles();  // this thread's tile registers, released (zeroed) when done
       const int64_t blocks = (M + kTileRows - 1) / kTileRows;
-      for (int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) {
-        for (int64_t p = u * panels / units, last = (u + 1) * panels / units; p < last; ++p)
-          for (int64_t b = 0; b < blocks; b += 2)  // the panel from cache after the first
-            (b + 1 < blocks ? tile_panel<true> : tile_panel<false>)(
-                x_tiles.data(), KGT, KG, b, M, w + p * panel_bytes, w_end, out, N, p * kPanel);
-        done.fetch_add(1, std::memory_order_release);
-      }
+      const int64_t ahead = prefetch ? prefetch : kTilePrefetchBytes;
+      run_groups([&](int64_t p) {
+        for (int64_t b = 0; b < blocks; b += 2)  // the panel from cache after the first
+          (b + 1 < blocks ? tile_panel<true> : tile_panel<false>)(
+              x_tiles.data(), KGT, KG, b, M, w + p * panel_bytes, w_end, ahead, out, N,
+              p * kPanel);
+      });
       _tile_release();
       return;
     }
@@ -2296,13 +2298,19 @@ struct PackedWork {
     // on AVX2: 4 + 4, not 6 + 2, whose 2-row pass waits on its FMAs' latency; bfloat16 on one
     // cached [576, 3072] weight, Zen 3: 182-190 us against 202-218)
     const int64_t passes = (M + kPackedRows - 1) / kPackedRows;
-    const auto panel = [&](int64_t p) {
+    run_groups([&](int64_t p) {
       for (int64_t b = 0; b < passes; ++b) {  // the panel from cache after the first
         const int64_t m0 = b * M / passes, m1 = (b + 1) * M / passes;
         const int64_t ahead = prefetch ? prefetch : packed_prefetch_bytes(m1 - m0);
         fns[m1 - m0 - 1](x, KG, m0, w + p * panel_bytes, w_end, ahead, out, N, p * kPanel);
       }
-    };
+    });
+  }
+
+  // claims units until none is left, running each one's groups of panels (`panel(p)`) and their
+  // epilogues, and counts each unit in `done`
+  template <typename Panel>
+  void run_groups(const Panel& panel) {
     const int64_t groups = panels / span;
     for (int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) {
       // unit u: groups [u G / units, (u + 1) G / units), as even as can be
@@ -2938,15 +2946,16 @@ ffi::Error DecoderLayerTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
   const T *cos_t = static_cast<const T*>(cos.untyped_data()),
           *sin_t = static_cast<const T*>(sin.untyped_data());
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
-  // qkv and the rotary embedding as one stage where a head is whole panels (D a multiple of
-  // kPanel; not on AMX tiles): the thread that makes a head's columns rotates them and writes
-  // k and v straight to their pool rows, in t order as SetRows does (padding rows share a
-  // slot), where a stage of its own read qkv from the other core's cache and this thread then
-  // wrote the pools alone (8 bfloat16 rows, alternating with those stages: 0.10 ms a runner
-  // step across two CCDs, 0.03 in one CCX, 0.12 an engine step). The stage clock then counts
-  // the rotation and the writes in qkv.
+  // qkv and the rotary embedding as one stage where a head is whole panels (D a multiple of kPanel;
+  // vector panels or AMX tiles): the thread that makes a head's columns rotates them and writes k
+  // and v straight to their pool rows, in t order as SetRows does (padding rows share a slot),
+  // where a stage of its own read qkv from the other core's cache and this thread then wrote the
+  // pools alone (8 bfloat16 rows, alternating with those stages: 0.10 ms a runner step across two
+  // CCDs, 0.03 in one CCX, 0.12 an engine step; on a 2-core AMX Xeon, tiles, with the gate_up
+  // epilogue below: 0.10 ms a runner step, 55% of 40 rounds). The stage clock then counts the
+  // rotation and the writes in qkv.
   const auto [qkv_work, qkv_units] = packed_work(h.untyped_data(), H, w_qkv, qkv.get());
-  if (qkv_units && !qkv_work->tiles && D % kPanel == 0) {
+  if (qkv_units && D % kPanel == 0) {
     T *k_rows = static_cast<T*>(k_out), *v_rows = static_cast<T*>(v_out);
     for (const auto& [out, in] : {std::pair{k_rows, k_pool.untyped_data()},
                                   std::pair{v_rows, v_pool.untyped_data()}})
@@ -3009,13 +3018,13 @@ ffi::Error DecoderLayerTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
     add_rms_norm_rows<T, float>(x_in, o.get(), mlp_w, eps, H, r0, r1, x1.get(), h1.get());
   });
   lap(kNorm1);
-  // gate_up and SiLU as one stage where each gate panel's up panel lies I columns on (I a
-  // multiple of kPanel; not on AMX tiles): the thread that runs a gate panel runs its up panel
-  // and their SiLU, from its own cache, where a stage of its own read half of gate_up from the
-  // other thread's (8 bfloat16 rows: 0.2 ms a step with the two vCPUs in one CCX, 0.5 ms
-  // across two CCDs). The stage clock then counts SiLU in gate_up.
+  // gate_up and SiLU as one stage where each gate panel's up panel lies I columns on (I a multiple
+  // of kPanel; vector panels or AMX tiles): the thread that runs a gate panel runs its up panel and
+  // their SiLU, from its own cache, where a stage of its own read half of gate_up from the other
+  // thread's (8 bfloat16 rows: 0.2 ms a step with the two vCPUs in one CCX, 0.5 ms across two
+  // CCDs). The stage clock then counts SiLU in gate_up.
   const auto [gate_up_work, gate_up_units] = packed_work(h1.get(), H, w_gate_up, gate_up.get());
-  if (gate_up_units && !gate_up_work->tiles && I % kPanel == 0) {
+  if (gate_up_units && I % kPanel == 0) {
     gate_up_work->pair = gate_up_work->panels = P_gu / 2;
     gate_up_work->units = std::min(gate_up_units, P_gu / 2);
     gate_up_work->after_group = [&](int64_t p) {
