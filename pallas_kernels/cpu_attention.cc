@@ -2174,10 +2174,13 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// every tile 16 rows of 64 bytes (tdpbf16ps takes them as 16 x 16 float32 or 16 x 16 pairs)
-inline void configure_tiles() {
+// every tile 64 bytes wide (tdpbf16ps takes them as 16 float32 or 16 pairs a row), 16 rows but
+// the first block's x and output tiles (0, 1, 4), `rows` (1-16): a call of fewer rows loads and
+// multiplies only those
+inline void configure_tiles(int64_t rows) {
   TileConfig config;
   for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+  for (int t : {0, 1, 4}) config.rows[t] = static_cast<uint8_t>(rows);
   _tile_loadconfig(&config);
 }
 
@@ -2281,7 +2284,8 @@ struct PackedWork {
   void run() {
 #ifdef JAXPAGE_TILES
     if (tiles) {
-      configure_tiles();  // this thread's tile registers, released (zeroed) when done
+      // this thread's tile registers, released (zeroed) when done
+      configure_tiles(M <= kTileRows ? M : kTileRows);
       const int64_t blocks = (M + kTileRows - 1) / kTileRows;
       const int64_t ahead = prefetch ? prefetch : kTilePrefetchBytes;
       run_groups([&](int64_t p) {
