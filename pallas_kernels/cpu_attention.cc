@@ -2147,12 +2147,13 @@ PackedPanelFn packed_pick(int mb, std::integer_sequence<int, MB...>) {
 // sums in float32 (subnormals flushed, as vdpbf16ps), in an order of the hardware's: within the
 // float64 oracle's bound, not bit for bit the vdpbf16ps panels'.
 constexpr int64_t kTileRows = 16, kTilePairs = 16;  // an x tile: 16 rows of 16 pairs
-// Passes of fewer live rows take the vdpbf16ps panels instead: a tile pass computes 16 rows
-// whatever M is, and at 1-2 rows the vector panels stream the weights faster. bfloat16 SmolLM2
-// on a 2-core AMX Xeon VM, the engine's decode step alternating with tiles at every row count
-// (scripts/ab_env_switch.py, 16 rounds each): 1 row 13.00 -> 11.27 ms, 2 rows 13.74 -> 13.04,
-// 4 rows within noise (+0.02), 8 rows 16.59 -> 19.62 (there the tiles' arithmetic pays).
-constexpr int64_t kTileMinRows = 4;
+// Calls of fewer live rows take the vdpbf16ps panels instead: at 1-2 rows they stream the
+// weights faster. bfloat16 SmolLM2 on a 2-core AMX Xeon VM, the engine's decode step alternating
+// with tiles at every row count (scripts/ab_env_switch.py, 16 rounds each): 1 row 13.00 -> 11.27
+// ms, 2 rows 13.74 -> 13.04, 4 rows within noise (+0.02), 8 rows 16.59 -> 19.62 (there the
+// tiles' arithmetic pays); once the tiles took only the live rows (configure_tiles), tiles
+// against the vector panels: 1 row +1.11 ms, 2 rows +0.57, 3 rows -0.20.
+constexpr int64_t kTileMinRows = 3;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__linux__)
 #define JAXPAGE_TILES 1  // this build has the AMX tile path (PackedWork::run takes it too)

@@ -31,7 +31,7 @@ own matmuls stream them at about half of it with 8 rows. And `packed_matmul`: we
 once (`pack_weight`) into column panels, each one sequential stream, for any number of rows
 (what the engine uses for a model's projections on CPU). On a CPU with AMX-BF16 (Intel's
 Sapphire Rapids and later) `packed_matmul` runs bfloat16 on the AMX tiles (`packed_tiles()`)
-from 4 live rows on (fewer stream the weights faster on the vector panels): the panels are the
+from 3 live rows on (fewer stream the weights faster on the vector panels): the panels are the
 layout `tdpbf16ps` reads, 16x the multiply-adds of `vdpbf16ps` an instruction; its sums run in
 the hardware's order, so there it is held to the float64 bound, not bit for bit to
 `small_matmul` (`tiles=False` or `JAXPAGE_CPU_KERNEL_TILES=0` keeps the vector path).
@@ -509,7 +509,7 @@ def packed_matmul(x: jax.Array, packed: jax.Array, *, live_rows: jax.Array | int
     order; `bf16_dot` as there). Any M: up to 8 rows (6 on a CPU without AVX-512) are computed
     in one pass over each panel, more re-read it from cache (the rows split evenly among the
     passes). `tiles` (default: `JAXPAGE_CPU_KERNEL_TILES`, "1" unless set to "0"): bfloat16 on
-    the dot path runs on AMX tiles where `packed_tiles()` and at least 4 rows are live, 32
+    the dot path runs on AMX tiles where `packed_tiles()` and at least 3 rows are live, 32
     rows a pass (two blocks of 16), products exact and sums in float32 in the hardware's order
     (within the float32 bound of the exact product, not bit for bit the vector path's);
     elsewhere it has no effect. `live_rows`

@@ -168,7 +168,7 @@ def test_prefetch_distance_does_not_change_the_result(dtype, bf16_dot, tiles):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
 def test_live_rows_computes_only_those_rows(dtype):
     # a bucket's padding rows: computed as if x had only the live rows, the others zeros (bit
-    # for bit the product of the live rows alone: on AMX tiles, fewer than 4 live rows take the
+    # for bit the product of the live rows alone: on AMX tiles, fewer than 3 live rows take the
     # vector panels, so not always the full product's rows); out-of-range counts are clamped
     rng = np.random.default_rng(5)
     x, w = operands(rng, 11, 69, 96, dtype)
