@@ -2209,8 +2209,9 @@ inline void store_tiles(bool lower, float* out, int64_t N, int64_t r0, int64_t r
 }
 
 // One panel (KG pairs) for row blocks b and, where `Two`, b + 1 of x_tiles (rows of KGT pairs,
-// KGT a multiple of 16); `rows`: the live rows of x, `tail`: the panel's last k-step's pair
-// rows zero-padded (used where KG % 16).
+// KGT a multiple of 16); `rows`: the live rows of x, `ahead`: how far ahead of a k-step its
+// weights are prefetched, `tail`: the panel's last k-step's pair rows zero-padded (used where
+// KG % 16).
 template <bool Two>
 void tile_panel(const uint32_t* xt, int64_t KGT, int64_t KG, int64_t b, int64_t rows,
                 const char* panel, const char* w_end, int64_t ahead, float* out, int64_t N,
@@ -2286,7 +2287,7 @@ struct PackedWork {
 #ifdef JAXPAGE_TILES
     if (tiles) {
       // this thread's tile registers, released (zeroed) when done
-      configure_tiles(M <= kTileRows ? M : kTileRows);
+      configure_tiles(std::min(M, kTileRows));
       const int64_t blocks = (M + kTileRows - 1) / kTileRows;
       const int64_t ahead = prefetch ? prefetch : kTilePrefetchBytes;
       run_groups([&](int64_t p) {
