@@ -966,14 +966,29 @@ AttendFn pick(int64_t head_dim, int64_t block_size, Mode mode) {
   return pick_typed<bf16>(head_dim, block_size);
 }
 
+// Every thread runs a work's units through this one function, compiled once for each kind of
+// work: inlined at each call site (the caller's, the helpers' lambda), run() was compiled twice,
+// and -fassociative-math let each copy order its sums its own way. A greedy draw's
+// log-probability then depended on which thread drew the row (one float32 ulp, in 107 of 300
+// calls of 64 identical rows), and so did an engine's output from run to run.
+#if defined(__clang__)
+#define JAXPAGE_ONE_COPY __attribute__((noinline))
+#else
+#define JAXPAGE_ONE_COPY __attribute__((noipa))  // nor cloned for a call site's constants
+#endif
+template <typename W>
+JAXPAGE_ONE_COPY void run_units(W& work) {
+  work.run();
+}
+
 // Runs `work` (its run(): claim units until none is left, counting each in `done`) on this
 // thread and on as many of XLA's intra-op threads as there are units for, and returns once all
 // `total` units are done (the helpers hold `work` until they return).
 template <typename W>
 void run_shared(ffi::ThreadPool& pool, const std::shared_ptr<W>& work, int64_t total) {
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
-  work->run();
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { run_units(*work); });
+  run_units(*work);
   while (work->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
 }
 
@@ -2479,7 +2494,10 @@ template <typename F>
 void for_rows(ffi::ThreadPool& pool, int64_t rows, int64_t row_elements, F fn) {
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   if (threads == 1 || rows < 2 || rows * row_elements < kShareElements) {
-    fn(int64_t{0}, rows);
+    RowWork<F> alone(std::move(fn));  // one unit of every row, in the shared code (run_units)
+    alone.rows = alone.chunk = rows;
+    alone.units = rows > 0;
+    run_units(alone);
     return;
   }
   auto work = std::make_shared<RowWork<F>>(std::move(fn));
@@ -2836,12 +2854,12 @@ struct Team {
   void stage(const std::shared_ptr<W>& work, int64_t total) {
     const int n = published.load(std::memory_order_relaxed);
     if (n == kMaxStages) {  // no room to publish it: this thread runs it alone
-      work->run();
+      run_units(*work);
       return;
     }
-    stages[n] = [work] { work->run(); };
+    stages[n] = [work] { run_units(*work); };
     published.store(n + 1, std::memory_order_release);
-    work->run();
+    run_units(*work);
     while (work->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
   }
 };
@@ -2942,7 +2960,11 @@ ffi::Error DecoderLayerTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
   // the glue between the matmuls, its rows shared among the threads (at 8 rows it was ~1 ms of
   // a bfloat16 step on the calling thread alone)
   auto rows_stage = [&](auto fn) {
-    if (M < 2) return fn(int64_t{0}, M);
+    if (M < 2) {  // on this thread, in the code the helpers run (run_units)
+      RowWork<decltype(fn)> alone(fn);
+      alone.rows = alone.units = M;
+      return run_units(alone);
+    }
     auto work = std::make_shared<RowWork<decltype(fn)>>(fn);
     work->rows = work->units = M;
     team->stage(work, M);
