@@ -2488,16 +2488,23 @@ struct RowWork {
   }
 };
 
+// fn over rows [0, rows) on this thread alone, as one unit, through the code the helpers run
+// (run_units): a row's glue is the same computed alone or shared
+template <typename F>
+void rows_here(F fn, int64_t rows) {
+  RowWork<F> alone(std::move(fn));
+  alone.rows = alone.chunk = rows;
+  alone.units = rows > 0;
+  run_units(alone);
+}
+
 constexpr int64_t kShareElements = 1 << 16;  // below: one thread (measured: 64 x 3072 SiLU)
 
 template <typename F>
 void for_rows(ffi::ThreadPool& pool, int64_t rows, int64_t row_elements, F fn) {
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   if (threads == 1 || rows < 2 || rows * row_elements < kShareElements) {
-    RowWork<F> alone(std::move(fn));  // one unit of every row, in the shared code (run_units)
-    alone.rows = alone.chunk = rows;
-    alone.units = rows > 0;
-    run_units(alone);
+    rows_here(std::move(fn), rows);
     return;
   }
   auto work = std::make_shared<RowWork<F>>(std::move(fn));
@@ -2960,11 +2967,7 @@ ffi::Error DecoderLayerTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
   // the glue between the matmuls, its rows shared among the threads (at 8 rows it was ~1 ms of
   // a bfloat16 step on the calling thread alone)
   auto rows_stage = [&](auto fn) {
-    if (M < 2) {  // on this thread, in the code the helpers run (run_units)
-      RowWork<decltype(fn)> alone(fn);
-      alone.rows = alone.units = M;
-      return run_units(alone);
-    }
+    if (M < 2) return rows_here(fn, M);
     auto work = std::make_shared<RowWork<decltype(fn)>>(fn);
     work->rows = work->units = M;
     team->stage(work, M);
