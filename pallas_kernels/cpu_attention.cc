@@ -2197,6 +2197,11 @@ inline void configure_tiles(int64_t rows) {
   TileConfig config;
   for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
   for (int t : {0, 1, 4}) config.rows[t] = static_cast<uint8_t>(rows);
+  // GCC 12's _tile_loadconfig tells the compiler that ldtilecfg reads 8 bytes of the struct
+  // (its asm operand is `*(const void**)config`), so the stores to the other 56 may be dropped
+  // as dead: a copy of this function outlined in a scratch build lost them and ldtilecfg faulted
+  // on the stack's old bytes (scripts/bench_ceilings.py, 2026-12-05). This barrier keeps them.
+  asm volatile("" : : "r"(&config) : "memory");
   _tile_loadconfig(&config);
 }
 
