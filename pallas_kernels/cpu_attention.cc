@@ -2211,12 +2211,12 @@ static_assert(kPanel == 32, "a panel is two 16-column tiles wide");
 
 // out[r0 .. r0 + rows, n0 .. n0 + 32] from output tiles 0 and 1 (`lower`: 2 and 3; the
 // intrinsics take a tile's number as a literal), which hold `tile_rows` rows (configure_tiles).
-// Straight into out where those are all the rows wanted: a tile store read back at once by
-// vector loads waits for the store to complete (no forwarding from tile stores), and bouncing
-// each panel's 8 rows through a buffer here cost an 8-row step 0.43 ms (runner) / 0.51 (engine)
-// on the 2-core AMX box (scripts/ab_env_switch.py; the walk alone, bench_ceilings.py's, 11%
-// slower with the bounce, 4% with the stores straight to out). Only a block's last rows that
-// fill part of a 16-row tile go through the buffer.
+// Straight into out where those are all the rows wanted: vector loads of what a tile store has
+// just written are slow (by the timings, they wait for the store to complete: no forwarding
+// from tile stores), and bouncing each panel's 8 rows through a buffer here cost an 8-row step
+// 0.43 ms (runner) / 0.51 (engine) on the 2-core AMX box (scripts/ab_env_switch.py; the walk
+// alone, bench_ceilings.py's, 11% slower with the bounce, 4% with the stores straight to out).
+// Only a block's last rows that fill part of a 16-row tile go through the buffer.
 inline void store_tiles(bool lower, float* out, int64_t N, int64_t r0, int64_t rows,
                         int64_t tile_rows, int64_t n0) {
   alignas(64) float buf[kTileRows][kPanel];
