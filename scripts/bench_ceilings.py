@@ -71,7 +71,7 @@ int64_t g_layer_bytes = 0, g_total = 0, g_kn[4][2];
 int g_layers = 0;
 char* g_pool = nullptr;  // K blocks, then V blocks
 int64_t g_pool_bytes = 0, g_block_bytes = 0;
-float g_sink[64][16];
+float g_sink[64][16];  // each thread's results land in rows of its own: nothing is shared
 std::vector<uint32_t> g_x;  // x as tiles: 16 rows of g_x_pairs pairs (zeros)
 int64_t g_x_pairs = 0;
 
@@ -118,7 +118,7 @@ __m512 sum_lines(const char* p, int64_t bytes, __m512 acc) {
   return acc;
 }
 
-void vector_panel(const char* panel, int64_t steps, const char* end) {
+void vector_panel(const char* panel, int64_t steps, const char* end, int t) {
   __m512 acc = _mm512_setzero_ps();
   for (int64_t s = 0; s < steps; ++s) {
     const char* w = panel + s * kStep;
@@ -126,7 +126,7 @@ void vector_panel(const char* panel, int64_t steps, const char* end) {
       if (w + kStep + line < end) __builtin_prefetch(w + kStep + line, 0, 2);
     acc = sum_lines(w, kStep, acc);
   }
-  _mm512_storeu_ps(g_sink[0], acc);
+  _mm512_storeu_ps(g_sink[32 + t], acc);
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -136,7 +136,7 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-void tile_panel(const char* panel, int64_t steps, const char* end, int rows) {
+void tile_panel(const char* panel, int64_t steps, const char* end, int rows, int t) {
   _tile_zero(0);
   _tile_zero(1);
   for (int64_t s = 0; s < steps; ++s) {
@@ -152,7 +152,7 @@ void tile_panel(const char* panel, int64_t steps, const char* end, int rows) {
   alignas(64) float out[16][32];
   _tile_stored(0, &out[0][0], 128);
   _tile_stored(1, &out[0][16], 128);
-  g_sink[1][0] += out[rows - 1][31];
+  g_sink[48 + t][0] += out[rows - 1][31];
 }
 
 void configure_tiles(int rows) {
@@ -166,7 +166,7 @@ void configure_tiles(int rows) {
 }
 constexpr bool kTiles = true;
 #else
-void tile_panel(const char*, int64_t, const char*, int) {}
+void tile_panel(const char*, int64_t, const char*, int, int) {}
 void configure_tiles(int) {}
 constexpr bool kTiles = false;
 #endif
@@ -188,7 +188,7 @@ int ceil_has_tiles() {
 // bytes and a K (or V) block's; 0 once allocated, -1 where memory ran out
 int ceil_init(int threads, int layers, const int64_t* kn, int64_t head_bytes, int64_t pool_bytes,
               int64_t block_bytes) {
-  g_threads = threads;
+  g_threads = std::clamp(threads, 1, 16);  // g_sink's rows: 16 a kind of walk
   g_layers = layers;
   g_layer_bytes = 0;
   for (int m = 0; m < 4; ++m) {
@@ -211,7 +211,7 @@ double ceil_stream() {
   return on_threads([](int t) {
     const int64_t lines = g_total / 64;
     const int64_t a = t * lines / g_threads * 64, b = (t + 1) * lines / g_threads * 64;
-    _mm512_storeu_ps(g_sink[8 + t], sum_lines(g_weights + a, b - a, _mm512_setzero_ps()));
+    _mm512_storeu_ps(g_sink[t], sum_lines(g_weights + a, b - a, _mm512_setzero_ps()));
   });
 }
 
@@ -228,8 +228,8 @@ double ceil_walk(int tiles, int rows) {
         const int64_t panel_bytes = steps * kStep, bytes = panels * panel_bytes;
         const char* end = w + bytes;
         auto run = [&](int64_t p) {
-          if (tiles) tile_panel(w + p * panel_bytes, steps, end, rows);
-          else vector_panel(w + p * panel_bytes, steps, end);
+          if (tiles) tile_panel(w + p * panel_bytes, steps, end, rows, t);
+          else vector_panel(w + p * panel_bytes, steps, end, t);
         };
         if (m == 2) {  // gate_up: a gate panel, then its up panel
           const int64_t half = panels / 2;
@@ -364,7 +364,7 @@ def main() -> None:
         return
     kn, head_bytes, layers, block_bytes = shapes(runner)
     _, kv_heads, _, _ = runner._pool_dims
-    threads = cores()
+    threads = min(cores(), 16)  # the walks run at most 16 threads
     flat = (ctypes.c_int64 * 8)(*[v for pair in kn for v in pair])
     if lib.ceil_init(threads, layers, flat, head_bytes, 1 << 29, block_bytes):
         print("skipped: no memory for the weights and a 1 GiB pool")
