@@ -38,12 +38,12 @@ import argparse
 import ctypes
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_decode_step import load_library  # noqa: E402
 
 STEPS = 4  # engine steps a round
 
@@ -174,8 +174,10 @@ constexpr bool kTiles = false;
 
 extern "C" {
 
-// where the weights and the pool lie (their huge-page share is read from /proc/self/smaps)
+// where the weights and the pool lie (their huge-page share is read from /proc/self/smaps), and
+// the layers' bytes (panels padded to whole k-steps, as ceil_walk walks them)
 const char* ceil_weights() { return g_weights; }
+int64_t ceil_layer_bytes() { return g_layer_bytes * g_layers; }
 const char* ceil_pool() { return g_pool; }
 
 int ceil_has_tiles() {
@@ -283,17 +285,9 @@ def build() -> ctypes.CDLL | None:
     if compiler is None or " avx512f" not in flags:
         return None
     extra = ["-mamx-tile", "-mamx-bf16"] if " amx_tile" in flags and " amx_bf16" in flags else []
-    with tempfile.TemporaryDirectory() as tmp:  # loaded, the library outlives its file
-        source, library = os.path.join(tmp, "ceilings.cc"), os.path.join(tmp, "ceilings.so")
-        with open(source, "w") as f:
-            f.write(SOURCE)
-        built = subprocess.run([compiler, "-O2", "-march=native", *extra, "-std=c++17",
-                                "-shared", "-fPIC", "-pthread", "-o", library, source],
-                               capture_output=True, text=True, timeout=300)
-        if built.returncode:
-            print(built.stderr[-2000:], file=sys.stderr)
-            return None
-        lib = ctypes.CDLL(library)
+    lib = load_library(compiler, SOURCE, ".cc", ["-O2", "-march=native", *extra, "-std=c++17"])
+    if lib is None:
+        return None
     lib.ceil_init.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int64),
                               ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
     for name in ("ceil_stream", "ceil_walk", "ceil_scattered"):
@@ -301,29 +295,20 @@ def build() -> ctypes.CDLL | None:
     lib.ceil_walk.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.ceil_scattered.argtypes = [ctypes.c_int64, ctypes.c_uint64]
     lib.ceil_weights.restype = lib.ceil_pool.restype = ctypes.c_void_p
+    lib.ceil_layer_bytes.restype = ctypes.c_int64
     return lib
 
 
 def huge_share(address: int, nbytes: int) -> float:
-    """The share of [address, address + nbytes) that /proc/self/smaps says lies in huge pages
-    (the mappings holding it, their AnonHugePages over their Rss): where the kernel found no
-    free 2 MiB pages a walk pays a TLB miss per 4 KiB, which is the walk's pattern no more."""
-    held = huge = 0
-    start = end = None
+    """The share of [address, address + nbytes) Linux backs with huge pages
+    (`huge_pages.anon_huge_bytes`): where it found no free 2 MiB pages a walk pays a TLB miss
+    per 4 KiB, which is the walk's pattern no more."""
+    from jaxpage.engine import huge_pages
+
     try:
-        with open("/proc/self/smaps") as f:
-            for line in f:
-                fields = line.split()
-                if "-" in fields[0] and not fields[0].endswith(":"):
-                    start, end = (int(v, 16) for v in fields[0].split("-"))
-                elif start < address + nbytes and address < end:
-                    if fields[0] == "Rss:":
-                        held += int(fields[1])
-                    elif fields[0] == "AnonHugePages:":
-                        huge += int(fields[1])
+        return min(1.0, huge_pages.anon_huge_bytes(address, nbytes) / nbytes)
     except OSError:
         return float("nan")
-    return huge / held if held else float("nan")
 
 
 def shapes(runner) -> tuple[list[tuple[int, int]], int, int, int]:
@@ -358,7 +343,7 @@ def main() -> None:
         return
     tiles = bool(lib.ceil_has_tiles())
     llm = make_llm(8, dtype="bfloat16")
-    runner = llm.engine.runner
+    engine, runner = llm.engine, llm.engine.runner
     if runner.params["layers"][0]["qkv"].ndim != 4:
         print("skipped: the runner's weights are not packed (not the cpp backend's decode path)")
         return
@@ -369,7 +354,7 @@ def main() -> None:
     if lib.ceil_init(threads, layers, flat, head_bytes, 1 << 29, block_bytes):
         print("skipped: no memory for the weights and a 1 GiB pool")
         return
-    layer_bytes = layers * sum(-(-k // 32) * 32 * n * 2 for k, n in kn)
+    layer_bytes = lib.ceil_layer_bytes()
     weights = layer_bytes + head_bytes
     print(f"{threads} threads; weights {weights / 2**20:.0f} MiB ({layer_bytes / 2**20:.0f} in "
           f"the layers, {head_bytes / 2**20:.0f} the head), K/V blocks of {block_bytes} B; "
@@ -384,7 +369,6 @@ def main() -> None:
         # each sequence's blocks halfway through the rounds (its context grows a token a step)
         blocks = rows * kv_heads * -(-(args.context + tokens // 2) // runner.block_size)
         kv = 2 * layers * blocks * block_bytes
-        engine = llm.engine
         start_decoding(engine, f"warm{rows}", rows, args.context, STEPS, rng)
         while engine.has_unfinished_requests():  # compiles
             engine.step()

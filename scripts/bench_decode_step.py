@@ -422,27 +422,41 @@ double read_bytes(int threads, const void* data, long bytes) {
 """
 
 
+def load_library(compiler: str, source_text: str, suffix: str, flags: list[str],
+                 complain: bool = True):
+    """`source_text` compiled by `compiler` with `flags` into a shared library and loaded
+    (ctypes), or None where it does not build (the compiler's complaint on stderr if
+    `complain`)."""
+    import ctypes
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:  # loaded, the library outlives its file
+        source, library = os.path.join(tmp, "lib" + suffix), os.path.join(tmp, "lib.so")
+        with open(source, "w") as f:
+            f.write(source_text)
+        built = subprocess.run([compiler, *flags, "-shared", "-fPIC", "-pthread", "-o", library,
+                                source], capture_output=True, text=True, timeout=300)
+        if built.returncode:
+            if complain:
+                print(built.stderr[-2000:], file=sys.stderr)
+            return None
+        return ctypes.CDLL(library)
+
+
 @functools.cache
 def _probes():
     """The probes' C library (-O2 -march=native), or None where no C compiler builds it."""
     import ctypes
     import shutil
-    import subprocess
-    import tempfile
 
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         return None
-    with tempfile.TemporaryDirectory() as tmp:  # loaded, the library outlives its file
-        source, library = os.path.join(tmp, "probes.c"), os.path.join(tmp, "probes.so")
-        with open(source, "w") as f:
-            f.write(PROBES)
-        built = subprocess.run([compiler, "-O2", "-march=native", "-ffp-contract=fast",
-                                "-shared", "-fPIC", "-pthread", "-o", library, source],
-                               capture_output=True, timeout=120)
-        if built.returncode:
-            return None
-        lib = ctypes.CDLL(library)
+    lib = load_library(compiler, PROBES, ".c", ["-O2", "-march=native", "-ffp-contract=fast"],
+                       complain=False)
+    if lib is None:
+        return None
     lib.fma_flops.argtypes = [ctypes.c_int, ctypes.c_long]
     lib.fma_flops.restype = ctypes.c_double
     lib.read_bytes.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long]

@@ -87,6 +87,22 @@ def _mapped(starts: list[int], ends: list[int], address: int, nbytes: int) -> ra
     return range(i, j + 1)
 
 
+def anon_huge_bytes(address: int, nbytes: int) -> int:
+    """AnonHugePages of the mappings overlapping [address, address + nbytes), in bytes
+    (/proc/self/smaps): how much of a buffer's neighbourhood Linux backs with huge pages now
+    (the mappings may hold more than the buffer)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(v, 16) for v in head.split("-"))
+                inside = start < address + nbytes and address < end
+            elif inside and head == "AnonHugePages:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
 def host_buffers(arrays: Iterable[Any]) -> list[tuple[int, int]]:
     """(address, bytes) of each CPU-resident buffer of `arrays` (every addressable shard)."""
     buffers = []

@@ -339,20 +339,6 @@ def _thp_mode() -> str:
         return "unavailable"
 
 
-def _anon_huge_bytes(address: int, nbytes: int) -> int:
-    """AnonHugePages of the mappings overlapping [address, address + nbytes) (/proc/self/smaps)."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, end = (int(v, 16) for v in head.split("-"))
-                inside = start < address + nbytes and address < end
-            elif inside and head == "AnonHugePages:":
-                total += int(line.split()[1]) * 1024
-    return total
-
-
 def test_huge_pages_back_a_buffer_and_keep_its_contents(monkeypatch):
     if _thp_mode() not in ("always", "madvise"):
         pytest.skip(f"transparent huge pages are {_thp_mode()} here")
@@ -367,7 +353,7 @@ def test_huge_pages_back_a_buffer_and_keep_its_contents(monkeypatch):
     # best effort, a page at a time: a 2 MiB page that is not whole in the heap's mapping (at
     # its end) or finds no free huge page stays as it was; the others are huge pages now
     assert collapsed % huge_pages.HUGE_PAGE == 0
-    assert _anon_huge_bytes(array.unsafe_buffer_pointer(), array.nbytes) >= collapsed
+    assert huge_pages.anon_huge_bytes(array.unsafe_buffer_pointer(), array.nbytes) >= collapsed
     np.testing.assert_array_equal(np.asarray(array), values)
     assert float(jnp.sum(array)) == pytest.approx(float(values.astype(np.float64).sum()), rel=1e-4)
 
@@ -413,7 +399,7 @@ def test_a_zeroed_buffer_given_back_reads_zeros_and_refaults_as_huge_pages(monke
     written = jax.jit(lambda a, v: a + v, donate_argnums=0)(array, jnp.asarray(values))
     assert written.unsafe_buffer_pointer() == address  # donated: the same buffer, written
     np.testing.assert_array_equal(np.asarray(written), values)
-    assert _anon_huge_bytes(address, written.nbytes) >= huge_pages.HUGE_PAGE
+    assert huge_pages.anon_huge_bytes(address, written.nbytes) >= huge_pages.HUGE_PAGE
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
@@ -445,7 +431,7 @@ def test_a_cpu_runner_generates_the_same_on_a_pool_of_huge_pages(kv_dtype, hf_mo
         results[huge] = _greedy_tokens_and_logprobs(llm)
         if huge == "1" and _thp_mode() == "madvise":
             written = jax.tree.leaves(llm.engine.runner.kv_pool)[0]  # layer 0's K (values)
-            assert _anon_huge_bytes(written.unsafe_buffer_pointer(), written.nbytes) > 0
+            assert huge_pages.anon_huge_bytes(written.unsafe_buffer_pointer(), written.nbytes) > 0
     assert results["1"] == results["0"]
     # a pool poisoned with NaN (debug_nan_pool) is not zeros: it keeps XLA's pages, and NaN
     monkeypatch.setenv("JAXPAGE_CPU_HUGE_PAGES", "1")
