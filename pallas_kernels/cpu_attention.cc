@@ -2387,7 +2387,7 @@ int64_t prepare_packed(PackedWork& work, const void* x, bool f32, int64_t M, int
   work.tiles = dot && bf16_dot == 2 && rows >= kTileMinRows && kHaveTiles && tiles_permitted();
   if (work.tiles) {  // x's rows as whole tiles: pairs to a multiple of 16, rows of 16
     work.KGT = (KG + kTilePairs - 1) / kTilePairs * kTilePairs;
-    if (K % 2 == 0 && work.KGT == KG && rows <= kTileRows) {
+    if (K % (2 * kTilePairs) == 0 && rows <= kTileRows) {
       // x's rows are whole tile rows already, and a call of at most 16 rows loads only those
       // (configure_tiles): the tiles read x where it lies. The copy (a zeroed 16-row block, then
       // the rows) ran on the calling thread while the helpers waited for the stage: without it

@@ -300,9 +300,11 @@ def build() -> ctypes.CDLL | None:
 
 
 def huge_share(address: int, nbytes: int) -> float:
-    """The share of [address, address + nbytes) Linux backs with huge pages
-    (`huge_pages.anon_huge_bytes`): where it found no free 2 MiB pages a walk pays a TLB miss
-    per 4 KiB, which is the walk's pattern no more."""
+    """The share of [address, address + nbytes) Linux backs with huge pages: the AnonHugePages of
+    the mappings holding it (`huge_pages.anon_huge_bytes`) over its bytes, which is the buffer's
+    own share for the walks' buffers (each hundreds of MiB from ceil_init, a mapping of its own;
+    a buffer sharing a mapping would count its neighbours' huge pages too). Where Linux found no
+    free 2 MiB pages a walk pays a TLB miss per 4 KiB, which is the walk's pattern no more."""
     from jaxpage.engine import huge_pages
 
     try:
