@@ -2210,6 +2210,19 @@ constexpr int64_t kTileStepBytes = kTilePairs * kPanel * 2 * 2;  // a k-step of 
 constexpr int64_t kTilePrefetchBytes = 2 * kTileStepBytes;  // how far ahead a panel's walk reads
 static_assert(kPanel == 32, "a panel is two 16-column tiles wide");
 
+// A block's last rows that fill part of a 16-row tile (see store_tiles), through a buffer here.
+__attribute__((noinline)) void store_tile_rows(bool lower, float* out, int64_t N, int64_t rows) {
+  alignas(64) float buf[kTileRows][kPanel];
+  if (lower) {
+    _tile_stored(2, &buf[0][0], kPanel * 4);
+    _tile_stored(3, &buf[0][16], kPanel * 4);
+  } else {
+    _tile_stored(0, &buf[0][0], kPanel * 4);
+    _tile_stored(1, &buf[0][16], kPanel * 4);
+  }
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(out + r * N, buf[r], kPanel * 4);
+}
+
 // out[r0 .. r0 + rows, n0 .. n0 + 32] from output tiles 0 and 1 (`lower`: 2 and 3; the
 // intrinsics take a tile's number as a literal), which hold `tile_rows` rows (configure_tiles).
 // Straight into out where those are all the rows wanted: vector loads of what a tile store has
@@ -2217,28 +2230,42 @@ static_assert(kPanel == 32, "a panel is two 16-column tiles wide");
 // from tile stores), and bouncing each panel's 8 rows through a buffer here cost an 8-row step
 // 0.43 ms (runner) / 0.51 (engine) on the 2-core AMX box (scripts/ab_env_switch.py; the walk
 // alone, bench_ceilings.py's, 11% slower with the bounce, 4% with the stores straight to out).
-// Only a block's last rows that fill part of a 16-row tile go through the buffer.
+// Only a block's last rows that fill part of a 16-row tile go through a buffer, out of line
+// (tile_panel below says why).
 inline void store_tiles(bool lower, float* out, int64_t N, int64_t r0, int64_t rows,
                         int64_t tile_rows, int64_t n0) {
-  alignas(64) float buf[kTileRows][kPanel];
-  const bool whole = rows == tile_rows;
-  float* dst = whole ? out + r0 * N + n0 : &buf[0][0];
-  const int64_t stride = (whole ? N : kPanel) * 4;
+  float* dst = out + r0 * N + n0;
+  if (rows != tile_rows) return store_tile_rows(lower, dst, N, rows);
   if (lower) {
-    _tile_stored(2, dst, stride);
-    _tile_stored(3, dst + 16, stride);
+    _tile_stored(2, dst, N * 4);
+    _tile_stored(3, dst + 16, N * 4);
   } else {
-    _tile_stored(0, dst, stride);
-    _tile_stored(1, dst + 16, stride);
+    _tile_stored(0, dst, N * 4);
+    _tile_stored(1, dst + 16, N * 4);
   }
-  if (!whole)
-    for (int64_t r = 0; r < rows; ++r) std::memcpy(out + (r0 + r) * N + n0, buf[r], kPanel * 4);
+}
+
+// A panel's last k-step where KG is not a multiple of 16 (`bytes` of pairs at `wt`): loads w
+// tiles 6 and 7 from its pairs then zeros (x is zeros there too).
+__attribute__((noinline)) void load_tail_tiles(const char* wt, int64_t bytes) {
+  alignas(64) char tail[kTileStepBytes];
+  std::memcpy(tail, wt, bytes);
+  std::memset(tail + bytes, 0, kTileStepBytes - bytes);
+  // GCC's _tile_loadd does not tell the compiler that it reads memory: without this barrier
+  // the writes above are dead stores to a local, and were dropped
+  asm volatile("" : : "r"(tail) : "memory");
+  _tile_loadd(6, tail, kPanel * 4);
+  _tile_loadd(7, tail + 64, kPanel * 4);
 }
 
 // One panel (KG pairs) for row blocks b and, where `Two`, b + 1 of x_tiles (rows of KGT pairs,
 // KGT a multiple of 16); `rows`: the live rows of x, `ahead`: how far ahead of a k-step its
-// weights are prefetched, `tail`: the panel's last k-step's pair rows zero-padded (used where
-// KG % 16).
+// weights are prefetched. The rare paths, a last k-step of fewer than 16 pairs and a block's
+// partial last rows, run out of line (load_tail_tiles, store_tile_rows) with their buffers:
+// written in here, the same loop of tile loads and prefetches streamed an 8-row bfloat16 step
+// 0.22-0.31 ms slower (engine; 4 rows 0.18; scripts/ab_env_switch.py, 20 rounds, faster in
+// 75-90%) on the 2-core AMX Xeon, and a C++ harness of 80 gate_up walks 4-10% slower. The
+// loop's instructions are the same either way (objdump): the cause is not established.
 template <bool Two>
 void tile_panel(const uint32_t* xt, int64_t KGT, int64_t KG, int64_t b, int64_t rows,
                 const char* panel, const char* w_end, int64_t ahead, float* out, int64_t N,
@@ -2252,20 +2279,16 @@ void tile_panel(const uint32_t* xt, int64_t KGT, int64_t KG, int64_t b, int64_t 
   const uint32_t* a0 = xt + b * kTileRows * KGT;
   const uint32_t* a1 = a0 + kTileRows * KGT;
   const int64_t a_stride = KGT * 4, steps = KGT / kTilePairs, whole = KG / kTilePairs;
-  alignas(64) char tail[kTileStepBytes];
   for (int64_t s = 0; s < steps; ++s) {
     const char* wt = panel + s * kTileStepBytes;
-    if (s == whole) {  // the last pairs, then zeros (x is zeros there too)
-      const int64_t bytes = (KG - whole * kTilePairs) * kPanel * 2 * 2;
-      std::memcpy(tail, wt, bytes);
-      std::memset(tail + bytes, 0, kTileStepBytes - bytes);
-      wt = tail;
+    if (s == whole) {
+      load_tail_tiles(wt, (KG - whole * kTilePairs) * kPanel * 2 * 2);
     } else {
       for (int64_t line = 0; line < kTileStepBytes; line += 64)
         if (wt + ahead + line < w_end) __builtin_prefetch(wt + ahead + line, 0, 2);
+      _tile_loadd(6, wt, kPanel * 4);
+      _tile_loadd(7, wt + 64, kPanel * 4);
     }
-    _tile_loadd(6, wt, kPanel * 4);
-    _tile_loadd(7, wt + 64, kPanel * 4);
     _tile_loadd(4, a0 + s * kTilePairs, a_stride);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
