@@ -2210,21 +2210,27 @@ constexpr int64_t kTileStepBytes = kTilePairs * kPanel * 2 * 2;  // a k-step of 
 constexpr int64_t kTilePrefetchBytes = 2 * kTileStepBytes;  // how far ahead a panel's walk reads
 static_assert(kPanel == 32, "a panel is two 16-column tiles wide");
 
+// Output tiles 0 and 1 (`lower`: 2 and 3; the intrinsics take a tile's number as a literal) to
+// a panel's 32 columns at dst, rows `stride` bytes apart.
+inline void store_tile_pair(bool lower, float* dst, int64_t stride) {
+  if (lower) {
+    _tile_stored(2, dst, stride);
+    _tile_stored(3, dst + 16, stride);
+  } else {
+    _tile_stored(0, dst, stride);
+    _tile_stored(1, dst + 16, stride);
+  }
+}
+
 // A block's last rows that fill part of a 16-row tile (see store_tiles), through a buffer here.
 __attribute__((noinline)) void store_tile_rows(bool lower, float* out, int64_t N, int64_t rows) {
   alignas(64) float buf[kTileRows][kPanel];
-  if (lower) {
-    _tile_stored(2, &buf[0][0], kPanel * 4);
-    _tile_stored(3, &buf[0][16], kPanel * 4);
-  } else {
-    _tile_stored(0, &buf[0][0], kPanel * 4);
-    _tile_stored(1, &buf[0][16], kPanel * 4);
-  }
+  store_tile_pair(lower, &buf[0][0], kPanel * 4);
   for (int64_t r = 0; r < rows; ++r) std::memcpy(out + r * N, buf[r], kPanel * 4);
 }
 
-// out[r0 .. r0 + rows, n0 .. n0 + 32] from output tiles 0 and 1 (`lower`: 2 and 3; the
-// intrinsics take a tile's number as a literal), which hold `tile_rows` rows (configure_tiles).
+// out[r0 .. r0 + rows, n0 .. n0 + 32] from output tiles 0 and 1 (`lower`: 2 and 3), which hold
+// `tile_rows` rows (configure_tiles).
 // Straight into out where those are all the rows wanted: vector loads of what a tile store has
 // just written are slow (by the timings, they wait for the store to complete: no forwarding
 // from tile stores), and bouncing each panel's 8 rows through a buffer here cost an 8-row step
@@ -2236,13 +2242,7 @@ inline void store_tiles(bool lower, float* out, int64_t N, int64_t r0, int64_t r
                         int64_t tile_rows, int64_t n0) {
   float* dst = out + r0 * N + n0;
   if (rows != tile_rows) return store_tile_rows(lower, dst, N, rows);
-  if (lower) {
-    _tile_stored(2, dst, N * 4);
-    _tile_stored(3, dst + 16, N * 4);
-  } else {
-    _tile_stored(0, dst, N * 4);
-    _tile_stored(1, dst + 16, N * 4);
-  }
+  store_tile_pair(lower, dst, N * 4);
 }
 
 // A panel's last k-step where KG is not a multiple of 16 (`bytes` of pairs at `wt`): loads w
