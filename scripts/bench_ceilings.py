@@ -253,9 +253,11 @@ double ceil_walk(int tiles, int rows) {
 }
 
 // each layer's `blocks` K blocks and as many V blocks at random places in the pool, the threads
-// splitting them and meeting after each layer
-double ceil_scattered(int64_t blocks, uint64_t seed) {
-  const int64_t slots = g_pool_bytes / g_block_bytes;
+// splitting them and meeting after each layer; `chunk` bytes a block (a K block's, or a multiple
+// for the sweep of --scatter-sweep) and, when `ahead` > 0, software prefetches into L2 of the
+// block `ahead` places on (K and V) before each block's loads
+double ceil_scattered(int64_t blocks, uint64_t seed, int64_t chunk, int64_t ahead) {
+  const int64_t slots = g_pool_bytes / chunk;
   std::vector<int64_t> at(static_cast<size_t>(g_layers * blocks));
   std::mt19937_64 rng(seed);
   for (auto& b : at) b = static_cast<int64_t>(rng() % static_cast<uint64_t>(slots));
@@ -264,9 +266,17 @@ double ceil_scattered(int64_t blocks, uint64_t seed) {
     __m512 acc = _mm512_setzero_ps();
     for (int layer = 0; layer < g_layers; ++layer) {
       const int64_t* mine = at.data() + layer * blocks;
-      for (int64_t i = t * blocks / g_threads; i < (t + 1) * blocks / g_threads; ++i) {
-        acc = sum_lines(g_pool + mine[i] * g_block_bytes, g_block_bytes, acc);
-        acc = sum_lines(g_pool + g_pool_bytes + mine[i] * g_block_bytes, g_block_bytes, acc);
+      const int64_t i0 = t * blocks / g_threads, i1 = (t + 1) * blocks / g_threads;
+      for (int64_t i = i0; i < i1; ++i) {
+        if (ahead > 0 && i + ahead < i1) {
+          const char* k = g_pool + mine[i + ahead] * chunk;
+          for (int64_t b = 0; b < chunk; b += 64) {
+            __builtin_prefetch(k + b, 0, 1);
+            __builtin_prefetch(k + g_pool_bytes + b, 0, 1);
+          }
+        }
+        acc = sum_lines(g_pool + mine[i] * chunk, chunk, acc);
+        acc = sum_lines(g_pool + g_pool_bytes + mine[i] * chunk, chunk, acc);
       }
       barrier.wait();
     }
@@ -293,7 +303,7 @@ def build() -> ctypes.CDLL | None:
     for name in ("ceil_stream", "ceil_walk", "ceil_scattered"):
         getattr(lib, name).restype = ctypes.c_double
     lib.ceil_walk.argtypes = [ctypes.c_int, ctypes.c_int]
-    lib.ceil_scattered.argtypes = [ctypes.c_int64, ctypes.c_uint64]
+    lib.ceil_scattered.argtypes = [ctypes.c_int64, ctypes.c_uint64, ctypes.c_int64, ctypes.c_int64]
     lib.ceil_weights.restype = lib.ceil_pool.restype = ctypes.c_void_p
     lib.ceil_layer_bytes.restype = ctypes.c_int64
     return lib
@@ -327,6 +337,29 @@ def shapes(runner) -> tuple[list[tuple[int, int]], int, int, int]:
         block_size * head_dim * dtype.itemsize
 
 
+def scatter_sweep(lib, rows, args, kv_heads, block_size, layers, block_bytes) -> None:
+    """The scattered read of `rows` sequences' K/V (context halfway through a table's rounds)
+    as the floor's probe reads it (one K block and one V block at a time, the hardware's
+    prefetching alone), with software prefetches `ahead` blocks on, and with the same bytes in
+    fewer, larger pieces (what a layout keeping a block's KV heads, or more tokens, together
+    would read): the median GB/s of --rounds rounds, each on fresh random places."""
+    import numpy as np
+
+    blocks = rows * kv_heads * -(-(args.context + (args.rounds * (STEPS + 1) + 2) // 2)
+                                 // block_size)
+    kv = 2 * layers * blocks * block_bytes
+    print(f"scattered K/V reads, {rows} rows: {kv / 2**20:.1f} MiB a step in {block_bytes} B "
+          f"blocks (GB/s, median of {args.rounds})")
+    print(f"{'bytes in one place':>18}  " + "  ".join(f"ahead {a:>2}" for a in (0, 1, 2, 4, 8)))
+    for times in (1, 2, 4, 16):
+        rates = []
+        for ahead in (0, 1, 2, 4, 8):
+            got = [kv / lib.ceil_scattered(blocks // times, r + 1, block_bytes * times, ahead)
+                   for r in range(args.rounds)]
+            rates.append(float(np.median(got)) / 1e9)
+        print(f"{block_bytes * times:>18}  " + "  ".join(f"{g:>8.1f}" for g in rates), flush=True)
+
+
 def main() -> None:
     import jax
     import numpy as np
@@ -337,6 +370,10 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8")
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=11)
+    ap.add_argument("--scatter-sweep", action="store_true",
+                    help="instead of the table: the scattered K/V read's rate at the largest "
+                         "--rows by the bytes read in one place and the software prefetch "
+                         "distance (is the scattered rate the pattern's, or the probe's?)")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     lib = build()
@@ -363,6 +400,10 @@ def main() -> None:
           f"AMX tiles: {'yes' if tiles else 'no'}; in huge pages: the walks' weights "
           f"{huge_share(lib.ceil_weights(), weights):.0%}, their pool "
           f"{huge_share(lib.ceil_pool(), 1 << 30):.0%}")
+    if args.scatter_sweep:
+        scatter_sweep(lib, max(int(r) for r in args.rows.split(",")), args, kv_heads,
+                      runner.block_size, layers, block_bytes)
+        return
     print(f"{'rows':>4}  {'stream':>11}  {'walk':>16}  {'scattered K/V':>18}  {'bound':>8}  "
           f"{'floor':>8}  {'step':>8}  step/floor  step/bound  floor/bound")
     for rows in [int(r) for r in args.rows.split(",")]:
@@ -380,7 +421,7 @@ def main() -> None:
         for r in range(args.rounds):
             stream.append(weights / lib.ceil_stream() / 1e9)
             walk.append(layer_bytes / lib.ceil_walk(int(use_tiles), rows) / 1e9)
-            scattered.append(kv / lib.ceil_scattered(blocks, r + 1) / 1e9)
+            scattered.append(kv / lib.ceil_scattered(blocks, r + 1, block_bytes, 0) / 1e9)
             engine.step()  # its forward ran ahead before the walks: not timed
             for _ in range(STEPS):
                 start = time.perf_counter()
