@@ -2271,8 +2271,8 @@ __attribute__((noinline)) void load_tail_tiles(const char* wt, int64_t bytes) {
 // longer stay in L1 beside the weight stream, and loading one from L2 costs the walk most of
 // what its rows add (a harness walking 80 gate_up weights at 64 rows: 300 us a weight, 230
 // with x's loads from one L1-resident tile); with w kept out of L1 a 24-32 row bfloat16
-// SmolLM2 step ran 0.9-1.0 ms faster (runner, scripts/ab_env_switch.py, faster in 63-72% of
-// 30-40 rounds), 64 rows 0.8 (69% of 16), 48 rows within noise.
+// SmolLM2 step ran 0.5-1.1 ms faster (runner, scripts/ab_env_switch.py, faster in 63-75% of
+// 20-40 rounds), 64 rows 0.1-0.8, 48 rows within noise (2-core AMX Xeon).
 template <bool Two, bool Stream>
 void tile_panel(const uint32_t* xt, int64_t KGT, int64_t KG, int64_t b, int64_t rows,
                 const char* panel, const char* w_end, int64_t ahead, float* out, int64_t N,

@@ -337,6 +337,13 @@ def shapes(runner) -> tuple[list[tuple[int, int]], int, int, int]:
         block_size * head_dim * dtype.itemsize
 
 
+def kv_blocks(rows: int, args, kv_heads: int, block_size: int) -> int:
+    """The K blocks a layer's attention reads while `rows` sequences decode through a table's
+    rounds (each sequence's context halfway through them: it grows a token a step)."""
+    tokens = args.rounds * (STEPS + 1) + 2
+    return rows * kv_heads * -(-(args.context + tokens // 2) // block_size)
+
+
 def scatter_sweep(lib, rows, args, kv_heads, block_size, layers, block_bytes) -> None:
     """The scattered read of `rows` sequences' K/V (context halfway through a table's rounds)
     as the floor's probe reads it (one K block and one V block at a time, the hardware's
@@ -345,16 +352,16 @@ def scatter_sweep(lib, rows, args, kv_heads, block_size, layers, block_bytes) ->
     would read): the median GB/s of --rounds rounds, each on fresh random places."""
     import numpy as np
 
-    blocks = rows * kv_heads * -(-(args.context + (args.rounds * (STEPS + 1) + 2) // 2)
-                                 // block_size)
-    kv = 2 * layers * blocks * block_bytes
-    print(f"scattered K/V reads, {rows} rows: {kv / 2**20:.1f} MiB a step in {block_bytes} B "
-          f"blocks (GB/s, median of {args.rounds})")
+    blocks = kv_blocks(rows, args, kv_heads, block_size)
+    print(f"scattered K/V reads, {rows} rows: {2 * layers * blocks * block_bytes / 2**20:.1f} "
+          f"MiB a step in {block_bytes} B blocks (GB/s, median of {args.rounds})")
     print(f"{'bytes in one place':>18}  " + "  ".join(f"ahead {a:>2}" for a in (0, 1, 2, 4, 8)))
     for times in (1, 2, 4, 16):
+        pieces = max(1, blocks // times)  # the same bytes (to a piece) in fewer, larger pieces
+        kv = 2 * layers * pieces * block_bytes * times
         rates = []
         for ahead in (0, 1, 2, 4, 8):
-            got = [kv / lib.ceil_scattered(blocks // times, r + 1, block_bytes * times, ahead)
+            got = [kv / lib.ceil_scattered(pieces, r + 1, block_bytes * times, ahead)
                    for r in range(args.rounds)]
             rates.append(float(np.median(got)) / 1e9)
         print(f"{block_bytes * times:>18}  " + "  ".join(f"{g:>8.1f}" for g in rates), flush=True)
@@ -409,8 +416,7 @@ def main() -> None:
     for rows in [int(r) for r in args.rows.split(",")]:
         use_tiles = tiles and rows >= 3
         tokens = args.rounds * (STEPS + 1) + 2
-        # each sequence's blocks halfway through the rounds (its context grows a token a step)
-        blocks = rows * kv_heads * -(-(args.context + tokens // 2) // runner.block_size)
+        blocks = kv_blocks(rows, args, kv_heads, runner.block_size)
         kv = 2 * layers * blocks * block_bytes
         start_decoding(engine, f"warm{rows}", rows, args.context, STEPS, rng)
         while engine.has_unfinished_requests():  # compiles
