@@ -2266,14 +2266,14 @@ __attribute__((noinline)) void load_tail_tiles(const char* wt, int64_t bytes) {
 // 0.22-0.31 ms slower (engine; 4 rows 0.18; scripts/ab_env_switch.py, 20 rounds, faster in
 // 75-90%) on the 2-core AMX Xeon, and a C++ harness of 80 gate_up walks 4-10% slower. The
 // loop's instructions are the same either way (objdump): the cause is not established.
-// `Stream` (a call of more than 16 rows) loads w's tiles with the non-temporal hint
-// (tileloaddt1): past 16 rows x's tiles of a pass (32 rows of K pairs: 36 KB for K = 576) no
-// longer stay in L1 beside the weight stream, and loading one from L2 costs the walk most of
-// what its rows add (a harness walking 80 gate_up weights at 64 rows: 300 us a weight, 230
-// with x's loads from one L1-resident tile); with w kept out of L1 a 24-32 row bfloat16
-// SmolLM2 step ran 0.5-1.1 ms faster (runner, scripts/ab_env_switch.py, faster in 63-75% of
-// 20-40 rounds), 64 rows 0.1-0.8, 48 rows within noise (2-core AMX Xeon).
-template <bool Two, bool Stream>
+// `Stream` (a call of more than 16 rows: every one with `Two`) loads w's tiles with the
+// non-temporal hint (tileloaddt1): past 16 rows x's tiles of a pass (32 rows of K pairs: 36 KB for
+// K = 576) no longer stay in L1 beside the weight stream, and loading one from L2 costs the walk
+// most of what its rows add (a harness walking 80 gate_up weights at 64 rows: 300 us a weight, 230
+// with x's loads from one L1-resident tile); with w kept out of L1 a 24-32 row bfloat16 SmolLM2
+// step ran 0.5-1.1 ms faster (runner, scripts/ab_env_switch.py, faster in 63-75% of 20-40 rounds),
+// 64 rows 0.1-0.8, 48 rows within noise (2-core AMX Xeon).
+template <bool Two, bool Stream = Two>
 void tile_panel(const uint32_t* xt, int64_t KGT, int64_t KG, int64_t b, int64_t rows,
                 const char* panel, const char* w_end, int64_t ahead, float* out, int64_t N,
                 int64_t n0) {
@@ -2358,8 +2358,8 @@ struct PackedWork {
       const bool stream = M > kTileRows;
       run_groups([&](int64_t p) {
         for (int64_t b = 0; b < blocks; b += 2)  // the panel from cache after the first
-          (b + 1 < blocks ? (stream ? tile_panel<true, true> : tile_panel<true, false>)
-                          : (stream ? tile_panel<false, true> : tile_panel<false, false>))(
+          (b + 1 < blocks ? tile_panel<true>
+                          : stream ? tile_panel<false, true> : tile_panel<false>)(
               xt, KGT, KG, b, M, w + p * panel_bytes, w_end, ahead, out, N,
               p * kPanel);
       });

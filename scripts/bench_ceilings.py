@@ -337,11 +337,18 @@ def shapes(runner) -> tuple[list[tuple[int, int]], int, int, int]:
         block_size * head_dim * dtype.itemsize
 
 
+AHEAD = (0, 1, 2, 4, 8)  # --scatter-sweep's software prefetch distances, in blocks
+
+
+def round_tokens(args) -> int:
+    """The tokens each sequence decodes through a table's rounds (STEPS + 1 steps a round)."""
+    return args.rounds * (STEPS + 1) + 2
+
+
 def kv_blocks(rows: int, args, kv_heads: int, block_size: int) -> int:
     """The K blocks a layer's attention reads while `rows` sequences decode through a table's
     rounds (each sequence's context halfway through them: it grows a token a step)."""
-    tokens = args.rounds * (STEPS + 1) + 2
-    return rows * kv_heads * -(-(args.context + tokens // 2) // block_size)
+    return rows * kv_heads * -(-(args.context + round_tokens(args) // 2) // block_size)
 
 
 def scatter_sweep(lib, rows, args, kv_heads, block_size, layers, block_bytes) -> None:
@@ -355,12 +362,12 @@ def scatter_sweep(lib, rows, args, kv_heads, block_size, layers, block_bytes) ->
     blocks = kv_blocks(rows, args, kv_heads, block_size)
     print(f"scattered K/V reads, {rows} rows: {2 * layers * blocks * block_bytes / 2**20:.1f} "
           f"MiB a step in {block_bytes} B blocks (GB/s, median of {args.rounds})")
-    print(f"{'bytes in one place':>18}  " + "  ".join(f"ahead {a:>2}" for a in (0, 1, 2, 4, 8)))
+    print(f"{'bytes in one place':>18}  " + "  ".join(f"ahead {a:>2}" for a in AHEAD))
     for times in (1, 2, 4, 16):
         pieces = max(1, blocks // times)  # the same bytes (to a piece) in fewer, larger pieces
         kv = 2 * layers * pieces * block_bytes * times
         rates = []
-        for ahead in (0, 1, 2, 4, 8):
+        for ahead in AHEAD:
             got = [kv / lib.ceil_scattered(pieces, r + 1, block_bytes * times, ahead)
                    for r in range(args.rounds)]
             rates.append(float(np.median(got)) / 1e9)
@@ -415,7 +422,7 @@ def main() -> None:
           f"{'floor':>8}  {'step':>8}  step/floor  step/bound  floor/bound")
     for rows in [int(r) for r in args.rows.split(",")]:
         use_tiles = tiles and rows >= 3
-        tokens = args.rounds * (STEPS + 1) + 2
+        tokens = round_tokens(args)
         blocks = kv_blocks(rows, args, kv_heads, runner.block_size)
         kv = 2 * layers * blocks * block_bytes
         start_decoding(engine, f"warm{rows}", rows, args.context, STEPS, rng)
