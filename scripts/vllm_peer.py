@@ -125,5 +125,6 @@ def decode_rounds(llm, sampling_params, requests, rows_list, lens, rounds: int) 
         out[rows] = times
     return out
 
+
 if __name__ == "__main__":
     main()
