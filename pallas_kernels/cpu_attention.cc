@@ -1993,15 +1993,28 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
 // or vdpbf16ps (products exact, pair sums and accumulation in float32, subnormals flushed).
 
 // How far ahead in a panel's stream a pass over it prefetches, by the rows it serves: 2 KB for 1
-// or 2 rows, 6 KB for more. Measured on the 2-core Zen 4 box (a decode step's 121 projections,
-// weights from memory, each distance alternating with the others in one process, 60-100
-// rounds): one distance for all rows (4 KB before) is either too far for the fastest streams or
-// too near for the slower ones: at 1 / 2 / 4 / 8 rows, bfloat16, 2 KB is 1.07x / 1.08x / 0.87x /
-// 0.78x the 4 KB walk and 6 KB 0.99x / 1.01x / 1.07x / 1.10x (float32 alike: 1.03x / 1.08x /
-// 0.95x / 0.76x and 0.93x / 1.03x / 1.08x / 1.10x); a whole decode step 1.03-1.11x
-// (`bench_small_matmul.py --vs-prefetch 4096`, `bench_decode_step.py --vs-prefetch 4096`). A
-// call's `prefetch_bytes` attribute overrides it (0: this choice), for those measurements.
-constexpr int64_t packed_prefetch_bytes(int64_t rows) { return rows <= 2 ? 2048 : 6144; }
+// or 2 rows (3 KB where the build targets a CPU with AMX, below), 6 KB for more. Measured on the
+// 2-core Zen 4 box (a decode step's 121 projections, weights from memory, each distance
+// alternating with the others in one process, 60-100 rounds): one distance for all rows (4 KB
+// before) is either too far for the fastest streams or too near for the slower ones: at 1 / 2 /
+// 4 / 8 rows, bfloat16, 2 KB is 1.07x / 1.08x / 0.87x / 0.78x the 4 KB walk and 6 KB 0.99x /
+// 1.01x / 1.07x / 1.10x (float32 alike: 1.03x / 1.08x / 0.95x / 0.76x and 0.93x / 1.03x / 1.08x
+// / 1.10x); a whole decode step 1.03-1.11x (`bench_small_matmul.py --vs-prefetch 4096`,
+// `bench_decode_step.py --vs-prefetch 4096`). On the 2-core AMX Xeon VM (Intel, the cores with
+// AMX-BF16 this was measured on) 1-2 rows want more: the engine's decode step with each distance
+// against 2 KB, alternating in one process (`scripts/ab_env_switch.py --engine`, 16 rounds each,
+// paired medians), bfloat16 2 rows 2.5 KB -0.61 ms, 3 KB -0.59 / -0.71, 3.5 KB -0.67, 4 KB -0.27 /
+// -0.54, 6 KB -0.48, 8 KB -0.29 (of ~12.5); 1 row 2.5 KB -0.17, 3 KB -0.27, 3.5 KB -0.40, 4 KB
+// -0.06 / 0.00; float32 3 KB 2 rows -0.30, 1 row +0.01. A call's `prefetch_bytes` attribute
+// overrides it (0: this choice), for those measurements.
+#ifdef __AMX_TILE__
+constexpr int64_t kFewRowsPrefetchBytes = 3072;
+#else
+constexpr int64_t kFewRowsPrefetchBytes = 2048;
+#endif
+constexpr int64_t packed_prefetch_bytes(int64_t rows) {
+  return rows <= 2 ? kFewRowsPrefetchBytes : 6144;
+}
 constexpr int64_t kMaxPrefetchBytes = int64_t{1} << 20;
 // Panels are shared among the threads in units (each claimed by the next free thread) of about
 // this many a thread where M's rows take several passes over each panel (prefill; the arithmetic

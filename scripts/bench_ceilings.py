@@ -11,10 +11,10 @@ probe's one long stream does not have, and this script measures what each patter
   as `cpu_attention.pack_weight` lays them out), each matmul's panels split between the threads
   and the threads meeting after each one, as the layer kernel's stages do (gate_up pairs each
   gate panel with its up panel). At 1-2 rows the loads are vector loads with the panels' prefetch
-  2 KB ahead (the vector panels'); from 3 rows on a CPU with AMX-BF16, the tile loads and
-  `tdpbf16ps` of the kernel's tile walk for those rows (prefetch 4 KB ahead), x in tiles;
-  elsewhere vector loads at every row count (the read alone, without the few-row panels'
-  arithmetic);
+  2 KB ahead (the vector panels' distance, but on AMX CPUs, where theirs is 3 KB); from 3 rows on
+  a CPU with AMX-BF16, the tile loads and `tdpbf16ps` of the kernel's tile walk for those rows
+  (prefetch 4 KB ahead), x in tiles; elsewhere vector loads at every row count (the read alone,
+  without the few-row panels' arithmetic);
 - `scattered`: attention's K/V reads, each layer's blocks (one a sequence, KV head and 16-token
   block, K and V apart; the sequences' context halfway through the rounds) at random places of
   a 1 GiB pool, split between the threads, which meet after each layer.
