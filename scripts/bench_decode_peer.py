@@ -32,13 +32,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode_step import kv_bytes_per_token, read_gbps  # noqa: E402
-from bench_throughput import (  # noqa: E402
-    MAX_MODEL_LEN,
-    MAX_NUM_BATCHED_TOKENS,
-    MAX_NUM_SEQS,
-    PEER_MODEL,
-    run_vllm_peer,
-)
+from bench_throughput import PEER_MODEL, make_llm, run_vllm_peer  # noqa: E402
 from vllm_peer import decode_rounds  # noqa: E402
 
 
@@ -70,14 +64,12 @@ def main() -> None:
 
     import jax
 
-    from jaxpage import LLM, SamplingParams
+    from jaxpage import SamplingParams
 
     reads = [read_gbps()]
     results, bytes_by_dtype = {}, {}
     for dtype in dtypes:
-        llm = LLM(max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
-                  max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, kv_cache_memory=1 << 30,
-                  dtype=dtype, enable_prefix_caching=False)
+        llm = make_llm(dtype=dtype, enable_prefix_caching=False)
         weights = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.params))
         bytes_by_dtype[dtype] = (weights, kv_bytes_per_token(llm) * context)
         print(f"jaxpage {dtype}: params {weights / 2**20:.0f} MiB ...", file=sys.stderr,

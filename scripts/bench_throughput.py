@@ -127,16 +127,17 @@ def trace_flops(config, prompts, output_lens) -> float:
     return total
 
 
-def make_llm(max_num_seqs: int = MAX_NUM_SEQS, dtype: str = "float32"):
+def make_llm(max_num_seqs: int = MAX_NUM_SEQS, dtype: str = "float32", **engine_kwargs):
     """The engine every throughput figure is measured on (the default model, float32
     unless `dtype` says otherwise). `dtype` is MODEL[+KV]: "bfloat16+float8_e4m3fn" runs
-    bfloat16 weights over a float8 KV pool (kv_cache_dtype; default the model's dtype)."""
+    bfloat16 weights over a float8 KV pool (kv_cache_dtype; default the model's dtype);
+    `engine_kwargs`, other EngineConfig fields."""
     from jaxpage import LLM
 
     model_dtype, _, kv_dtype = dtype.partition("+")
     return LLM(max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs,
                max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, kv_cache_memory=1 << 30,
-               dtype=model_dtype, kv_cache_dtype=kv_dtype or "auto")
+               dtype=model_dtype, kv_cache_dtype=kv_dtype or "auto", **engine_kwargs)
 
 
 def run_jaxpage(llm, prompts, output_lens):
