@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import cpu_attention, quantized
+from pallas_kernels import cpu_ops, quantized
 from pallas_kernels.blockwise import paged_attention_blockwise, write_kv
 from pallas_kernels.reference import paged_attention_reference
 
@@ -145,7 +145,7 @@ def paged_attention(
     if pool_dim > head_dim:  # zero lanes of q meet zero lanes of K: the scores are unchanged
         q = jnp.pad(q, ((0, 0), (0, 0), (0, pool_dim - head_dim)))
     if metadata.backend == "cpp":
-        out = cpu_attention.paged_attention_cpu(q, k_pool, v_pool, block_tables,
+        out = cpu_ops.paged_attention_cpu(q, k_pool, v_pool, block_tables,
                                                 metadata.seq_lens, metadata.query_start_loc,
                                                 scale=scale, **options)
     else:
@@ -170,7 +170,7 @@ def select_backend(requested: str, *, interpret: bool, head_dim: int, block_size
     platform = jax.default_backend()
     if requested == "auto":
         if platform == "cpu":
-            usable = cpu_attention.unsupported_reason(head_dim, block_size, dtype) is None
+            usable = cpu_ops.unsupported_reason(head_dim, block_size, dtype) is None
             return "cpp" if usable else "jnp"
         return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(platform, "jnp")
     if requested not in BACKENDS:
@@ -179,7 +179,7 @@ def select_backend(requested: str, *, interpret: bool, head_dim: int, block_size
     if requested == "cpp":
         if platform != "cpu":
             raise ValueError(f"attention_backend 'cpp' runs on the CPU (this is {platform!r})")
-        reason = cpu_attention.unsupported_reason(head_dim, block_size, dtype)
+        reason = cpu_ops.unsupported_reason(head_dim, block_size, dtype)
         if reason is not None:
             raise ValueError(f"attention_backend 'cpp' cannot serve this model: {reason}")
     native = _PALLAS_PLATFORM.get(requested)

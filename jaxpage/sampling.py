@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxpage.buckets import bucket_for
 from jaxpage.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingRow
-from pallas_kernels import cpu_attention
+from pallas_kernels import cpu_ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,11 +234,11 @@ def greedy_xla(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def _greedy_outputs(logits: jax.Array) -> dict[str, jax.Array]:
     """Greedy rows of unprocessed logits, no top logprobs: `_outputs(argmax(logits), ...)`. On
-    CPU, where the kernel library is available, in one call of it (`cpu_attention.greedy_draw`:
+    CPU, where the kernel library is available, in one call of it (`cpu_ops.greedy_draw`:
     the same tokens, the log-probability to float32 rounding), which reads each row once where
     XLA:CPU makes three passes over it (`scripts/bench_sampler.py`)."""
-    if cpu_attention.available():
-        tokens, logprob = jax.lax.platform_dependent(logits, cpu=cpu_attention.greedy_draw,
+    if cpu_ops.available():
+        tokens, logprob = jax.lax.platform_dependent(logits, cpu=cpu_ops.greedy_draw,
                                                      default=greedy_xla)
     else:
         tokens, logprob = greedy_xla(logits)

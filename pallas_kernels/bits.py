@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import cpu_attention
+from pallas_kernels import cpu_ops, quantized
 
 _BITS = {1: jnp.uint8, 2: jnp.uint16}
 
@@ -39,6 +39,15 @@ def take(array: jax.Array, index) -> jax.Array:
         return array[index]
     return jax.lax.bitcast_convert_type(
         jax.lax.bitcast_convert_type(array, bits)[index], array.dtype)
+
+
+def take_pool(pool, index) -> jax.Array:
+    """`pool[index]` (numpy indexing of the leading [K, N, ...] axes) as kernels read it:
+    a QuantizedPool's values and scales gathered and dequantized to float32, a float pool as
+    it is; narrow floats gathered as bits (`take`)."""
+    if quantized.is_quantized(pool):
+        return quantized.dequantize(take(pool.values, index), take(pool.scales, index))
+    return take(pool, index)
 
 
 def set_rows(pool: jax.Array, index: jax.Array, values, *, token_major: bool = False
@@ -63,8 +72,8 @@ def set_rows(pool: jax.Array, index: jax.Array, values, *, token_major: bool = F
     if _bits_dtype(pool.dtype) is None:
         return scatter(pool, index, values)
     # only XLA:CPU lacks narrow-float scatters; accelerators scatter them as they are
-    cpu = (functools.partial(cpu_attention.set_rows, token_major=token_major)
-           if cpu_attention.available() else lambda p, i, v: scatter(p, i, v, as_bits=True))
+    cpu = (functools.partial(cpu_ops.set_rows, token_major=token_major)
+           if cpu_ops.available() else lambda p, i, v: scatter(p, i, v, as_bits=True))
     return jax.lax.platform_dependent(pool, index, values, cpu=cpu, default=scatter)
 
 

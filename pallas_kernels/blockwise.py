@@ -1,5 +1,5 @@
 """Blockwise online-softmax paged attention in plain jnp: the portable path (any platform
-and dtype; on CPU the C++ kernel in cpu_attention.py is the default), plus `write_kv`, which
+and dtype; on CPU the C++ kernel in cpu_ops.py is the default), plus `write_kv`, which
 scatters a step's K/V into the pool.
 
 `paged_attention_blockwise` has the same contract as the dense oracle
@@ -135,7 +135,7 @@ def _as_rows(pool) -> tuple:
     rows = jax.tree.map(lambda x: x.reshape(num_kv_heads * num_blocks, *x.shape[2:]), pool)
 
     def read(index):
-        return quantized.take(rows, index).reshape(index.shape[0], block_size * head_dim)
+        return bits.take_pool(rows, index).reshape(index.shape[0], block_size * head_dim)
 
     return read, jnp.arange(num_kv_heads, dtype=jnp.int32) * num_blocks
 

@@ -113,17 +113,6 @@ def empty_pool(shape: tuple[int, ...], dtype, *, scale_fill: float = 1.0,
     return QuantizedPool(values, scales)
 
 
-def take(pool, index) -> jax.Array:
-    """`pool[index]` (numpy indexing of the leading [K, N, ...] axes) as kernels read it:
-    a QuantizedPool's values and scales gathered and dequantized to float32, a float pool as
-    it is; narrow floats gathered as bits (`bits.take`)."""
-    from pallas_kernels import bits  # bits -> cpu_attention -> quantized: import on use
-
-    if is_quantized(pool):
-        return dequantize(bits.take(pool.values, index), bits.take(pool.scales, index))
-    return bits.take(pool, index)
-
-
 def quantize_pool(pool: jax.Array, dtype) -> QuantizedPool:
     """A float pool quantized row by row (tests and benchmarks build pools this way)."""
     return QuantizedPool(*quantize(pool, dtype))

@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import quantized
+from pallas_kernels import bits
 
 _NEG_INF = float("-inf")
 
@@ -81,9 +81,9 @@ def paged_attention_reference(
     query_pos = seq_lens[:, None] - query_lens[:, None] + offsets[None, :]  # [S, Qm]
 
     # K/V of each sequence gathered through its block table.
-    k = quantized.take(k_pool, (slice(None), block_tables))
+    k = bits.take_pool(k_pool, (slice(None), block_tables))
     k = k.reshape(num_kv_heads, num_seqs, max_len, head_dim)  # [K, S, L, D]
-    v = quantized.take(v_pool, (slice(None), block_tables))
+    v = bits.take_pool(v_pool, (slice(None), block_tables))
     v = v.reshape(num_kv_heads, num_seqs, max_len, head_dim)  # [K, S, L, D]
     key_pos = jnp.arange(max_len, dtype=jnp.int32)  # [L]
     key_valid = key_pos[None, :] < seq_lens[:, None]  # [S, L]

@@ -51,11 +51,11 @@ def attention_ms(batch: int, dtype: str):
     import numpy as np
     from bench_attention import all_layers, make_pools, make_step
 
-    from pallas_kernels import cpu_attention
+    from pallas_kernels import cpu_ops
 
     pools = make_pools(jnp.dtype(dtype))
     step = make_step(np.random.default_rng(0), [129] * batch, [1] * batch, jnp.dtype(dtype))[:4]
-    layers = jax.jit(functools.partial(all_layers, cpu_attention.paged_attention_cpu))
+    layers = jax.jit(functools.partial(all_layers, cpu_ops.paged_attention_cpu))
 
     def ms() -> float:
         start = time.perf_counter()
@@ -84,9 +84,9 @@ def main() -> None:
     if args.source:
         from pathlib import Path
 
-        from pallas_kernels import cpu_attention
+        from pallas_kernels import cpu_library
 
-        os.environ["JAXPAGE_CPU_KERNEL_LIB"] = str(cpu_attention._build(Path(args.source)))
+        os.environ["JAXPAGE_CPU_KERNEL_LIB"] = str(cpu_library._build(Path(args.source)))
 
     import numpy as np
 

@@ -26,7 +26,7 @@ the pools as XLA allocated them (4 KiB pages: each block of a permuted table a p
 miss of its own), and prints the 4 KiB pools' time over the huge ones'.
 
 To compare two builds of the kernel, run it twice with JAXPAGE_CPU_KERNEL_LIB naming each
-(`cpu_attention._build()` writes the current source's under ~/.cache/jaxpage).
+(`cpu_library._build()` writes the current source's under ~/.cache/jaxpage).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import cpu_attention
+from pallas_kernels import cpu_ops
 from pallas_kernels.blockwise import paged_attention_blockwise
 from pallas_kernels.reference import paged_attention_reference
 
@@ -134,8 +134,8 @@ def main() -> None:
           f"{pool_bytes / copy_s / 1e9:.1f} GB/s each way")
     paths = {} if args.cpp_only else {"dense": paged_attention_reference,
                                        "blockwise": paged_attention_blockwise}
-    if cpu_attention.available():
-        paths["cpp"] = lambda *args, max_query_len: cpu_attention.paged_attention_cpu(*args)
+    if cpu_ops.available():
+        paths["cpp"] = lambda *args, max_query_len: cpu_ops.paged_attention_cpu(*args)
     elif args.cpp_only:
         raise SystemExit("the CPU kernel library is not available")
     huge_pools = None

@@ -8,7 +8,7 @@ probe's one long stream does not have, and this script measures what each patter
 - `stream`: every weight (the layers' and the head's) read once front to back, each thread a
   contiguous half (the read probe's pattern);
 - `walk`: the layers' four matmuls in a step's order, panel by panel (32 columns of K pairs,
-  as `cpu_attention.pack_weight` lays them out), each matmul's panels split between the threads
+  as `cpu_ops.pack_weight` lays them out), each matmul's panels split between the threads
   and the threads meeting after each one, as the layer kernel's stages do (gate_up pairs each
   gate panel with its up panel). At 1-2 rows the loads are vector loads with the panels' prefetch
   2 KB ahead (the vector panels' distance, but on AMX CPUs, where theirs is 3 KB); from 3 rows on

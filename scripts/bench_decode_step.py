@@ -29,7 +29,7 @@ dot products overlapped as well as the kernel does, nothing else; where the runn
 weights), and the step's time over it (`x strm`: what the step costs beyond streaming its
 weights through its own kernel). Then the same step, same process, with
 the weights as a runner kept them before it packed them (`--no-unpacked` skips it): unpacked
-(`cpu_attention.unpack_weight`) into new buffers that nobody advised to use huge pages, the
+(`cpu_ops.unpack_weight`) into new buffers that nobody advised to use huge pages, the
 two alternating, and the packed step's speedup over it. As long as a step is bound by reading
 the weights, rows are nearly free (the regime of the vLLM paper's GPUs); once bound by
 arithmetic, each row adds its own cost. On CPU the engine's decode buckets start at one row (1,
@@ -44,7 +44,7 @@ before 2026-12-04) instead of the kernel's distance for the rows of a pass;
 sequence's keys among the threads (`paged_attention_cpu(key_splits=1)`; it cuts them where a
 step has few sequences over long contexts). `--vs-unfused` against the same step with each
 layer as its eleven kernel calls (`LlamaModel(fuse_layers=False)`) instead of one
-(`cpu_attention.decoder_layer`, taken by steps of at most `llama.FUSED_LAYER_ROWS` tokens).
+(`cpu_ops.decoder_layer`, taken by steps of at most `llama.FUSED_LAYER_ROWS` tokens).
 `--vs-4k-pool` times the step over blocks spread across the whole pool (as a pool long in
 use hands them out) on the runner's pool, backed by huge pages (`huge_pages.advise_zeroed`),
 against a pool of 4 KiB pages, where each block's K or V tile is a page and a TLB miss of its
@@ -104,14 +104,14 @@ def unpacked(params):
     even: no padding row to drop)."""
     import jax
 
-    from pallas_kernels import cpu_attention
+    from pallas_kernels import cpu_ops
 
     def unpack(w):
-        return cpu_attention.unpack_weight(w) + 0 if w.ndim == 4 else w
+        return cpu_ops.unpack_weight(w) + 0 if w.ndim == 4 else w
 
     out = jax.tree.map(unpack, params)
     if params["embed"].ndim == 4:  # packed as the tied head, [H, V]
-        out["embed"] = cpu_attention.unpack_weight(params["embed"]).T + 0
+        out["embed"] = cpu_ops.unpack_weight(params["embed"]).T + 0
     return out
 
 
@@ -198,27 +198,27 @@ def uncut_attention_step_seconds(llm, batch: int, context: int, rounds: int = 40
     """Median seconds of a decode step with the attention kernel cutting few sequences' keys
     among the threads as it chooses (`paged_attention_cpu(key_splits=0)`) and never
     (`key_splits=1`), alternating."""
-    from pallas_kernels import cpu_attention
+    from pallas_kernels import cpu_ops
 
     return _traced_apart_seconds(
-        llm, batch, context, cpu_attention, "paged_attention_cpu",
-        functools.partial(cpu_attention.paged_attention_cpu, key_splits=1), rounds)
+        llm, batch, context, cpu_ops, "paged_attention_cpu",
+        functools.partial(cpu_ops.paged_attention_cpu, key_splits=1), rounds)
 
 
 def prefetch_step_seconds(llm, batch: int, context: int, prefetch_bytes: int,
                           rounds: int = 40):
     """Median seconds of a decode step with the packed matmuls prefetching as the kernel
     chooses (by the rows of a pass) and `prefetch_bytes` ahead in each panel, alternating."""
-    from pallas_kernels import cpu_attention
+    from pallas_kernels import cpu_ops
 
     return _traced_apart_seconds(
-        llm, batch, context, cpu_attention, "packed_matmul",
-        functools.partial(cpu_attention.packed_matmul, prefetch_bytes=prefetch_bytes), rounds)
+        llm, batch, context, cpu_ops, "packed_matmul",
+        functools.partial(cpu_ops.packed_matmul, prefetch_bytes=prefetch_bytes), rounds)
 
 
 def unfused_step_seconds(llm, batch: int, context: int, rounds: int = 40):
     """Median seconds of a decode step with each layer in one kernel call (the runner's model:
-    `cpu_attention.decoder_layer`) and with the same model unfused (`fuse_layers=False`: a
+    `cpu_ops.decoder_layer`) and with the same model unfused (`fuse_layers=False`: a
     layer's eleven calls), alternating."""
     import dataclasses
 
@@ -485,13 +485,13 @@ def matmul_peak_gflops(fma_peak: float, dtype: str) -> float:
     multiply-adds, issues once per 16 cycles, Intel's figure: 1024 flops a cycle a core against
     the two 16-lane FMA ports' 64), twice it where they run AVX512-BF16's `vdpbf16ps` (two
     multiply-adds a lane), else it."""
-    from pallas_kernels import cpu_attention
+    from pallas_kernels import cpu_ops
 
     if dtype != "bfloat16":
         return fma_peak
-    if cpu_attention.packed_tiles() and cpu_attention._default_tiles():
+    if cpu_ops.packed_tiles() and cpu_ops._default_tiles():
         return fma_peak * 16
-    return fma_peak * (2 if cpu_attention.bf16_dot_compiled() else 1)
+    return fma_peak * (2 if cpu_ops.bf16_dot_compiled() else 1)
 
 
 @functools.cache
@@ -534,7 +534,7 @@ def read_gbps() -> float:
 
 
 def stream_probe(llm):
-    """A function timing the packed kernel (`cpu_attention.packed_matmul`) over one contiguous
+    """A function timing the packed kernel (`cpu_ops.packed_matmul`) over one contiguous
     packed weight as large as the runner's weights, at a given count of rows, in seconds: what
     streaming the step's weight bytes through its own matmul kernel costs, the read and the
     dot products overlapped as well as the kernel overlaps them (one range of panels a thread,
@@ -547,7 +547,7 @@ def stream_probe(llm):
     import numpy as np
 
     from jaxpage.engine import huge_pages
-    from pallas_kernels import cpu_attention
+    from pallas_kernels import cpu_ops
 
     params = llm.engine.runner.params
     qkv = params["layers"][0]["qkv"]
@@ -558,7 +558,7 @@ def stream_probe(llm):
     panel_bytes = pairs * columns * group * qkv.dtype.itemsize
     w = jnp.full((weight_bytes // panel_bytes, pairs, columns, group), 0.01, qkv.dtype)
     huge_pages.advise([w])
-    stream = jax.jit(cpu_attention.packed_matmul)
+    stream = jax.jit(cpu_ops.packed_matmul)
     xs = {}
 
     def seconds(rows: int) -> float:

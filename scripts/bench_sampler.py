@@ -1,7 +1,7 @@
 """The sampler's greedy rows on CPU: the kernel library's one-pass draw against XLA's jnp.
 
 For each number of rows (a decode step's logits over SmolLM2's 49,152-token vocabulary), the
-same random logits through `cpu_attention.greedy_draw` (what `sampling.sample` takes for greedy
+same random logits through `cpu_ops.greedy_draw` (what `sampling.sample` takes for greedy
 rows without top logprobs on CPU) and through `sampling.greedy_xla` (the jnp it replaces: a max,
 a select-and-min over indices, a log-sum-exp), each jitted, the two alternating call by call
 (medians of 50), beside the bound of reading the logits once at this machine's read bandwidth
@@ -33,16 +33,16 @@ def main() -> None:
     import numpy as np
 
     from jaxpage import sampling
-    from pallas_kernels import cpu_attention
+    from pallas_kernels import cpu_ops
 
-    if not cpu_attention.available():
+    if not cpu_ops.available():
         print("the CPU kernel library is not available: nothing to compare")
         return
     bandwidth = read_gbps()
     print(f"read bandwidth {bandwidth:.1f} GB/s; vocabulary {args.vocab}")
     print(f"{'rows':>5}{'MB':>7}{'bound ms':>10}{'kernel ms':>11}{'XLA ms':>9}{'speedup':>9}"
           f"{'x bound':>9}")
-    kernel, xla = jax.jit(cpu_attention.greedy_draw), jax.jit(sampling.greedy_xla)
+    kernel, xla = jax.jit(cpu_ops.greedy_draw), jax.jit(sampling.greedy_xla)
     rng = np.random.default_rng(0)
     for rows in (int(r) for r in args.rows.split(",")):
         logits = jax.device_put((rng.standard_normal((rows, args.vocab)) * 4).astype(np.float32))

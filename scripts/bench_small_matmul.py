@@ -1,4 +1,4 @@
-"""The kernel library's few-row matmul (`cpu_attention.small_matmul`) on a decode step's
+"""The kernel library's few-row matmul (`cpu_ops.small_matmul`) on a decode step's
 weights, against the machine's read bandwidth, in one process.
 
 A decode step of few rows is a stream of the weights: each projection and the LM head reads
@@ -22,7 +22,7 @@ times them in a step).
     python scripts/bench_small_matmul.py --rows 1,8 --dtypes bfloat16 --cached   # arithmetic
 
 Each chain also runs on the same weights packed into 32-column panels
-(`cpu_attention.pack_weight` / `packed_matmul`; the head packed as [H, V]: how a CPU runner
+(`cpu_ops.pack_weight` / `packed_matmul`; the head packed as [H, V]: how a CPU runner
 keeps them), with its speedup over the unpacked walk. The weights are backed by huge pages
 where Linux can, as a CPU runner's are (`jaxpage.engine.huge_pages`). With --vs-xla each
 chain also runs XLA:CPU's dot (`jnp.dot` / einsum with a float32 result, what the model runs
@@ -85,14 +85,14 @@ def cached_line(kind: str, packed_w, x, rows: int, dtype, dtype_peak: float,
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels import cpu_attention
+    from pallas_kernels import cpu_ops
 
     K, N = KINDS[kind]
 
     def run(x, w):
         total, h = jnp.zeros((rows,), jnp.float32), x[:, :K]
         for _ in range(CACHED_CALLS):
-            out = cpu_attention.packed_matmul(h, w)
+            out = cpu_ops.packed_matmul(h, w)
             total += out[:, 0]
             h = out[:, :K].astype(dtype)  # N >= K for both kinds
         return total
@@ -122,9 +122,9 @@ def main() -> None:
     import numpy as np
 
     from jaxpage.engine import huge_pages
-    from pallas_kernels import cpu_attention
+    from pallas_kernels import cpu_ops
 
-    if not cpu_attention.available():
+    if not cpu_ops.available():
         raise SystemExit("the CPU kernel library is not available")
     bandwidth, peak = read_gbps(), fma_peak_gflops()
     print(f"read bandwidth {bandwidth:.1f} GB/s; FMA peak {peak:.1f} GFLOP/s (every core)")
@@ -140,9 +140,9 @@ def main() -> None:
         layers = [{kind: weights(*shape) for kind, shape in KINDS.items()}
                   for _ in range(LAYERS)]
         head = weights(VOCAB, HIDDEN)
-        packed = [{kind: cpu_attention.pack_weight(w) for kind, w in layer.items()}
+        packed = [{kind: cpu_ops.pack_weight(w) for kind, w in layer.items()}
                   for layer in layers]
-        packed_head = cpu_attention.pack_weight(head.T)  # as llama.pack_params packs it
+        packed_head = cpu_ops.pack_weight(head.T)  # as llama.pack_params packs it
         collapsed = huge_pages.advise(jax.tree.leaves((layers, head, packed, packed_head)))
         print(f"{dtype.name}: {collapsed >> 20} MiB of weights collapsed into huge pages")
         dtype_peak = matmul_peak_gflops(peak, dtype.name)
@@ -151,8 +151,8 @@ def main() -> None:
 
             def kernel(x, w, transpose_w=False, prefetch_bytes=0):
                 if w.ndim == 4:  # packed (a head packed as [H, V]: no transposing)
-                    return cpu_attention.packed_matmul(x, w, prefetch_bytes=prefetch_bytes)
-                return cpu_attention.small_matmul(x, w, transpose_w=transpose_w)
+                    return cpu_ops.packed_matmul(x, w, prefetch_bytes=prefetch_bytes)
+                return cpu_ops.small_matmul(x, w, transpose_w=transpose_w)
 
             def other_prefetch(x, w, transpose_w=False):
                 return kernel(x, w, transpose_w, prefetch_bytes=args.vs_prefetch)

@@ -4,7 +4,7 @@ and UndefinedBehaviorSanitizer.
 Builds the kernel as a shared library with `-fsanitize=undefined,address` (plus
 `float-cast-overflow`, which `undefined` leaves out in GCC and which is the check for a float
 such as NaN converted to an int), `-fno-sanitize-recover=all -g -O1` and the kernel's own code
-generation flags (`cpu_attention._FLAGS` less its -O level: -march=native, -fopenmp-simd and
+generation flags (`cpu_library._FLAGS` less its -O level: -march=native, -fopenmp-simd and
 the float flags, so that the `omp simd` loops are vectorized as in the real build) into a
 temporary directory. A child Python then registers that library through
 `JAXPAGE_CPU_KERNEL_LIB`, with the sanitizer runtimes preloaded (`LD_PRELOAD` of libasan and
@@ -84,12 +84,12 @@ def build(compiler: str, out_dir: Path, source: Path | None = None) -> Path:
     sys.path.insert(0, str(REPO))
     import jax
 
-    from pallas_kernels import cpu_attention
+    from pallas_kernels import cpu_library
 
-    flags = [f for f in cpu_attention._FLAGS if not re.fullmatch(r"-O\w*", f)]
+    flags = [f for f in cpu_library._FLAGS if not re.fullmatch(r"-O\w*", f)]
     library = out_dir / "cpu_attention_sanitized.so"
     cmd = [compiler, *flags, *SANITIZE, "-isystem", jax.ffi.include_dir(), "-o", str(library),
-           str(source or cpu_attention._SOURCE)]
+           str(source or cpu_library._SOURCE)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if result.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-4000:]}")
@@ -235,8 +235,8 @@ def bad_inputs():
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels import cpu_attention
-    from pallas_kernels.cpu_attention import paged_attention_cpu
+    from pallas_kernels import cpu_library, cpu_ops
+    from pallas_kernels.cpu_ops import paged_attention_cpu
 
     k_pool = np.zeros((1, 6, 4, 8), np.float32)
     tables = np.array([[1, 2], [3, 4]], np.int32)
@@ -248,7 +248,7 @@ def bad_inputs():
 
     def wrong_out(shape, dtype=jnp.float32, window=0, soft_cap=0.0):
         """The FFI target called directly: any output shape, window and soft-cap."""
-        target = cpu_attention._TARGET if dtype == jnp.float32 else cpu_attention._TARGET_BF16
+        target = cpu_library.TARGET if dtype == jnp.float32 else cpu_library.TARGET_BF16
         extra = {} if dtype == jnp.float32 else {"bf16_dot": np.int64(1)}
         call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(shape, dtype))
         return lambda: call(jnp.ones((4, 2, 8), dtype), k_pool.astype(dtype),
@@ -266,7 +266,7 @@ def bad_inputs():
     def attend_quantized(k_values, v_values, k_scales=None, table=tables):
         """The quantized FFI target called directly (no check by the wrapper first)."""
         k_scales = np.ones((1, 6, 4), np.float32) if k_scales is None else k_scales
-        call = jax.ffi.ffi_call(cpu_attention._TARGET_QUANTIZED,
+        call = jax.ffi.ffi_call(cpu_library.TARGET_QUANTIZED,
                                 jax.ShapeDtypeStruct((4, 2, 8), jnp.float32))
         return lambda: call(np.ones((4, 2, 8), np.float32), k_values, k_scales, v_values,
                             np.ones((1, 6, 4), np.float32), table, lens,
@@ -275,22 +275,22 @@ def bad_inputs():
                             soft_cap=np.float32(0.0), key_splits=np.int64(0))
 
     def small_matmul(out_shape, w_dtype=jnp.float32):
-        call = jax.ffi.ffi_call(cpu_attention._TARGET_SMALL_MATMUL,
+        call = jax.ffi.ffi_call(cpu_library.TARGET_SMALL_MATMUL,
                                 jax.ShapeDtypeStruct(out_shape, jnp.float32))
         return lambda: call(jnp.ones((2, 8), jnp.float32), jnp.ones((8, 3), w_dtype),
                             transpose_w=np.int64(0), bf16_dot=np.int64(1))
 
-    panel = cpu_attention.panel_columns()  # 32 columns (AVX-512) or 16
+    panel = cpu_ops.panel_columns()  # 32 columns (AVX-512) or 16
 
     def packed_matmul(out_shape, k=8):
-        call = jax.ffi.ffi_call(cpu_attention._TARGET_PACKED_MATMUL,
+        call = jax.ffi.ffi_call(cpu_library.TARGET_PACKED_MATMUL,
                                 jax.ShapeDtypeStruct(out_shape, jnp.float32))
         w = jnp.ones((1, 4, panel, 2), jnp.bfloat16)  # K = 8 packed, N = one panel
         return lambda: call(jnp.ones((2, k), jnp.bfloat16), w, np.int32(2), bf16_dot=np.int64(1),
                             prefetch_bytes=np.int64(0))
 
     def set_rows(index, values_shape=(1, 1, 8)):
-        return lambda: cpu_attention.set_rows(jnp.zeros((1, 6, 4, 8), jnp.bfloat16),
+        return lambda: cpu_ops.set_rows(jnp.zeros((1, 6, 4, 8), jnp.bfloat16),
                                               jnp.array(index, jnp.int32),
                                               jnp.ones(values_shape, jnp.bfloat16))
 
@@ -308,7 +308,7 @@ def bad_inputs():
         down = jnp.ones((1, down_k // 2, panel, 2), jnp.bfloat16)
         layer = {"qkv": qkv, "o": w, "gate_up": gate_up, "down": down,
                  "mlp_norm": jnp.ones(h, jnp.bfloat16)}
-        return lambda: cpu_attention.decoder_layer(
+        return lambda: cpu_ops.decoder_layer(
             x, x, layer, x, x, pool, pool, np.array(slots, np.int32), np.array([table], np.int32),
             np.array([2], np.int32), np.array([0, 2], np.int32), layer["mlp_norm"],
             num_heads=1, eps=1e-6)
@@ -349,19 +349,19 @@ def bad_inputs():
         ("set_rows: rows that do not tile the pool", set_rows([0], (1, 1, 5)),
          "set_rows: rows do not tile the pool"),
         ("greedy_draw: outputs of another length", lambda: jax.ffi.ffi_call(
-            cpu_attention._TARGET_GREEDY_DRAW, (jax.ShapeDtypeStruct((3,), jnp.int32),
+            cpu_library.TARGET_GREEDY_DRAW, (jax.ShapeDtypeStruct((3,), jnp.int32),
                                                 jax.ShapeDtypeStruct((2,), jnp.float32)))(
             np.zeros((2, 8), np.float32)), "greedy draw: logits must be [R, V >= 1]"),
         ("add_rms_norm: outputs of another shape", lambda: jax.ffi.ffi_call(
-            cpu_attention._TARGET_ADD_RMS_NORM, (jax.ShapeDtypeStruct((2, 8), jnp.float32),
+            cpu_library.TARGET_ADD_RMS_NORM, (jax.ShapeDtypeStruct((2, 8), jnp.float32),
                                                  jax.ShapeDtypeStruct((3, 8), jnp.float32)))(
             np.ones((2, 8), np.float32), np.ones((2, 8), np.float32), np.ones(8, np.float32),
             eps=np.float32(1e-6)), "add_rms_norm: x [T, H] [2, 8]"),
         ("silu_mul: output of another shape", lambda: jax.ffi.ffi_call(
-            cpu_attention._TARGET_SILU_MUL, jax.ShapeDtypeStruct((2, 5), jnp.bfloat16))(
+            cpu_library.TARGET_SILU_MUL, jax.ShapeDtypeStruct((2, 5), jnp.bfloat16))(
             np.ones((2, 8), np.float32)), "silu_mul: gate_up [T, 2I] [2, 8]"),
         ("qkv_rope: outputs of another shape", lambda: jax.ffi.ffi_call(
-            cpu_attention._TARGET_QKV_ROPE, (jax.ShapeDtypeStruct((2, 2, 4), jnp.float32),
+            cpu_library.TARGET_QKV_ROPE, (jax.ShapeDtypeStruct((2, 2, 4), jnp.float32),
                                              jax.ShapeDtypeStruct((2, 1, 4), jnp.float32),
                                              jax.ShapeDtypeStruct((2, 2, 4), jnp.float32)))(
             np.ones((2, 16), np.float32), np.ones((2, 4), np.float32),
@@ -393,10 +393,10 @@ def check_set_rows(rng) -> int:
     import ml_dtypes
     import numpy as np
 
-    from pallas_kernels import cpu_attention
+    from pallas_kernels import cpu_ops
 
     calls = 0
-    donated = jax.jit(cpu_attention.set_rows, donate_argnums=0, static_argnames="token_major")
+    donated = jax.jit(cpu_ops.set_rows, donate_argnums=0, static_argnames="token_major")
     for dtype in ("bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "float32"):
         np_dtype = np.int8 if dtype == "int8" else getattr(ml_dtypes, dtype, np.float32)
         for heads, blocks, block_size, dim in ((3, 9, 16, 64), (1, 5, 1, 8), (2, 7, 4, 3)):
@@ -409,7 +409,7 @@ def check_set_rows(rng) -> int:
                 expected[:, index] = values
                 # head-major values [K, T, *row], and token-major [T, K, *row]
                 for token_major, given in ((False, values), (True, values.swapaxes(0, 1))):
-                    for fn in (cpu_attention.set_rows, donated):
+                    for fn in (cpu_ops.set_rows, donated):
                         out = fn(jnp.asarray(pool), jnp.asarray(index),
                                  jnp.asarray(np.ascontiguousarray(given)),
                                  token_major=token_major)
@@ -442,10 +442,10 @@ def check_small_matmul(rng) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels import cpu_attention
+    from pallas_kernels import cpu_ops
 
     calls = 0
-    jitted = jax.jit(cpu_attention.small_matmul, static_argnames=("transpose_w", "bf16_dot"))
+    jitted = jax.jit(cpu_ops.small_matmul, static_argnames=("transpose_w", "bf16_dot"))
     for dtype, bf16_dot in ((jnp.float32, False), (jnp.bfloat16, True), (jnp.bfloat16, False)):
         for m, k, n in ((1, 7, 7), (5, 33, 70), (9, 17, 33), (16, 41, 65), (3, 1, 1),
                         (8, 576, 200), (2, 64, 96), (12, 99, 1100)):
@@ -454,7 +454,7 @@ def check_small_matmul(rng) -> int:
                 w = jnp.asarray(rng.standard_normal((n, k) if transpose_w else (k, n)), dtype)
                 w64 = np.asarray(w, np.float64)
                 w64 = w64.T if transpose_w else w64
-                for fn in (cpu_attention.small_matmul, jitted):
+                for fn in (cpu_ops.small_matmul, jitted):
                     out = np.asarray(fn(x, w, transpose_w=transpose_w, bf16_dot=bf16_dot))
                     if not within_float32_bound(out, x, w64):
                         raise AssertionError(f"small_matmul {jnp.dtype(dtype).name} "
@@ -474,26 +474,26 @@ def check_packed_matmul(rng) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels import cpu_attention
+    from pallas_kernels import cpu_ops
 
     calls = 0
     paths = [(jnp.float32, False, False), (jnp.bfloat16, True, False),
              (jnp.bfloat16, False, False)]
-    if cpu_attention.packed_tiles():
+    if cpu_ops.packed_tiles():
         paths.append((jnp.bfloat16, True, True))
     for dtype, bf16_dot, tiles in paths:
         for m, k, n in ((1, 7, 32), (9, 33, 64), (17, 64, 96), (8, 576, 960), (3, 1, 32),
                         (6, 40, 64), (13, 15, 32), (40, 99, 96)):
             x = jnp.asarray(rng.standard_normal((m, k)), dtype)
             w = jnp.asarray(rng.standard_normal((k, n)), dtype)
-            out = np.asarray(cpu_attention.packed_matmul(x, cpu_attention.pack_weight(w),
+            out = np.asarray(cpu_ops.packed_matmul(x, cpu_ops.pack_weight(w),
                                                          bf16_dot=bf16_dot, tiles=tiles))
             if not within_float32_bound(out, x, np.asarray(w, np.float64)):
                 raise AssertionError(f"packed_matmul {jnp.dtype(dtype).name} {(m, k, n)} "
                                      f"bf16_dot={bf16_dot} tiles={tiles}")
             # a bucket's padding: only the first rows computed, the rest zeros
-            live = np.asarray(cpu_attention.packed_matmul(
-                x, cpu_attention.pack_weight(w), live_rows=m // 2, bf16_dot=bf16_dot,
+            live = np.asarray(cpu_ops.packed_matmul(
+                x, cpu_ops.pack_weight(w), live_rows=m // 2, bf16_dot=bf16_dot,
                 tiles=tiles))
             if not (np.array_equal(live[: m // 2], out[: m // 2]) and not live[m // 2:].any()):
                 raise AssertionError(f"packed_matmul live_rows {m // 2} of {m}")
@@ -507,7 +507,7 @@ def check_greedy_draw(rng) -> int:
     of float64's (NaN where the maximum is not finite). Returns the calls."""
     import numpy as np
 
-    from pallas_kernels import cpu_attention
+    from pallas_kernels import cpu_ops
 
     calls = 0
     for rows, vocab in ((1, 1), (3, 15), (2, 16), (5, 97), (9, 4099)):
@@ -519,7 +519,7 @@ def check_greedy_draw(rng) -> int:
             x[2] = -np.inf
         if rows > 3:
             x[3, rng.integers(vocab)] = np.inf
-        tokens, logprob = (np.asarray(a) for a in cpu_attention.greedy_draw(x))
+        tokens, logprob = (np.asarray(a) for a in cpu_ops.greedy_draw(x))
         x64 = x.astype(np.float64)
         want = np.argmax(x64, axis=-1)
         top = x64.max(axis=-1)
@@ -542,7 +542,7 @@ def check_layer_glue(rng) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels import cpu_attention
+    from pallas_kernels import cpu_ops
 
     calls = 0
     for dtype in (jnp.float32, jnp.bfloat16):
@@ -554,20 +554,20 @@ def check_layer_glue(rng) -> int:
             delta = rng.standard_normal((rows, hidden)).astype(np.float32)
             delta[0, 3] = np.nan  # row 0's sum and norm NaN; the others not
             weight = jnp.asarray(rng.standard_normal(hidden), dtype)
-            s, normed = cpu_attention.add_rms_norm(x, jnp.asarray(delta), weight, 1e-6)
+            s, normed = cpu_ops.add_rms_norm(x, jnp.asarray(delta), weight, 1e-6)
             s64 = f64(s)
             want = f64(weight) * s64 / np.sqrt(np.mean(s64 * s64, -1, keepdims=True) + 1e-6)
             ok = np.isnan(f64(normed)[0]).all() and np.allclose(
                 f64(normed)[1:], want[1:], rtol=2.0**-6, atol=1e-6)
             gate_up = jnp.asarray(rng.standard_normal((rows, 2 * hidden)) * 3, jnp.float32)
-            out = f64(cpu_attention.silu_mul(gate_up, dtype))
+            out = f64(cpu_ops.silu_mul(gate_up, dtype))
             g, u = f64(gate_up.astype(dtype)[:, :hidden]), f64(gate_up.astype(dtype)[:, hidden:])
             ok &= np.allclose(out, g / (1 + np.exp(-g)) * u, rtol=2.0**-6, atol=1e-6)
             heads, kv_heads, dim = 3, 1, 2 * (hidden // 8 // 2 + 1)
             qkv = jnp.asarray(rng.standard_normal((rows, (heads + 2 * kv_heads) * dim)),
                               jnp.float32)
             angles = rng.standard_normal((rows, dim))
-            q, k, v = cpu_attention.qkv_rope(qkv, jnp.asarray(np.cos(angles), dtype),
+            q, k, v = cpu_ops.qkv_rope(qkv, jnp.asarray(np.cos(angles), dtype),
                                              jnp.asarray(np.sin(angles), dtype), heads, kv_heads)
             ok &= np.array_equal(f64(v).reshape(rows, -1),
                                  f64(qkv.astype(dtype)[:, (heads + kv_heads) * dim:]))
@@ -586,13 +586,14 @@ def check_decoder_layer(rng) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels import cpu_attention as ca
+    from pallas_kernels import cpu_ops
 
     hidden, heads, kv_heads, dim, inner, block = 64, 4, 2, 16, 96, 16
     calls = 0
     for dtype in (jnp.float32, jnp.bfloat16):
         def weight(k, n, dtype=dtype):
-            return ca.pack_weight(jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype))
+            w = rng.standard_normal((k, n)) / np.sqrt(k)
+            return cpu_ops.pack_weight(jnp.asarray(w, dtype))
 
         layer = {"qkv": weight(hidden, (heads + 2 * kv_heads) * dim),
                  "o": weight(heads * dim, hidden), "gate_up": weight(hidden, 2 * inner),
@@ -627,18 +628,19 @@ def check_decoder_layer(rng) -> int:
             angles = rng.standard_normal((rows, dim))
             cos, sin = (jnp.asarray(f(angles), dtype) for f in (np.cos, np.sin))
             args = (slots, table_array, seq_lens, qsl)
-            fused = ca.decoder_layer(x, h, layer, cos, sin, k_pool, v_pool, *args, next_norm,
+            fused = cpu_ops.decoder_layer(x, h, layer, cos, sin, k_pool, v_pool, *args, next_norm,
                                      num_heads=heads, eps=1e-5, live_rows=live)
-            qkv = ca.packed_matmul(h, layer["qkv"], live_rows=live)
-            q, k, v = ca.qkv_rope(qkv, cos, sin, heads, kv_heads)
-            kp = ca.set_rows(k_pool, slots, k, token_major=True)
-            vp = ca.set_rows(v_pool, slots, v, token_major=True)
-            a = ca.paged_attention_cpu(q, kp, vp, table_array, seq_lens, qsl)
-            o = ca.packed_matmul(a.reshape(rows, -1), layer["o"], live_rows=live)
-            x1, h1 = ca.add_rms_norm(x, o, layer["mlp_norm"], 1e-5)
-            act = ca.silu_mul(ca.packed_matmul(h1, layer["gate_up"], live_rows=live), dtype)
-            down = ca.packed_matmul(act, layer["down"], live_rows=live)
-            x2, h2 = ca.add_rms_norm(x1, down, next_norm, 1e-5)
+            qkv = cpu_ops.packed_matmul(h, layer["qkv"], live_rows=live)
+            q, k, v = cpu_ops.qkv_rope(qkv, cos, sin, heads, kv_heads)
+            kp = cpu_ops.set_rows(k_pool, slots, k, token_major=True)
+            vp = cpu_ops.set_rows(v_pool, slots, v, token_major=True)
+            a = cpu_ops.paged_attention_cpu(q, kp, vp, table_array, seq_lens, qsl)
+            o = cpu_ops.packed_matmul(a.reshape(rows, -1), layer["o"], live_rows=live)
+            x1, h1 = cpu_ops.add_rms_norm(x, o, layer["mlp_norm"], 1e-5)
+            gate_up = cpu_ops.packed_matmul(h1, layer["gate_up"], live_rows=live)
+            act = cpu_ops.silu_mul(gate_up, dtype)
+            down = cpu_ops.packed_matmul(act, layer["down"], live_rows=live)
+            x2, h2 = cpu_ops.add_rms_norm(x1, down, next_norm, 1e-5)
             for got, want in zip(fused, (x2, h2, kp, vp), strict=True):
                 if np.asarray(got).tobytes() != np.asarray(want).tobytes():
                     raise AssertionError(f"decoder_layer {jnp.dtype(dtype).name} {lens}: not "
@@ -656,13 +658,13 @@ def child(seeds: int) -> int:
     import jax
     import numpy as np
 
-    from pallas_kernels import cpu_attention
-    from pallas_kernels.cpu_attention import paged_attention_cpu
+    from pallas_kernels import cpu_ops
+    from pallas_kernels.cpu_ops import paged_attention_cpu
 
     assert os.environ.get("JAXPAGE_CPU_KERNEL_LIB"), "JAXPAGE_CPU_KERNEL_LIB is not set"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        registered = cpu_attention.available()
+        registered = cpu_ops.available()
     assert registered, f"the sanitized kernel did not register: {[str(w.message) for w in caught]}"
     import jax.numpy as jnp
 
@@ -749,7 +751,7 @@ def child(seeds: int) -> int:
         else:
             raise AssertionError(f"{name}: no error")
     print(json.dumps({**counts, "rejected": rejected, "max_error": worst,
-                      "bf16_dot_compiled": cpu_attention.bf16_dot_compiled(),
+                      "bf16_dot_compiled": cpu_ops.bf16_dot_compiled(),
                       "bf16_worst_ratio": worst_bf16, "quantized": quantized_counts,
                       "quantized_max_error": worst_quantized, "set_rows": set_rows_calls,
                       "small_matmul": small_matmul_calls,

@@ -1,7 +1,7 @@
 """Where a small decode step's layer call spends its time, stage by stage.
 
 A decode step of at most `llama.FUSED_LAYER_ROWS` tokens runs each layer as one call of the
-kernel library (`cpu_attention.decoder_layer`): the qkv matmul, rope, the pool writes,
+kernel library (`cpu_ops.decoder_layer`): the qkv matmul, rope, the pool writes,
 attention, the o matmul, add + norm, gate_up, SiLU, down, add + norm. This script builds the
 library with its stage clock (JAXPAGE_CPU_KERNEL_STAGE_CLOCK=1: a build of its own, ~35 s the
 first time) and prints, per batch and dtype of the default model (SmolLM2-135M, every sequence
@@ -35,7 +35,7 @@ os.environ["JAXPAGE_CPU_KERNEL_STAGE_CLOCK"] = "1"  # before the library is firs
 from bench_decode_step import kv_bytes_per_token, read_gbps, start_decoding  # noqa: E402
 from bench_throughput import decode_seqs, make_llm  # noqa: E402
 
-from pallas_kernels import cpu_attention  # noqa: E402
+from pallas_kernels import cpu_library  # noqa: E402
 
 
 def runner_steps(llm, batch: int, context: int, steps: int) -> float:
@@ -69,7 +69,7 @@ def engine_steps(llm, batch: int, context: int, steps: int) -> float:
 
 
 def _clock(reset: bool = False) -> dict:
-    clock = cpu_attention.stage_clock(reset)
+    clock = cpu_library.stage_clock(reset)
     if clock is None:
         raise SystemExit("the kernel library has no stage clock: JAXPAGE_CPU_KERNEL_LIB names a "
                          "library built without it, or there is no C++ compiler")
@@ -112,7 +112,7 @@ def report(title: str, clock: dict, nbytes: dict[str, float], read: float, secon
           f"{total - matmul - per_call['attention']:.1f} us")
     joins = max(clock["joins"], 1)
     quantiles = ", ".join(
-        f"{q:.0%} within {cpu_attention.join_quantile(clock['join_buckets'], q) * 1e6:.3g}"
+        f"{q:.0%} within {cpu_library.join_quantile(clock['join_buckets'], q) * 1e6:.3g}"
         for q in (0.5, 0.9, 0.99))
     print(f"  helpers: {clock['joins']} started after being scheduled: {quantiles} us (upper "
           f"edges of powers of 2 ns), {clock['late_joins']} ({clock['late_joins'] / joins:.0%}) "

@@ -33,10 +33,10 @@ def test_generate_cli_without_torch_prints_no_dependency_notices(tmp_path):
                PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]))
     # the GGUF converts into the empty cache; the CPU kernel library is this process's build
     # (compiling it again there took ~35 of the test's 40 s, and prints nothing either way)
-    from pallas_kernels import cpu_attention
+    from pallas_kernels import cpu_library, cpu_ops
 
-    if cpu_attention.available():
-        env["JAXPAGE_CPU_KERNEL_LIB"] = str(cpu_attention._library())
+    if cpu_ops.available():
+        env["JAXPAGE_CPU_KERNEL_LIB"] = str(cpu_library._library_path())
 
     # the setup really hides torch: transformers believes it and says so when imported alone
     control = run_without_torch(

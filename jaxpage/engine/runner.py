@@ -40,7 +40,7 @@ from jaxpage.models.config import layer_windows
 from jaxpage.parallel import TensorParallel, TensorParallelModel
 from jaxpage.sampling import SamplingMetadata, sample
 from jaxpage.sampling_params import SamplingParams, SamplingRow
-from pallas_kernels import bits, cpu_attention, quantized
+from pallas_kernels import bits, cpu_ops, quantized
 
 if TYPE_CHECKING:
     from jaxpage.config import EngineConfig
@@ -685,7 +685,7 @@ def _packs_weights(model: Any, device: Any, dtype) -> bool:
     return (device.platform == "cpu" and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
             and hasattr(model, "pack_params")
             and os.environ.get("JAXPAGE_CPU_PACKED_WEIGHTS", "1") != "0"
-            and cpu_attention.available())
+            and cpu_ops.available())
 
 
 def _cast_float(leaf: Any, dtype) -> Any:

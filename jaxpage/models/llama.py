@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from jaxpage.attention import AttentionMetadata, LayerKV, paged_attention
 from jaxpage.models.config import ModelConfig, RopeConfig, rope_inv_freq
-from pallas_kernels import bits, cpu_attention
+from pallas_kernels import bits, cpu_ops
 
 Params = dict[str, Any]
 
@@ -63,7 +63,7 @@ SMALL_MATMUL_ROWS = {("bfloat16", False): 32, ("bfloat16", True): 16,
 # the projections `pack_params` packs for the CPU kernel's packed matmul
 PACKED_WEIGHTS = ("qkv", "o", "gate_up", "down")
 
-# a layer the CPU kernel library runs in one call (`cpu_attention.decoder_layer`): these params
+# a layer the CPU kernel library runs in one call (`cpu_ops.decoder_layer`): these params
 # (no biases, no q/k norms), its projections packed
 FUSED_LAYER_PARAMS = frozenset(("attn_norm", "mlp_norm") + PACKED_WEIGHTS)
 # steps of at most this many tokens (decode) run such layers in one call each on CPU
@@ -72,22 +72,22 @@ FUSED_LAYER_ROWS = 8
 
 def pack_params(params: Params) -> Params:
     """The params with each layer's projections (PACKED_WEIGHTS) and the LM head (`lm_head`, or
-    a tied `embed` as [H, V]), where `cpu_attention.packable` (float32 or bfloat16, N a
+    a tied `embed` as [H, V]), where `cpu_ops.packable` (float32 or bfloat16, N a
     multiple of the build's panel width: 32 columns with AVX-512, else 16), packed by
-    `cpu_attention.pack_weight`: the layout a CPU runner keeps them in, so that every matmul
+    `cpu_ops.pack_weight`: the layout a CPU runner keeps them in, so that every matmul
     of them, decode and prefill alike, streams its weights in order
-    (`cpu_attention.packed_matmul`; a 1-8 row step ~25% faster than on the [K, N] walk, and
+    (`cpu_ops.packed_matmul`; a 1-8 row step ~25% faster than on the [K, N] walk, and
     from 64 to 256 rows 1.1-2x XLA's dot, 0.94x bfloat16 / 1.04x float32 at 1024). `linear`,
     `embed` and `compute_logits` take packed weights as they take the others; the engine packs
     only where the kernel library is available."""
-    pack = cpu_attention.pack_weight  # NumPy params pack on the host; the others are kept
-    layers = [{name: pack(w) if name in PACKED_WEIGHTS and cpu_attention.packable(w) else w
+    pack = cpu_ops.pack_weight  # NumPy params pack on the host; the others are kept
+    layers = [{name: pack(w) if name in PACKED_WEIGHTS and cpu_ops.packable(w) else w
                for name, w in layer.items()} for layer in params["layers"]]
     out = dict(params, layers=layers)
     if "lm_head" in params:
-        if cpu_attention.packable(params["lm_head"]):
+        if cpu_ops.packable(params["lm_head"]):
             out["lm_head"] = pack(params["lm_head"])
-    elif cpu_attention.packable(params["embed"].T):
+    elif cpu_ops.packable(params["embed"].T):
         # a tied head: the embedding table [V, H] packed as the head's [H, V] (`embed` reads
         # its rows back out of the panels)
         out["embed"] = pack(params["embed"].T)
@@ -97,16 +97,16 @@ def pack_params(params: Params) -> Params:
 def _matmul_f32(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
                 live_rows: jax.Array | None = None) -> jax.Array:
     """x [M, K] @ w ([K, N], or [N, K] with `transpose_w`) -> float32 [M, N]. A packed weight
-    (`pack_params`: 4-D, only ever on CPU) goes through `cpu_attention.packed_matmul`, any M.
+    (`pack_params`: 4-D, only ever on CPU) goes through `cpu_ops.packed_matmul`, any M.
     Otherwise, on CPU, for float32/bfloat16 operands of one dtype and M up to its
-    SMALL_MATMUL_ROWS, through `cpu_attention.small_matmul` where the kernel library is built
+    SMALL_MATMUL_ROWS, through `cpu_ops.small_matmul` where the kernel library is built
     for AVX-512 (XLA:CPU's matmuls stream the weights at about half the read bandwidth with so
-    few rows; without AVX-512 the walks lose to XLA: `cpu_attention.wide_vectors`); elsewhere,
+    few rows; without AVX-512 the walks lose to XLA: `cpu_ops.wide_vectors`); elsewhere,
     and on every other platform, jnp's dot. Only the packed path reads `live_rows` (x's rows
     past it are padding): it multiplies only the live rows, the others are zeros there and
     whatever the dot gives elsewhere; no one reads them."""
     if w.ndim == 4:
-        return cpu_attention.packed_matmul(x, w, live_rows=live_rows)
+        return cpu_ops.packed_matmul(x, w, live_rows=live_rows)
 
     def dot(x, w):
         if transpose_w:
@@ -116,11 +116,11 @@ def _matmul_f32(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
     dtype = jnp.dtype(x.dtype)
     if (x.ndim != 2 or w.ndim != 2 or dtype != jnp.dtype(w.dtype)
             or x.shape[0] > SMALL_MATMUL_ROWS.get((dtype.name, transpose_w), 0)
-            or not cpu_attention.wide_vectors()):  # built, and for AVX-512
+            or not cpu_ops.wide_vectors()):  # built, and for AVX-512
         return dot(x, w)
 
     def kernel(x, w):
-        return cpu_attention.small_matmul(x, w, transpose_w=transpose_w)
+        return cpu_ops.small_matmul(x, w, transpose_w=transpose_w)
 
     # only XLA:CPU takes the kernel; accelerators lower the dot as before
     return jax.lax.platform_dependent(x, w, cpu=kernel, default=dot)
@@ -144,7 +144,7 @@ def _cpu_glue(cpu, default, *args):
     """`default(*args)`, or `cpu(*args)` (a kernel library call) on CPU where the library is
     built: a layer's elementwise glue, which XLA:CPU runs as several loop fusions (split over
     its threads from 8 rows on, ~5-20 us each for a few KB)."""
-    if not cpu_attention.available():
+    if not cpu_ops.available():
         return default(*args)
     return jax.lax.platform_dependent(*args, cpu=cpu, default=default)
 
@@ -157,7 +157,7 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, eps: 
                  ) -> tuple[jax.Array, jax.Array]:
     """(s, rms_norm(s, weight, eps)) with s = x + delta.astype(x.dtype) (x without delta): a
     residual add (delta: a sublayer's output, float32 before rounding or x's dtype) and the
-    norm after it, for x [T, H]. On CPU one kernel call (`cpu_attention.add_rms_norm`: the same
+    norm after it, for x [T, H]. On CPU one kernel call (`cpu_ops.add_rms_norm`: the same
     sum bit for bit, the norm to float32 rounding of rms_norm's)."""
     def default(x, delta, weight):
         s = x if delta is None else x + delta.astype(x.dtype)
@@ -165,13 +165,13 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, eps: 
 
     if x.ndim != 2 or not _glue_dtype(x.dtype) or weight.dtype != x.dtype:
         return default(x, delta, weight)
-    return _cpu_glue(functools.partial(cpu_attention.add_rms_norm, eps=eps), default,
+    return _cpu_glue(functools.partial(cpu_ops.add_rms_norm, eps=eps), default,
                      x, delta, weight)
 
 
 def silu_mul(gate_up: jax.Array, dtype) -> jax.Array:
     """silu(gate) * up in `dtype` for gate_up [T, 2I] = [gate | up] (float32 before rounding,
-    or `dtype`), as the MLP computes them. On CPU one kernel call (`cpu_attention.silu_mul`:
+    or `dtype`), as the MLP computes them. On CPU one kernel call (`cpu_ops.silu_mul`:
     silu in float32 rounded once, as HF's bfloat16 silu; XLA rounds each of its ops)."""
     def default(gate_up):
         gate, up = jnp.split(gate_up.astype(dtype), 2, axis=-1)
@@ -179,14 +179,14 @@ def silu_mul(gate_up: jax.Array, dtype) -> jax.Array:
 
     if gate_up.ndim != 2 or not _glue_dtype(dtype):
         return default(gate_up)
-    return _cpu_glue(functools.partial(cpu_attention.silu_mul, dtype=dtype), default, gate_up)
+    return _cpu_glue(functools.partial(cpu_ops.silu_mul, dtype=dtype), default, gate_up)
 
 
 def split_rotate(qkv: jax.Array, cos: jax.Array, sin: jax.Array, num_heads: int,
                  num_kv_heads: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [T, heads, D], k and v [T, kv_heads, D] in cos's dtype from the fused projection's
     qkv [T, (heads + 2 kv_heads) D] (float32 before rounding, or that dtype), q and k rotated
-    (`rotate`). On CPU one kernel call (`cpu_attention.qkv_rope`, bit for bit this)."""
+    (`rotate`). On CPU one kernel call (`cpu_ops.qkv_rope`, bit for bit this)."""
     dim = cos.shape[-1]
 
     def default(qkv, cos, sin):
@@ -199,7 +199,7 @@ def split_rotate(qkv: jax.Array, cos: jax.Array, sin: jax.Array, num_heads: int,
 
     if qkv.ndim != 2 or not _glue_dtype(cos.dtype) or sin.dtype != cos.dtype or dim % 2:
         return default(qkv, cos, sin)
-    return _cpu_glue(functools.partial(cpu_attention.qkv_rope, num_heads=num_heads,
+    return _cpu_glue(functools.partial(cpu_ops.qkv_rope, num_heads=num_heads,
                                        num_kv_heads=num_kv_heads), default, qkv, cos, sin)
 
 
@@ -304,7 +304,7 @@ class LlamaModel:
         for layer, layer_kv, window, next_norm in zip(layers, kv_pool, cfg.layer_windows,
                                                       next_norms, strict=True):
             if window is None and self._fused(layer, layer_kv, next_norm, x, metadata):
-                x, h, *layer_kv = cpu_attention.decoder_layer(
+                x, h, *layer_kv = cpu_ops.decoder_layer(
                     x, h, layer, cos, sin, *layer_kv, metadata.slot_mapping,
                     metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
                     next_norm, num_heads=cfg.num_heads, eps=cfg.rms_norm_eps, live_rows=live)
@@ -320,7 +320,7 @@ class LlamaModel:
 
     def _fused(self, layer, layer_kv, next_norm, x: jax.Array, metadata: AttentionMetadata
                ) -> bool:
-        """Whether this layer runs as one CPU kernel call (`cpu_attention.decoder_layer`, bit
+        """Whether this layer runs as one CPU kernel call (`cpu_ops.decoder_layer`, bit
         for bit the unfused calls): a step of at most FUSED_LAYER_ROWS tokens on the C++
         backend, a plain layer (FUSED_LAYER_PARAMS, its projections packed, SiLU), float32 or
         bfloat16 throughout (pools included: not quantized, not padded past head_dim), one
@@ -337,7 +337,7 @@ class LlamaModel:
                 and layer["mlp_norm"].dtype == dtype and next_norm.dtype == dtype
                 and all(isinstance(pool, jax.Array) and pool.dtype == dtype
                         and pool.shape[-1] == self.config.head_dim for pool in layer_kv)
-                and cpu_attention.available())
+                and cpu_ops.available())
 
     def _output(self, params: Params, x: jax.Array, metadata: AttentionMetadata) -> jax.Array:
         """The last layer's [T, H] output -> logits of the rows the metadata asks for."""

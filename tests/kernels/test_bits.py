@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels import bits, cpu_attention
+from pallas_kernels import bits, cpu_ops
 from pallas_kernels.blockwise import write_kv
 
 pytestmark = pytest.mark.kernels
@@ -67,7 +67,7 @@ def test_take_gathers_as_numpy_does(dtype):
 
 
 def test_an_index_outside_the_pool_is_an_error():
-    if not cpu_attention.available():
+    if not cpu_ops.available():
         pytest.skip("the custom call needs the CPU kernel library")
     pool = jnp.zeros((2, 4, 4, 8), jnp.bfloat16)
     with pytest.raises(Exception, match="set_rows: index outside the pool"):
@@ -81,7 +81,7 @@ def test_the_compiled_kv_write_never_converts_the_pool(dtype):
     array of the pool's size and no copy of the pool: before bits.py XLA:CPU converted the
     whole pool to float32 and back around every scatter. Nor a transposed copy of the new
     K/V: the kernel reads them token-major, as the projection leaves them."""
-    if not cpu_attention.available():
+    if not cpu_ops.available():
         pytest.skip("the in-place write needs the CPU kernel library")
     shape = (3, 64, 16, 64)
     pool = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))

@@ -31,11 +31,11 @@ import pytest
 from test_quantized_kv import assert_exact_and_near_oracle, one_format_each, quantized_batch
 from test_reference import assert_matches_naive, random_batch
 
-from pallas_kernels import cpu_attention, quantized
-from pallas_kernels.cpu_attention import paged_attention_cpu
+from pallas_kernels import cpu_library, cpu_ops, quantized
+from pallas_kernels.cpu_ops import paged_attention_cpu
 from pallas_kernels.reference import paged_attention_reference
 
-pytestmark = pytest.mark.skipif(not cpu_attention.available(),
+pytestmark = pytest.mark.skipif(not cpu_ops.available(),
                                 reason="the C++ kernel could not be built here")
 
 
@@ -211,9 +211,9 @@ def test_inconsistent_lengths_are_an_error():
 def _call_target(args, out_shape):
     """The FFI target called as `paged_attention_cpu` calls it (scale 1, no window or
     soft-cap), any result shape."""
-    call = jax.ffi.ffi_call(cpu_attention._TARGET, jax.ShapeDtypeStruct(out_shape, jnp.float32))
+    call = jax.ffi.ffi_call(cpu_library.TARGET, jax.ShapeDtypeStruct(out_shape, jnp.float32))
     return jax.block_until_ready(call(*args, scale=np.float32(1.0),
-                                      query_tile=np.int64(cpu_attention.QUERY_TILE),
+                                      query_tile=np.int64(cpu_ops.QUERY_TILE),
                                       sliding_window=np.int64(0), soft_cap=np.float32(0.0),
                                       key_splits=np.int64(0)))
 
@@ -286,15 +286,15 @@ def test_valid_tiny_batch_runs():
 
 
 def test_unsupported_pools_are_named():
-    assert cpu_attention.unsupported_reason(64, 16, np.float32) is None
-    assert cpu_attention.unsupported_reason(64, 16, jnp.bfloat16) is None
+    assert cpu_ops.unsupported_reason(64, 16, np.float32) is None
+    assert cpu_ops.unsupported_reason(64, 16, jnp.bfloat16) is None
     for fmt in quantized.FORMATS:  # a QuantizedPool's dtype is its storage dtype
-        assert cpu_attention.unsupported_reason(64, 16, jnp.dtype(fmt)) is None
-        assert cpu_attention.unsupported_reason(8, 1, jnp.dtype(fmt)) is None
-    assert "float8_e4m3fnuz" in cpu_attention.unsupported_reason(64, 16, jnp.float8_e4m3fnuz)
-    assert "uint8" in cpu_attention.unsupported_reason(64, 16, np.uint8)
-    assert "float16" in cpu_attention.unsupported_reason(64, 16, jnp.float16)
-    assert "512" in cpu_attention.unsupported_reason(512, 16, np.float32)
+        assert cpu_ops.unsupported_reason(64, 16, jnp.dtype(fmt)) is None
+        assert cpu_ops.unsupported_reason(8, 1, jnp.dtype(fmt)) is None
+    assert "float8_e4m3fnuz" in cpu_ops.unsupported_reason(64, 16, jnp.float8_e4m3fnuz)
+    assert "uint8" in cpu_ops.unsupported_reason(64, 16, np.uint8)
+    assert "float16" in cpu_ops.unsupported_reason(64, 16, jnp.float16)
+    assert "512" in cpu_ops.unsupported_reason(512, 16, np.float32)
 
 
 # ----------------------------------------------------------------------------- bfloat16 pools
@@ -304,7 +304,7 @@ BF16_MODES = [pytest.param(True, id="dot"), pytest.param(False, id="portable")]
 
 
 def _skip_unless_mode_built(bf16_dot):
-    if bf16_dot and not cpu_attention.bf16_dot_compiled():
+    if bf16_dot and not cpu_ops.bf16_dot_compiled():
         pytest.skip("this build has no AVX512-BF16 path (the CPU or compiler lacks it)")
 
 
@@ -443,7 +443,7 @@ def test_bf16_dot_path_is_taken_and_matches_the_dense_reference():
         # output rounding (eps |out|) plus P's rounding (eps max|v| bounds sum_t w_t |v_t|)
         np.testing.assert_array_less(
             np.abs(out - dense), BF16_EPS * (np.abs(dense) + np.nanmax(np.abs(args[2]))) + 2e-5)
-    if cpu_attention.bf16_dot_compiled():
+    if cpu_ops.bf16_dot_compiled():
         assert not np.array_equal(outs[True], outs[False]), "bf16_dot=True ran the portable path"
     else:
         np.testing.assert_array_equal(outs[True], outs[False])
@@ -451,12 +451,12 @@ def test_bf16_dot_path_is_taken_and_matches_the_dense_reference():
 
 def test_bf16_mode_from_the_environment(monkeypatch):
     monkeypatch.setenv("JAXPAGE_CPU_KERNEL_BF16", "portable")
-    assert cpu_attention._default_bf16_dot() is False
+    assert cpu_ops._default_bf16_dot() is False
     monkeypatch.setenv("JAXPAGE_CPU_KERNEL_BF16", "dot")
-    assert cpu_attention._default_bf16_dot() is True
+    assert cpu_ops._default_bf16_dot() is True
     monkeypatch.setenv("JAXPAGE_CPU_KERNEL_BF16", "avx")
     with pytest.raises(ValueError, match="portable"):
-        cpu_attention._default_bf16_dot()
+        cpu_ops._default_bf16_dot()
 
 
 def test_mixed_pool_dtypes_are_refused():
@@ -569,7 +569,7 @@ def test_negative_key_splits_are_refused():
             np.array([1], np.int32), np.array([0, 1], np.int32))
     with pytest.raises(ValueError, match="key_splits must be >= 0"):
         paged_attention_cpu(*args, key_splits=-1)
-    call = jax.ffi.ffi_call(cpu_attention._TARGET, jax.ShapeDtypeStruct((1, 1, 8), jnp.float32))
+    call = jax.ffi.ffi_call(cpu_library.TARGET, jax.ShapeDtypeStruct((1, 1, 8), jnp.float32))
     with pytest.raises(Exception, match="key_splits -2 is negative"):
         jax.block_until_ready(call(*args, scale=np.float32(1.0), query_tile=np.int64(32),
                                    sliding_window=np.int64(0), soft_cap=np.float32(0.0),
@@ -727,7 +727,7 @@ def test_quantized_mixed_pool_dtypes_are_refused(k_fmt, v_fmt):
 
 def _call_quantized_target(q, k_values, k_scales, v_values, v_scales):
     """The quantized FFI target called directly (one sequence of 5 tokens in blocks 1, 2)."""
-    call = jax.ffi.ffi_call(cpu_attention._TARGET_QUANTIZED,
+    call = jax.ffi.ffi_call(cpu_library.TARGET_QUANTIZED,
                             jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return jax.block_until_ready(call(
         q, k_values, k_scales, v_values, v_scales, np.array([[1, 2]], np.int32),
@@ -760,7 +760,7 @@ def test_float8_tables_match_ml_dtypes(fmt):
     equal where finite or infinite (signed zeros included), NaN exactly where it is NaN
     (e4m3fn: 0x7f and 0xff, no inf; e5m2: inf at 0x7c and 0xfc, NaN above)."""
     table = np.zeros(256, np.float32)
-    cpu_attention._loaded().JaxpageFloat8Table(
+    cpu_library.loaded().JaxpageFloat8Table(
         ctypes.c_int(0 if fmt == "float8_e4m3fn" else 1),
         table.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))
     expected = np.arange(256, dtype=np.uint8).view(getattr(ml_dtypes, fmt)).astype(np.float32)

@@ -23,10 +23,10 @@ from test_packed_matmul import PACKABLE
 from jaxpage.attention import build_metadata, init_kv_pool
 from jaxpage.loading.hf import load_hf_dir
 from jaxpage.models import llama
-from pallas_kernels import cpu_attention
+from pallas_kernels import cpu_library, cpu_ops
 
 pytestmark = [pytest.mark.kernels,
-              pytest.mark.skipif(not cpu_attention.available(),
+              pytest.mark.skipif(not cpu_ops.available(),
                                  reason="the CPU kernel library is not available")]
 
 STEP = jax.jit(llama.LlamaModel.forward, static_argnums=0)
@@ -154,7 +154,7 @@ def test_bad_slots_and_blocks_are_refused_by_name(hf_model_dir):
     cos = jnp.ones((2, config.head_dim), jnp.float32)
 
     def call(slots, table):
-        return cpu_attention.decoder_layer(
+        return cpu_ops.decoder_layer(
             x, x, layer, cos, cos * 0, k_pool, v_pool, jnp.asarray(slots, jnp.int32),
             jnp.asarray([table], jnp.int32), jnp.asarray([2], jnp.int32),
             jnp.asarray([0, 2], jnp.int32), layer["attn_norm"], num_heads=config.num_heads,
@@ -167,7 +167,7 @@ def test_bad_slots_and_blocks_are_refused_by_name(hf_model_dir):
     with pytest.raises(Exception, match="block table entry outside the pool"):
         jax.block_until_ready(call([16, 17], [9, 0]))
     with pytest.raises(ValueError, match="key_splits"):
-        cpu_attention.decoder_layer(x, x, layer, cos, cos, k_pool, v_pool,
+        cpu_ops.decoder_layer(x, x, layer, cos, cos, k_pool, v_pool,
                                     jnp.zeros(2, jnp.int32), jnp.zeros((1, 2), jnp.int32),
                                     jnp.ones(1, jnp.int32), jnp.asarray([0, 2], jnp.int32),
                                     layer["attn_norm"], num_heads=config.num_heads, eps=1e-5,
@@ -180,7 +180,7 @@ import jax, jax.numpy as jnp, numpy as np
 from jaxpage.attention import build_metadata, init_kv_pool
 from jaxpage.loading.hf import load_hf_dir
 from jaxpage.models import llama
-from pallas_kernels import cpu_attention
+from pallas_kernels import cpu_library, cpu_ops
 
 config, params = load_hf_dir(sys.argv[1], "bfloat16")
 params = llama.pack_params(params)
@@ -195,13 +195,13 @@ def run(lens):
     return step(model, params, jnp.array([5, 6, 7], jnp.int32), positions, pool, md)
 
 jax.block_until_ready(run([3, 4, 5]))  # compiles
-assert cpu_attention.stage_clock(reset=True) is not None
+assert cpu_library.stage_clock(reset=True) is not None
 start = time.perf_counter()
 for i in range(int(sys.argv[2])):
     logits, pool = run([4 + i, 5 + i, 6 + i])
     jax.block_until_ready(logits)
 wall = time.perf_counter() - start
-print(json.dumps(dict(cpu_attention.stage_clock(), wall=wall, layers=config.num_layers)))
+print(json.dumps(dict(cpu_library.stage_clock(), wall=wall, layers=config.num_layers)))
 """
 
 
@@ -216,7 +216,7 @@ def test_the_stage_clock_counts_every_layer_call_within_the_steps_wall_time(hf_m
     import subprocess
     import sys
 
-    assert cpu_attention.stage_clock() is None  # this process's library: built without it
+    assert cpu_library.stage_clock() is None  # this process's library: built without it
     path, _ = hf_model_dir("llama", **PACKABLE)
     steps = 5
     env = dict(os.environ, JAXPAGE_CPU_KERNEL_STAGE_CLOCK="1")
@@ -227,7 +227,7 @@ def test_the_stage_clock_counts_every_layer_call_within_the_steps_wall_time(hf_m
     clock = json.loads(done.stdout.strip().splitlines()[-1])
     calls = clock["calls"]
     assert calls == clock["layers"] * steps
-    assert list(clock["seconds"]) == list(cpu_attention.LAYER_STAGES)
+    assert list(clock["seconds"]) == list(cpu_library.LAYER_STAGES)
     assert all(seconds > 0 for seconds in clock["seconds"].values()), clock["seconds"]
     assert sum(clock["seconds"].values()) < clock["wall"]
     # a helper joins its call at most once (one scheduled for a call the caller finished alone
@@ -246,8 +246,8 @@ def test_join_quantile_is_the_upper_edge_of_the_bucket_a_quantile_falls_in():
     past the last bucket's lower edge."""
     buckets = [0] * 32
     buckets[3], buckets[10], buckets[31] = 5, 4, 1
-    assert cpu_attention.join_quantile(buckets, 0.5) == pytest.approx(15e-9)
-    assert cpu_attention.join_quantile(buckets, 0.51) == pytest.approx(2047e-9)
-    assert cpu_attention.join_quantile(buckets, 0.9) == pytest.approx(2047e-9)
-    assert cpu_attention.join_quantile(buckets, 0.99) == float("inf")
-    assert math.isnan(cpu_attention.join_quantile([0] * 32, 0.5))
+    assert cpu_library.join_quantile(buckets, 0.5) == pytest.approx(15e-9)
+    assert cpu_library.join_quantile(buckets, 0.51) == pytest.approx(2047e-9)
+    assert cpu_library.join_quantile(buckets, 0.9) == pytest.approx(2047e-9)
+    assert cpu_library.join_quantile(buckets, 0.99) == float("inf")
+    assert math.isnan(cpu_library.join_quantile([0] * 32, 0.5))

@@ -13,12 +13,12 @@ from conftest import add_due, build_hf_model
 
 from jaxpage import LLM, SamplingParams
 from jaxpage.attention import RAGGED_BACKENDS, pool_head_dim
-from pallas_kernels import cpu_attention
+from pallas_kernels import cpu_ops
 
 pytestmark = pytest.mark.kernels
 
 
-needs_cpp = pytest.mark.skipif(not cpu_attention.available(),
+needs_cpp = pytest.mark.skipif(not cpu_ops.available(),
                                reason="the C++ kernel could not be built here")
 
 
@@ -97,7 +97,7 @@ def test_kernel_backend_on_the_wrong_platform_is_refused(hf_model_dir):
 
 @needs_cpp
 def test_auto_backend_on_cpu_is_the_cpp_kernel_for_float32_and_bfloat16(hf_model_dir):
-    """Both engine dtypes; other pool dtypes are refused by cpu_attention.unsupported_reason
+    """Both engine dtypes; other pool dtypes are refused by cpu_ops.unsupported_reason
     (tests/kernels/test_cpu_attention.py::test_unsupported_pools_are_named)."""
     path, _ = hf_model_dir("qwen3")
     assert LLM(path, num_blocks=8).engine.runner.backend == "cpp"
@@ -112,7 +112,7 @@ def test_bf16_engine_greedy_tokens_match_reference_backend(tmp_path, monkeypatch
     backend's greedy tokens over chunked prompts, decode steps mixed with chunks and
     prefix-cache hits. Where a token differs, it must be a near-tie of the reference's logits
     (top-2 margin under bf16's resolution of the logits), not a wrong attention."""
-    if bf16_mode == "dot" and not cpu_attention.bf16_dot_compiled():
+    if bf16_mode == "dot" and not cpu_ops.bf16_dot_compiled():
         pytest.skip("this build has no AVX512-BF16 path")
     monkeypatch.setenv("JAXPAGE_CPU_KERNEL_BF16", bf16_mode)
     build_hf_model("qwen3", head_dim=64).save_pretrained(tmp_path, safe_serialization=True)

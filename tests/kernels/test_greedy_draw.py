@@ -1,4 +1,4 @@
-"""cpu_attention.greedy_draw (cpu_attention.cc's JaxpageGreedyDraw) against a float64 NumPy
+"""cpu_ops.greedy_draw (cpu_attention.cc's JaxpageGreedyDraw) against a float64 NumPy
 oracle, and the sampler's greedy rows, which take it on CPU, against its XLA path.
 
 Tokens are exact: each row's first maximum (its first NaN where it has one), as np.argmax and
@@ -18,10 +18,10 @@ import pytest
 
 from jaxpage import sampling
 from jaxpage.sampling_params import SamplingParams, SamplingRow
-from pallas_kernels import cpu_attention
+from pallas_kernels import cpu_ops
 
 pytestmark = [pytest.mark.kernels,
-              pytest.mark.skipif(not cpu_attention.available(),
+              pytest.mark.skipif(not cpu_ops.available(),
                                  reason="the CPU kernel library is not available")]
 
 EPS = 2.0**-24
@@ -56,7 +56,7 @@ def test_tokens_exact_and_logprobs_within_the_float32_bound(rows, vocab):
         x[0, vocab // 3] = x[0, vocab - 1] = x[0].max() + 1.0
     if rows > 1 and vocab > 17:
         x[1, 17] = x[1, 1] = x[1].max() + 2.0  # the same lane of two vectors
-    tokens, logprob = jax.jit(cpu_attention.greedy_draw)(jnp.asarray(x))
+    tokens, logprob = jax.jit(cpu_ops.greedy_draw)(jnp.asarray(x))
     want_tokens, want_logprob = oracle(x)
     np.testing.assert_array_equal(np.asarray(tokens), want_tokens)
     err = np.abs(np.asarray(logprob, np.float64) - want_logprob)
@@ -72,7 +72,7 @@ def test_a_rows_draw_does_not_depend_on_the_thread_that_draws_it():
     ordered the two copies' sums apart: one ulp on about a third of such calls.)"""
     rng = np.random.default_rng(7)
     rows = (rng.standard_normal((8, 1000)) * 4).astype(np.float32)
-    draw = jax.jit(cpu_attention.greedy_draw)
+    draw = jax.jit(cpu_ops.greedy_draw)
     alone = [np.asarray(draw(jnp.asarray(row[None]))[1])[0] for row in rows]
     want = np.tile(np.asarray(alone, np.float32), 64)
     for _ in range(10):
@@ -87,7 +87,7 @@ def test_nan_and_infinite_rows_follow_argmax_and_the_logsumexp_formula():
     x[2, 5] = x[2, 35] = np.inf   # first +inf
     x[3, 39] = np.nan             # a NaN in the tail, after the vectors
     x[4, 3] = -np.inf             # one -inf among finite logits: an ordinary row
-    tokens, logprob = cpu_attention.greedy_draw(jnp.asarray(x))
+    tokens, logprob = cpu_ops.greedy_draw(jnp.asarray(x))
     xla_tokens = sampling.argmax(jnp.asarray(x))
     xla_logprob = (jnp.take_along_axis(jnp.asarray(x), xla_tokens[:, None], axis=-1)[:, 0]
                    - jax.nn.logsumexp(jnp.asarray(x), axis=-1))
@@ -98,11 +98,11 @@ def test_nan_and_infinite_rows_follow_argmax_and_the_logsumexp_formula():
 
 
 def test_empty_batch_and_bad_shapes():
-    tokens, logprob = cpu_attention.greedy_draw(jnp.zeros((0, 8), jnp.float32))
+    tokens, logprob = cpu_ops.greedy_draw(jnp.zeros((0, 8), jnp.float32))
     assert tokens.shape == logprob.shape == (0,)
     for shape in [(8,), (2, 0)]:
         with pytest.raises(ValueError, match="greedy_draw takes logits"):
-            cpu_attention.greedy_draw(jnp.zeros(shape, jnp.float32))
+            cpu_ops.greedy_draw(jnp.zeros(shape, jnp.float32))
 
 
 @pytest.mark.parametrize("bans", [False, True])

@@ -27,10 +27,10 @@ import numpy as np
 import pytest
 
 from jaxpage.models import llama
-from pallas_kernels import cpu_attention
+from pallas_kernels import cpu_library, cpu_ops
 
 pytestmark = [pytest.mark.kernels,
-              pytest.mark.skipif(not cpu_attention.available(),
+              pytest.mark.skipif(not cpu_ops.available(),
                                  reason="the CPU kernel library is not available")]
 
 DTYPES = ["float32", "bfloat16"]
@@ -72,7 +72,7 @@ def test_add_rms_norm_sums_exactly_and_norms_within_the_bound(dtype, rows, hidde
              "none": None}[delta_kind]
     weight = jnp.asarray(rng.standard_normal(hidden), dtype)
     eps = 1e-5
-    s, normed = jax.jit(cpu_attention.add_rms_norm, static_argnums=3)(x, delta, weight, eps)
+    s, normed = jax.jit(cpu_ops.add_rms_norm, static_argnums=3)(x, delta, weight, eps)
     want_sum = x if delta is None else x + delta.astype(dtype)  # XLA's add: the jnp path's
     assert same_bits(s, want_sum)
     assert normed.dtype == jnp.dtype(dtype) and normed.shape == x.shape
@@ -86,14 +86,14 @@ def test_add_rms_norm_keeps_a_nan_to_its_row_and_the_model_takes_it_on_cpu():
     x = np.ones((3, 40), np.float32)
     x[1, 7] = np.nan
     weight = jnp.full((40,), 2.0, jnp.bfloat16)
-    s, normed = cpu_attention.add_rms_norm(jnp.asarray(x, jnp.bfloat16), None, weight, 1e-6)
+    s, normed = cpu_ops.add_rms_norm(jnp.asarray(x, jnp.bfloat16), None, weight, 1e-6)
     normed = f64(normed)
     assert np.isnan(normed[1]).all()
     np.testing.assert_array_equal(normed[[0, 2]], 2.0)  # ones over rms 1, times 2: exact
     # the model's glue lowers to the kernel on CPU (and to the jnp path elsewhere)
     text = jax.jit(functools.partial(llama.add_rms_norm, eps=1e-6)).lower(
         jnp.asarray(x, jnp.bfloat16), jnp.asarray(x), weight).as_text()
-    assert cpu_attention._TARGET_ADD_RMS_NORM in text
+    assert cpu_library.TARGET_ADD_RMS_NORM in text
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -104,7 +104,7 @@ def test_silu_mul_within_the_bound(dtype, rows, inner, f32_input):
     gate_up = rng.standard_normal((rows, 2 * inner)) * 4
     gate_up[0, :4] = [0.0, -0.0, 30.0, -30.0]  # sigmoid saturating both ways
     gate_up = jnp.asarray(gate_up, jnp.float32 if f32_input else dtype)
-    out = jax.jit(cpu_attention.silu_mul, static_argnums=1)(gate_up, dtype)
+    out = jax.jit(cpu_ops.silu_mul, static_argnums=1)(gate_up, dtype)
     assert out.dtype == jnp.dtype(dtype) and out.shape == (rows, inner)
     g = rounded(f64(gate_up[:, :inner]), dtype)
     u = rounded(f64(gate_up[:, inner:]), dtype)
@@ -115,7 +115,7 @@ def test_silu_mul_within_the_bound(dtype, rows, inner, f32_input):
 
 def test_silu_mul_propagates_nan():
     gate_up = jnp.asarray([[np.nan, 1.0, 2.0, np.nan]], jnp.float32)
-    out = f64(cpu_attention.silu_mul(gate_up, jnp.bfloat16))
+    out = f64(cpu_ops.silu_mul(gate_up, jnp.bfloat16))
     assert np.isnan(out).all()  # nan gate; nan up
 
 
@@ -135,7 +135,7 @@ def test_qkv_rope_is_the_jnp_path_bit_for_bit(dtype, heads, kv_heads, dim, rows)
     angles = np.concatenate([angles, angles], axis=-1)
     cos, sin = jnp.asarray(np.cos(angles), dtype), jnp.asarray(np.sin(angles), dtype)
     for given in (qkv, qkv.astype(dtype)):  # the matmul's float32, or already rounded
-        got = jax.jit(cpu_attention.qkv_rope, static_argnums=(3, 4))(given, cos, sin, heads,
+        got = jax.jit(cpu_ops.qkv_rope, static_argnums=(3, 4))(given, cos, sin, heads,
                                                                      kv_heads)
         q = given.astype(dtype)[:, : heads * dim].reshape(rows, heads, dim)
         k = given.astype(dtype)[:, heads * dim : (heads + kv_heads) * dim]
@@ -148,19 +148,19 @@ def test_qkv_rope_is_the_jnp_path_bit_for_bit(dtype, heads, kv_heads, dim, rows)
     # and the model's glue takes the kernel on CPU
     text = jax.jit(functools.partial(llama.split_rotate, num_heads=heads,
                                      num_kv_heads=kv_heads)).lower(qkv, cos, sin).as_text()
-    assert cpu_attention._TARGET_QKV_ROPE in text
+    assert cpu_library.TARGET_QKV_ROPE in text
 
 
 @pytest.mark.parametrize("call,message", [
-    (lambda: cpu_attention.add_rms_norm(jnp.ones((2, 8)), jnp.ones((2, 7)), jnp.ones(8), 1e-6),
+    (lambda: cpu_ops.add_rms_norm(jnp.ones((2, 8)), jnp.ones((2, 7)), jnp.ones(8), 1e-6),
      "add_rms_norm: x \\[T, H\\] \\[2, 8\\], delta"),
-    (lambda: cpu_attention.add_rms_norm(jnp.ones((2, 8)), None, jnp.ones(8), -1.0),
+    (lambda: cpu_ops.add_rms_norm(jnp.ones((2, 8)), None, jnp.ones(8), -1.0),
      "eps must be >= 0"),
-    (lambda: cpu_attention.add_rms_norm(jnp.ones((2, 8), jnp.float16), None,
+    (lambda: cpu_ops.add_rms_norm(jnp.ones((2, 8), jnp.float16), None,
                                         jnp.ones(8, jnp.float16), 1e-6),
      "runs float32 or bfloat16 models, got float16"),
-    (lambda: cpu_attention.silu_mul(jnp.ones((2, 7)), jnp.float32), "silu_mul: gate_up"),
-    (lambda: cpu_attention.qkv_rope(jnp.ones((2, 61)), jnp.ones((2, 4)), jnp.ones((2, 4)), 9, 3),
+    (lambda: cpu_ops.silu_mul(jnp.ones((2, 7)), jnp.float32), "silu_mul: gate_up"),
+    (lambda: cpu_ops.qkv_rope(jnp.ones((2, 61)), jnp.ones((2, 4)), jnp.ones((2, 4)), 9, 3),
      "qkv_rope: qkv \\[T, \\(H \\+ 2 KH\\) D\\] \\[2, 61\\]"),
 ])
 def test_bad_shapes_and_dtypes_are_clear_errors(call, message):

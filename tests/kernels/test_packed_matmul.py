@@ -1,4 +1,4 @@
-"""cpu_attention.packed_matmul (cpu_attention.cc's JaxpagePackedMatmul) on weights packed by
+"""cpu_ops.packed_matmul (cpu_attention.cc's JaxpagePackedMatmul) on weights packed by
 `pack_weight`: against the float64 oracle and bit for bit against small_matmul's [K, N] tiles
 (same products, same float32 sums in k's order; on AMX tiles, which sum in the hardware's
 order, against the oracle only); llama's `pack_params` through a whole model
@@ -18,10 +18,10 @@ from jaxpage.attention import build_metadata, init_kv_pool
 from jaxpage.engine import huge_pages
 from jaxpage.loading.hf import load_hf_dir
 from jaxpage.models import llama
-from pallas_kernels import cpu_attention
+from pallas_kernels import cpu_library, cpu_ops
 
 pytestmark = [pytest.mark.kernels,
-              pytest.mark.skipif(not cpu_attention.available(),
+              pytest.mark.skipif(not cpu_ops.available(),
                                  reason="the CPU kernel library is not available")]
 
 # (dtype, bf16_dot, tiles): bfloat16 on every path (the dot one is the portable one where the
@@ -32,7 +32,7 @@ MODE_IDS = ["float32", "bfloat16-dot", "bfloat16-portable", "bfloat16-tiles"]
 
 
 def _skip_unless_tiles(tiles):
-    if tiles and not cpu_attention.packed_tiles():
+    if tiles and not cpu_ops.packed_tiles():
         pytest.skip("no AMX tiles here (a CPU without AMX-BF16, or Linux refused them)")
 
 
@@ -53,11 +53,11 @@ def operands(rng, m, k, n, dtype=jnp.bfloat16):
 @pytest.mark.parametrize("k,n", SHAPES)
 def test_pack_weight_round_trips(dtype, k, n):
     w = operands(np.random.default_rng(k + n), 1, k, n, dtype)[1]
-    packed = cpu_attention.pack_weight(w)
-    g, panel = 2 if dtype == jnp.bfloat16 else 1, cpu_attention.panel_columns()
-    assert panel == (32 if cpu_attention.wide_vectors() else 16)  # two of the build's vectors
+    packed = cpu_ops.pack_weight(w)
+    g, panel = 2 if dtype == jnp.bfloat16 else 1, cpu_ops.panel_columns()
+    assert panel == (32 if cpu_ops.wide_vectors() else 16)  # two of the build's vectors
     assert packed.shape == ((n // panel), -(-k // g), panel, g)
-    np.testing.assert_array_equal(np.asarray(cpu_attention.unpack_weight(packed, k)),
+    np.testing.assert_array_equal(np.asarray(cpu_ops.unpack_weight(packed, k)),
                                   np.asarray(w))
     # panel p, group j, column c, member i: w[g * j + i, panel * p + c]
     p, j, c = n // panel - 1, (k - 1) // g, 5
@@ -76,7 +76,7 @@ def test_packed_matmul_matches_float64_and_small_matmul(dtype, bf16_dot, tiles, 
     # fewer, their float64 oracle is a [M, K, N] array)
     for m in (1, 8, 9, 17, 33) if k * n > 100_000 else (1, 2, 5, 6, 7, 8, 9, 12, 16, 17, 40):
         x, w = operands(rng, m, k, n, dtype)
-        out = cpu_attention.packed_matmul(x, cpu_attention.pack_weight(w), bf16_dot=bf16_dot,
+        out = cpu_ops.packed_matmul(x, cpu_ops.pack_weight(w), bf16_dot=bf16_dot,
                                           tiles=tiles)
         check(out, x, w, False)
         # the [K, N] tiles' result, bit for bit (where N is whole tiles of small_matmul's, 64
@@ -84,7 +84,7 @@ def test_packed_matmul_matches_float64_and_small_matmul(dtype, bf16_dot, tiles, 
         # rounds in another order); not AMX's, which sums in an order of its own
         if not tiles and n % (64 if m <= 4 else 32) == 0:
             np.testing.assert_array_equal(
-                np.asarray(out), np.asarray(cpu_attention.small_matmul(x, w, bf16_dot=bf16_dot)))
+                np.asarray(out), np.asarray(cpu_ops.small_matmul(x, w, bf16_dot=bf16_dot)))
 
 
 @pytest.mark.parametrize("dtype,bf16_dot,tiles", MODES, ids=MODE_IDS)
@@ -95,30 +95,30 @@ def test_nan_and_inf_propagate(dtype, bf16_dot, tiles):
     x, w = operands(rng, m, k, n, dtype)
     x = x.at[2, 5].set(jnp.nan).at[4, 68].set(jnp.inf)  # the odd K's last, padded pair
     w = w.at[1, 3].set(jnp.inf).at[20, 69].set(-jnp.inf).at[33, 40].set(jnp.nan)
-    out = cpu_attention.packed_matmul(x, cpu_attention.pack_weight(w), bf16_dot=bf16_dot,
+    out = cpu_ops.packed_matmul(x, cpu_ops.pack_weight(w), bf16_dot=bf16_dot,
                                       tiles=tiles)
     check(out, x, w, False)
     assert np.isnan(np.asarray(out)[2]).all()
 
 
 def test_empty_rows_and_bad_operands():
-    w = cpu_attention.pack_weight(jnp.ones((8, 64), jnp.bfloat16))
-    assert cpu_attention.packed_matmul(jnp.zeros((0, 8), jnp.bfloat16), w).shape == (0, 64)
+    w = cpu_ops.pack_weight(jnp.ones((8, 64), jnp.bfloat16))
+    assert cpu_ops.packed_matmul(jnp.zeros((0, 8), jnp.bfloat16), w).shape == (0, 64)
     with pytest.raises(ValueError, match="ceil"):
-        cpu_attention.packed_matmul(jnp.ones((2, 10), jnp.bfloat16), w)
+        cpu_ops.packed_matmul(jnp.ones((2, 10), jnp.bfloat16), w)
     with pytest.raises(ValueError, match="one dtype"):
-        cpu_attention.packed_matmul(jnp.ones((2, 8), jnp.float32), w)
+        cpu_ops.packed_matmul(jnp.ones((2, 8), jnp.float32), w)
     with pytest.raises(ValueError, match="float32"):  # a bfloat16 packing read as float32
-        cpu_attention.packed_matmul(jnp.ones((2, 8), jnp.float32), w.astype(jnp.float32))
-    panel = cpu_attention.panel_columns()
+        cpu_ops.packed_matmul(jnp.ones((2, 8), jnp.float32), w.astype(jnp.float32))
+    panel = cpu_ops.panel_columns()
     with pytest.raises(ValueError, match=f"multiple of {panel}"):
-        cpu_attention.pack_weight(jnp.ones((8, 40), jnp.bfloat16))
+        cpu_ops.pack_weight(jnp.ones((8, 40), jnp.bfloat16))
     with pytest.raises(ValueError, match="float16"):
-        cpu_attention.pack_weight(jnp.ones((8, 64), jnp.float16))
+        cpu_ops.pack_weight(jnp.ones((8, 64), jnp.float16))
     with pytest.raises(ValueError, match=r"prefetch_bytes must be in \[0, 1048576\].*got -64"):
-        cpu_attention.packed_matmul(jnp.ones((2, 8), jnp.bfloat16), w, prefetch_bytes=-64)
+        cpu_ops.packed_matmul(jnp.ones((2, 8), jnp.bfloat16), w, prefetch_bytes=-64)
     # the handler checks for itself (an ffi_call past the wrapper)
-    raw = jax.ffi.ffi_call(cpu_attention._TARGET_PACKED_MATMUL,
+    raw = jax.ffi.ffi_call(cpu_library.TARGET_PACKED_MATMUL,
                            jax.ShapeDtypeStruct((2, 96), jnp.float32))
 
     def call(*args, prefetch_bytes=0, **attrs):
@@ -134,7 +134,7 @@ def test_empty_rows_and_bad_operands():
     with pytest.raises(Exception, match=rf"K / 1, {panel}, 1"):  # bfloat16's pairs read as float32
         jax.block_until_ready(call(jnp.ones((2, 8), jnp.float32), w.astype(jnp.float32), two,
                                    bf16_dot=np.int64(1)))
-    good = jax.ffi.ffi_call(cpu_attention._TARGET_PACKED_MATMUL,
+    good = jax.ffi.ffi_call(cpu_library.TARGET_PACKED_MATMUL,
                             jax.ShapeDtypeStruct((2, 64), jnp.float32))
     with pytest.raises(Exception, match="live rows must be one int32"):
         jax.block_until_ready(good(jnp.ones((2, 8), jnp.bfloat16), w, np.int32([2, 2]),
@@ -155,13 +155,13 @@ def test_prefetch_distance_does_not_change_the_result(dtype, bf16_dot, tiles):
     rng = np.random.default_rng(7)
     for m in (1, 2, 3, 8, 9):
         x, w = operands(rng, m, 99, 1120, dtype)
-        packed = cpu_attention.pack_weight(w)
-        default = np.asarray(cpu_attention.packed_matmul(x, packed, bf16_dot=bf16_dot,
+        packed = cpu_ops.pack_weight(w)
+        default = np.asarray(cpu_ops.packed_matmul(x, packed, bf16_dot=bf16_dot,
                                                          tiles=tiles))
         check(jnp.asarray(default), x, w, False)
         for ahead in (64, 2048, 4096, 6144, 1 << 20):
             np.testing.assert_array_equal(
-                np.asarray(cpu_attention.packed_matmul(x, packed, bf16_dot=bf16_dot, tiles=tiles,
+                np.asarray(cpu_ops.packed_matmul(x, packed, bf16_dot=bf16_dot, tiles=tiles,
                                                        prefetch_bytes=ahead)), default)
 
 
@@ -172,15 +172,15 @@ def test_live_rows_computes_only_those_rows(dtype):
     # vector panels, so not always the full product's rows); out-of-range counts are clamped
     rng = np.random.default_rng(5)
     x, w = operands(rng, 11, 69, 96, dtype)
-    packed = cpu_attention.pack_weight(w)
-    full = np.asarray(cpu_attention.packed_matmul(x, packed))
+    packed = cpu_ops.pack_weight(w)
+    full = np.asarray(cpu_ops.packed_matmul(x, packed))
     check(jnp.asarray(full), x, w, False)  # the oracle: float64
-    step = jax.jit(lambda x, live: cpu_attention.packed_matmul(x, packed, live_rows=live))
+    step = jax.jit(lambda x, live: cpu_ops.packed_matmul(x, packed, live_rows=live))
     for live in (0, 1, 3, 8, 9, 11, 40, -2):
         out = np.asarray(step(x, np.int32(live)))  # traced: one compilation for every count
         rows = min(max(live, 0), 11)
         if rows:
-            alone = np.asarray(cpu_attention.packed_matmul(x[:rows], packed))
+            alone = np.asarray(cpu_ops.packed_matmul(x[:rows], packed))
             np.testing.assert_array_equal(out[:rows], alone)
             check(jnp.asarray(out[:rows]), x[:rows], w, False)
         np.testing.assert_array_equal(out[rows:], 0.0)
@@ -195,7 +195,7 @@ def test_pack_params_leaves_what_it_cannot_pack():
                           "attn_norm": jnp.ones(64, jnp.bfloat16)}]}
     packed = llama.pack_params(params)
     layer = packed["layers"][0]
-    panel = cpu_attention.panel_columns()  # 32 (AVX-512) or 16
+    panel = cpu_ops.panel_columns()  # 32 (AVX-512) or 16
     assert layer["qkv"].shape == (96 // panel, 32, panel, 2)
     assert layer["down"].shape == (64 // panel, 32, panel, 2)
     for name in ("o", "gate_up", "attn_norm"):
@@ -259,7 +259,7 @@ def test_packed_model_errs_as_the_unpacked_one_and_decodes_alike(tied, tiles, hf
     hlo = STEP.lower(model, packed, jnp.asarray([7], jnp.int32), positions, pool,
                      metadata).as_text()
     assert hlo.count("jaxpage_packed_matmul") >= 4 * config.num_layers  # four per layer
-    if not cpu_attention.wide_vectors() or tiles:
+    if not cpu_ops.wide_vectors() or tiles:
         # built without AVX-512 the unpacked model's few-row matmuls are XLA's dot, not
         # small_matmul's tiles (llama._matmul_f32), and AMX sums in its own order: then each
         # decode step against HF, as the prefill (bfloat16 activations round differently along

@@ -25,9 +25,9 @@ from test_paged_decode_kernels import TRITON_TARGETS, abstract_gpu_context
 from test_ragged_kernels import make_batch
 
 from jaxpage.attention import build_metadata, paged_attention
-from pallas_kernels import cpu_attention, paged_decode_gpu, ragged_paged_gpu
+from pallas_kernels import cpu_ops, paged_decode_gpu, ragged_paged_gpu
 from pallas_kernels.blockwise import paged_attention_blockwise
-from pallas_kernels.cpu_attention import paged_attention_cpu
+from pallas_kernels.cpu_ops import paged_attention_cpu
 from pallas_kernels.paged_decode_gpu import paged_decode_attention_gpu
 from pallas_kernels.paged_decode_tpu import paged_decode_attention_tpu
 from pallas_kernels.ragged_paged_gpu import ragged_paged_attention_gpu
@@ -42,7 +42,7 @@ pytestmark = [
 
 BLOCK_SIZE = 16
 TOLERANCE = {np.float32: 1e-5, jnp.bfloat16: 2e-2}  # times the largest |expected|
-needs_cpp = pytest.mark.skipif(not cpu_attention.available(),
+needs_cpp = pytest.mark.skipif(not cpu_ops.available(),
                                reason="the C++ kernel could not be built here")
 
 

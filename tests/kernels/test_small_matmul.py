@@ -1,4 +1,4 @@
-"""cpu_attention.small_matmul (cpu_attention.cc's JaxpageSmallMatmul) against a float64 NumPy
+"""cpu_ops.small_matmul (cpu_attention.cc's JaxpageSmallMatmul) against a float64 NumPy
 oracle, and llama's matmuls routed through it on CPU for few rows.
 
 Tolerance: the kernel multiplies and sums in float32 (bfloat16 inputs widened exactly, their
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from jaxpage.models import llama
-from pallas_kernels import cpu_attention
+from pallas_kernels import cpu_library, cpu_ops
 
 pytestmark = [pytest.mark.kernels,
-              pytest.mark.skipif(not cpu_attention.available(),
+              pytest.mark.skipif(not cpu_ops.available(),
                                  reason="the CPU kernel library is not available")]
 
 DTYPES = [jnp.float32, jnp.bfloat16]
@@ -73,7 +73,7 @@ def test_small_matmul_matches_float64(dtype, bf16_dot, transpose_w, k, n):
         if k * n > 100_000 and m not in (1, 4, 5, 8, 9, 16):  # keep the big shapes quick
             continue
         x, w = operands(rng, m, k, n, dtype, transpose_w)
-        out = cpu_attention.small_matmul(x, w, transpose_w=transpose_w, bf16_dot=bf16_dot)
+        out = cpu_ops.small_matmul(x, w, transpose_w=transpose_w, bf16_dot=bf16_dot)
         check(out, x, w, transpose_w)
 
 
@@ -82,7 +82,7 @@ def test_tied_lm_head_shape(dtype, bf16_dot):
     """SmolLM2's tied head: [8, 576] x [49152, 576]^T, under jit."""
     rng = np.random.default_rng(1)
     x, w = operands(rng, 8, 576, 49152, dtype, True)
-    out = jax.jit(lambda x, w: cpu_attention.small_matmul(x, w, transpose_w=True,
+    out = jax.jit(lambda x, w: cpu_ops.small_matmul(x, w, transpose_w=True,
                                                           bf16_dot=bf16_dot))(x, w)
     check(out, x, w, True)
 
@@ -98,7 +98,7 @@ def test_nan_and_inf_propagate(dtype, bf16_dot, transpose_w):
         w = w.at[3, 1].set(jnp.inf).at[69, 20].set(-jnp.inf).at[40, 33].set(jnp.nan)
     else:
         w = w.at[1, 3].set(jnp.inf).at[20, 69].set(-jnp.inf).at[33, 40].set(jnp.nan)
-    out = cpu_attention.small_matmul(x, w, transpose_w=transpose_w, bf16_dot=bf16_dot)
+    out = cpu_ops.small_matmul(x, w, transpose_w=transpose_w, bf16_dot=bf16_dot)
     check(out, x, w, transpose_w)
     assert np.isnan(np.asarray(out)[2]).all()
 
@@ -106,23 +106,23 @@ def test_nan_and_inf_propagate(dtype, bf16_dot, transpose_w):
 def test_empty_and_zero_k():
     x = jnp.zeros((3, 0), jnp.float32)
     w = jnp.zeros((0, 5), jnp.float32)
-    np.testing.assert_array_equal(cpu_attention.small_matmul(x, w), np.zeros((3, 5)))
-    out = cpu_attention.small_matmul(jnp.zeros((0, 4)), jnp.ones((4, 6)))
+    np.testing.assert_array_equal(cpu_ops.small_matmul(x, w), np.zeros((3, 5)))
+    out = cpu_ops.small_matmul(jnp.zeros((0, 4)), jnp.ones((4, 6)))
     assert out.shape == (0, 6)
 
 
 def test_bad_operands_are_rejected():
     x = jnp.ones((2, 8), jnp.float32)
     with pytest.raises(ValueError, match="does not contract"):
-        cpu_attention.small_matmul(x, jnp.ones((7, 3), jnp.float32))
+        cpu_ops.small_matmul(x, jnp.ones((7, 3), jnp.float32))
     with pytest.raises(ValueError, match="does not contract"):
-        cpu_attention.small_matmul(x, jnp.ones((8, 3), jnp.float32), transpose_w=True)
+        cpu_ops.small_matmul(x, jnp.ones((8, 3), jnp.float32), transpose_w=True)
     with pytest.raises(ValueError, match="one dtype"):
-        cpu_attention.small_matmul(x, jnp.ones((8, 3), jnp.bfloat16))
+        cpu_ops.small_matmul(x, jnp.ones((8, 3), jnp.bfloat16))
     with pytest.raises(ValueError, match="one dtype"):
-        cpu_attention.small_matmul(x.astype(jnp.float16), jnp.ones((8, 3), jnp.float16))
+        cpu_ops.small_matmul(x.astype(jnp.float16), jnp.ones((8, 3), jnp.float16))
     with pytest.raises(ValueError, match="matrices"):
-        cpu_attention.small_matmul(x[None], jnp.ones((8, 3), jnp.float32))
+        cpu_ops.small_matmul(x[None], jnp.ones((8, 3), jnp.float32))
 
 
 @pytest.mark.parametrize("operands_, out_shape, message", [
@@ -134,8 +134,8 @@ def test_bad_operands_are_rejected():
 ])
 def test_the_handler_rejects_what_the_wrapper_would(operands_, out_shape, message):
     """The C++ handler checks shapes and dtypes itself (an ffi_call past the wrapper)."""
-    cpu_attention.available()
-    call = jax.ffi.ffi_call(cpu_attention._TARGET_SMALL_MATMUL,
+    cpu_ops.available()
+    call = jax.ffi.ffi_call(cpu_library.TARGET_SMALL_MATMUL,
                             jax.ShapeDtypeStruct(out_shape, jnp.float32))
     with pytest.raises(Exception, match=message):
         jax.block_until_ready(call(*operands_, transpose_w=np.int64(0), bf16_dot=np.int64(1)))
@@ -148,7 +148,7 @@ def test_linear_takes_the_kernel_on_cpu_and_equals_the_jnp_path(dtype, rows):
     x, w = operands(rng, rows, 576, 960, dtype, False)
     hlo = jax.jit(llama.linear).lower(x, w).as_text()
     # the kernel where the library is built for AVX-512; else XLA's dot (faster there)
-    assert ("jaxpage_small_matmul" in hlo) == cpu_attention.wide_vectors()
+    assert ("jaxpage_small_matmul" in hlo) == cpu_ops.wide_vectors()
     out32 = jax.jit(llama._matmul_f32)(x, w)
     jnp32 = jnp.dot(x, w, preferred_element_type=jnp.float32)
     _, magnitude = oracle(x, w, False)
@@ -168,7 +168,7 @@ def test_tied_head_and_many_rows_and_other_platforms():
     rng = np.random.default_rng(4)
     x, w = operands(rng, 8, 64, 300, jnp.bfloat16, True)
     head = jax.jit(lambda x, w: llama._matmul_f32(x, w, transpose_w=True))
-    wide = cpu_attention.wide_vectors()  # the kernel only where built for AVX-512
+    wide = cpu_ops.wide_vectors()  # the kernel only where built for AVX-512
     assert ("jaxpage_small_matmul" in head.lower(x, w).as_text()) == wide
     check(head(x, w), x, w, True)
     # up to SMALL_MATMUL_ROWS of the dtype and layout the kernel, one row more the jnp dot

@@ -1,269 +1,55 @@
-"""Paged attention on CPU through a small C++ kernel (`cpu_attention.cc`) called via XLA FFI.
+"""JAX functions over jaxpage's CPU kernel library (`cpu_library`), called through XLA FFI.
 
-Same contract as `reference.paged_attention_reference`. XLA:CPU fuses no gather into a
-contraction (and Pallas has no CPU backend), so the jnp path copies every block it reads
-before contracting it; this kernel reads each [block_size, head_dim] tile of K and V where
-it lies in the pool. The kernel is compiled on first use with the machine's C++ compiler
-(`g++ -O3 -march=native`, about 35 s on a 2-core EPYC) into a cache directory keyed by the
-source, the flags, the jaxlib version and the CPU; `available()` says whether that worked, and
-callers fall back to the jnp path when it did not (no compiler, another platform, pools of a
-dtype it does not read).
+`paged_attention_cpu` has the same contract as `reference.paged_attention_reference`. XLA:CPU
+fuses no gather into a contraction (and Pallas has no CPU backend), so the jnp path copies
+every block it reads before contracting it; this kernel reads each [block_size, head_dim]
+tile of K and V where it lies in the pool.
 
-bfloat16 pools are read as they lie, in one of two ways (see cpu_attention.cc): "dot", on the
-AVX512-BF16 dot product `vdpbf16ps` (q.K and P.V; the probabilities P are rounded to bfloat16
-before P.V, everything else of the softmax is float32), compiled in where the build's
-`-march=native` targets a CPU with AVX512-BF16 (`bf16_dot_compiled()`); or "portable", each
-tile widened to float32 (exact) and run through the float32 code (only the output is rounded).
-The choice is made at build time (the compiler's `__AVX512BF16__`; the build is already keyed
-by the CPU, so that is this CPU's answer) and can be forced to "portable" per call
+bfloat16 pools are read as they lie, in one of two ways: "dot", on the AVX512-BF16 dot product
+`vdpbf16ps` (q.K and P.V; the probabilities P are rounded to bfloat16 before P.V, everything
+else of the softmax is float32), compiled in where the build targets a CPU with AVX512-BF16
+(`bf16_dot_compiled()`); or "portable", each tile widened to float32 (exact) and run through
+the float32 code (only the output is rounded). It can be forced to "portable" per call
 (`bf16_dot=False`) or per process (`JAXPAGE_CPU_KERNEL_BF16=portable`), for tests of the
 fallback on machines that have the instruction.
 
 Quantized pools (`quantized.QuantizedPool`: int8, float8_e4m3fn or float8_e5m2 values with a
-float32 scale per KV head and slot; K and V of one storage dtype) are read the portable way:
-each K/V tile is dequantized into float32 scratch (`float32(value) * scale`, exactly
-`quantized.dequantize`) and run through the float32 code, so the output (float32, then cast to
-q's dtype) is bit for bit the float32 kernel's on `quantized.dequantize_pool` of the pools.
+float32 scale per KV head and slot) are read the portable way: each K/V tile is dequantized
+into float32 scratch (`float32(value) * scale`, exactly `quantized.dequantize`), so the output
+is bit for bit the float32 kernel's on `quantized.dequantize_pool` of the pools.
 
-The same library holds `small_matmul`: x [M, K] times weights [K, N] (or [N, K]) with few rows
-(decode steps), streaming the weights once at about the memory's read bandwidth; XLA:CPU's
-own matmuls stream them at about half of it with 8 rows. And `packed_matmul`: weights packed
-once (`pack_weight`) into column panels, each one sequential stream, for any number of rows
-(what the engine uses for a model's projections on CPU). On a CPU with AMX-BF16 (Intel's
-Sapphire Rapids and later) `packed_matmul` runs bfloat16 on the AMX tiles (`packed_tiles()`)
-from 3 live rows on (fewer stream the weights faster on the vector panels): the panels are the
-layout `tdpbf16ps` reads, 16x the multiply-adds of `vdpbf16ps` an instruction; its sums run in
-the hardware's order, so there it is held to the float64 bound, not bit for bit to
-`small_matmul` (`tiles=False` or `JAXPAGE_CPU_KERNEL_TILES=0` keeps the vector path).
-
-And `greedy_draw`: each row's argmax and its log-probability in one vector pass over the
-logits (and one more from L2), what the sampler's greedy rows take on CPU. And a layer's
-elementwise glue between its matmuls, one call each where XLA:CPU runs several loop fusions
-(split over its threads from 8 rows on): `add_rms_norm` (the residual add and the next
-RMSNorm), `silu_mul` (SwiGLU's activation) and `qkv_rope` (q, k, v out of the fused
-projection, q and k rotated), each reading a matmul's float32 output as it lies.
-
-Environment: `JAXPAGE_NO_CPU_KERNEL` (any value) turns the kernel off; `JAXPAGE_CACHE_DIR`
-(or the older `JAXPAGE_CACHE`) moves the build cache; `JAXPAGE_CPU_KERNEL_LIB` names a
-prebuilt shared library of `cpu_attention.cc` to register instead of building one (for
-checks that need another build of the same source, e.g.
-`scripts/check_cpu_kernel_sanitizers.py`'s build with ASan and UBSan; unset, the kernel is
-built and cached as above).
+The other ops: `small_matmul`, x [M, K] times weights [K, N] (or [N, K]) with few rows,
+streaming the weights once; `packed_matmul`, weights packed once (`pack_weight`) into column
+panels, each one sequential stream, for any number of rows (a model's projections on CPU; on
+a CPU with AMX-BF16 it runs bfloat16 on the AMX tiles from 3 live rows on, `packed_tiles()`,
+held to the float64 bound rather than bit for bit; `JAXPAGE_CPU_KERNEL_TILES=0` keeps the
+vector path); `greedy_draw`, each row's argmax and its log-probability in one pass;
+`set_rows`, narrow-float rows written into a pool in place; the elementwise glue between a
+layer's matmuls (`add_rms_norm`, `silu_mul`, `qkv_rope`); and `decoder_layer`, a whole Llama
+layer in one call on a team of threads.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import warnings
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import quantized
+from pallas_kernels import cpu_library, quantized
 
-_SOURCE = Path(__file__).with_name("cpu_attention.cc")
-_TARGET = "jaxpage_paged_attention"
-_TARGET_BF16 = "jaxpage_paged_attention_bf16"
-_TARGET_SET_ROWS = "jaxpage_set_rows"
-_TARGET_QUANTIZED = "jaxpage_paged_attention_quantized"
-_TARGET_SMALL_MATMUL = "jaxpage_small_matmul"
-_TARGET_PACKED_MATMUL = "jaxpage_packed_matmul"
-_TARGET_GREEDY_DRAW = "jaxpage_greedy_draw"
-_TARGET_ADD_RMS_NORM = "jaxpage_add_rms_norm"
-_TARGET_SILU_MUL = "jaxpage_silu_mul"
-_TARGET_QKV_ROPE = "jaxpage_qkv_rope"
-_TARGET_DECODER_LAYER = "jaxpage_decoder_layer"
+# what the library was built with, asked by callers choosing an op (re-exported)
+from pallas_kernels.cpu_library import (  # noqa: F401
+    available,
+    bf16_dot_compiled,
+    packed_tiles,
+    wide_vectors,
+)
+
 # Query tokens per work item in prefill (x the GQA group = rows contracted against each
 # K/V tile while it is in cache). Decode items have one token.
 QUERY_TILE = 32
-
-
-def _cache_dir() -> Path:
-    # the same root as jaxpage.cache_dir.cache_root (not imported: this package stands alone)
-    root = os.environ.get("JAXPAGE_CACHE_DIR") or os.environ.get("JAXPAGE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxpage")
-    return Path(root)
-
-
-def _cpu_id() -> str:
-    """What -march=native depends on: the CPU's model and flags."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
-    except OSError:
-        lines = []
-    return platform.machine() + "".join(lines)
-
-
-_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
-          # vectorize the loops marked `omp simd` and reassociate their sums (no OpenMP runtime);
-          # not -ffast-math: the kernel relies on -inf and NaN behaving as IEEE says
-          "-fopenmp-simd", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
-
-
-def _flags() -> list[str]:
-    """The build's flags: `_FLAGS`, and the decoder layer's stage clock where
-    JAXPAGE_CPU_KERNEL_STAGE_CLOCK=1 (`stage_clock`; a library of its own in the cache)."""
-    value = os.environ.get("JAXPAGE_CPU_KERNEL_STAGE_CLOCK", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"JAXPAGE_CPU_KERNEL_STAGE_CLOCK must be '0' or '1', got {value!r}")
-    return _FLAGS + (["-DJAXPAGE_STAGE_CLOCK"] if value == "1" else [])
-
-
-def _build(source: Path = _SOURCE) -> Path:
-    """Compile the kernel (or reuse a build of the same source and flags for this jaxlib and
-    CPU). `source`: another version of cpu_attention.cc (a variant to measure against this
-    one: scripts/ab_env_switch.py --source)."""
-    import jaxlib
-
-    flags = _flags()
-    key = hashlib.sha256(b"\0".join([
-        source.read_bytes(), " ".join(flags).encode(), jaxlib.__version__.encode(),
-        _cpu_id().encode()])).hexdigest()
-    library = _cache_dir() / f"cpu_attention-{key[:16]}.so"
-    if library.exists():
-        return library
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise RuntimeError("no C++ compiler found (set CXX)")
-    library.parent.mkdir(parents=True, exist_ok=True)
-    # build beside the target and rename: concurrent processes never load a half-written file
-    with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
-        partial = Path(tmp) / library.name
-        cmd = [compiler, *flags, "-isystem", jax.ffi.include_dir(), "-o", str(partial),
-               str(source)]
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if result.returncode:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
-        os.replace(partial, library)
-    return library
-
-
-def _library() -> Path:
-    """The shared library to register: `JAXPAGE_CPU_KERNEL_LIB` if set, else our build."""
-    prebuilt = os.environ.get("JAXPAGE_CPU_KERNEL_LIB")
-    if prebuilt:
-        if not Path(prebuilt).is_file():
-            raise RuntimeError(f"JAXPAGE_CPU_KERNEL_LIB={prebuilt} is not a file")
-        return Path(prebuilt)
-    return _build()
-
-
-@functools.cache
-def _loaded() -> ctypes.CDLL | None:
-    """The kernel's library, built and registered with XLA (compiles it on first call), or
-    None where that failed."""
-    if os.environ.get("JAXPAGE_NO_CPU_KERNEL"):
-        return None
-    try:
-        library = ctypes.cdll.LoadLibrary(str(_library()))
-        jax.ffi.register_ffi_target(
-            _TARGET, jax.ffi.pycapsule(library.JaxpagePagedAttention), platform="cpu")
-        jax.ffi.register_ffi_target(
-            _TARGET_BF16, jax.ffi.pycapsule(library.JaxpagePagedAttentionBf16), platform="cpu")
-        jax.ffi.register_ffi_target(
-            _TARGET_SET_ROWS, jax.ffi.pycapsule(library.JaxpageSetRows), platform="cpu")
-        jax.ffi.register_ffi_target(
-            _TARGET_QUANTIZED, jax.ffi.pycapsule(library.JaxpagePagedAttentionQuantized),
-            platform="cpu")
-        jax.ffi.register_ffi_target(
-            _TARGET_SMALL_MATMUL, jax.ffi.pycapsule(library.JaxpageSmallMatmul), platform="cpu")
-        jax.ffi.register_ffi_target(
-            _TARGET_PACKED_MATMUL, jax.ffi.pycapsule(library.JaxpagePackedMatmul),
-            platform="cpu")
-        jax.ffi.register_ffi_target(
-            _TARGET_GREEDY_DRAW, jax.ffi.pycapsule(library.JaxpageGreedyDraw), platform="cpu")
-        for target, handler in ((_TARGET_ADD_RMS_NORM, library.JaxpageAddRmsNorm),
-                                (_TARGET_SILU_MUL, library.JaxpageSiluMul),
-                                (_TARGET_QKV_ROPE, library.JaxpageQkvRope),
-                                (_TARGET_DECODER_LAYER, library.JaxpageDecoderLayer)):
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
-    except Exception as e:  # noqa: BLE001 - any failure means: use the jnp path
-        warnings.warn(f"jaxpage: CPU attention kernel unavailable, using the jnp path ({e})",
-                      stacklevel=3)
-        return None
-    return library
-
-
-def available() -> bool:
-    """Whether the kernel is built and registered with XLA (compiles it on first call)."""
-    return _loaded() is not None
-
-
-def wide_vectors() -> bool:
-    """Whether the kernel library was built for 16-float vectors (AVX-512; False when it is not
-    available). `small_matmul`'s walks are written in them, and without AVX-512 GCC lowers them
-    through the stack: there they lose to XLA's dot (8 rows of a [576, 1536] weight on a Zen 3
-    box: ~4 ms against 0.3-0.6), so models route few-row matmuls to them only where this holds
-    (`llama._matmul_f32`). `packed_matmul` is written in the machine's own width either way."""
-    library = _loaded()
-    return library is not None and library.JaxpageVectorLanes() == 16
-
-
-def bf16_dot_compiled() -> bool:
-    """Whether the kernel was built with the AVX512-BF16 path for bfloat16 pools (False when
-    the kernel is not available)."""
-    library = _loaded()
-    return library is not None and bool(library.JaxpagePagedAttentionBf16Dot())
-
-
-def packed_tiles() -> bool:
-    """Whether `packed_matmul` runs bfloat16 on AMX tiles where asked (`tiles`): the kernel
-    built for a CPU with AMX-BF16 (Sapphire Rapids and later) and Linux letting this process use
-    the tile registers (False when the kernel is not available)."""
-    library = _loaded()
-    return library is not None and bool(library.JaxpagePackedTiles())
-
-
-# the decoder layer's stages, in the order the stage clock reports them (cpu_attention.cc)
-LAYER_STAGES = ("start", "qkv", "rope", "write", "attn_prep", "attention", "attn_finish", "o",
-                "norm1", "gate_up", "silu", "down", "norm2")
-
-
-def stage_clock(reset: bool = False) -> dict | None:
-    """What the decoder layer's stage clock has summed since the last reset, or None where the
-    library was built without it (JAXPAGE_CPU_KERNEL_STAGE_CLOCK=1 before the first kernel
-    call builds one with it): `calls`, `seconds` per stage (LAYER_STAGES: the calling thread's
-    wall time in each, summed over the calls), the helper threads' `joins`, their
-    `join_seconds` (from being scheduled to starting, summed), `late_joins` (over 50 us) and
-    `join_buckets`, the joins by lateness: bucket b those of [2^b - 1, 2^(b+1) - 1) ns, the
-    last every later one (`join_quantile` reads them)."""
-    library = _loaded()
-    if library is None:
-        return None
-    n, buckets = len(LAYER_STAGES), library.JaxpageStageClockJoinBuckets()
-    out = (ctypes.c_double * (n + 3 + buckets))()
-    library.JaxpageStageClock.restype = ctypes.c_int64
-    calls = library.JaxpageStageClock(out, ctypes.c_int(int(reset)))
-    if calls < 0:
-        return None
-    return {"calls": calls, "seconds": dict(zip(LAYER_STAGES, out[:n], strict=True)),
-            "joins": int(out[n]), "join_seconds": out[n + 1], "late_joins": int(out[n + 2]),
-            "join_buckets": [int(c) for c in out[n + 3:]]}
-
-
-def join_quantile(buckets: list[int], q: float) -> float:
-    """An upper bound (seconds) on the q-quantile of the helpers' lateness from `stage_clock`'s
-    `join_buckets`: the upper edge of the bucket the quantile falls in (inf in the last one;
-    NaN with no joins)."""
-    total = sum(buckets)
-    if not total:
-        return float("nan")
-    seen = 0
-    for b, count in enumerate(buckets):
-        seen += count
-        if seen >= q * total:
-            return float("inf") if b == len(buckets) - 1 else (2 ** (b + 1) - 1) * 1e-9
-    return float("inf")
 
 
 def _default_tiles() -> bool:
@@ -364,15 +150,16 @@ def paged_attention_cpu(
     tables_etc = (block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32),
                   query_start_loc.astype(jnp.int32))
     if k_quantized:
-        out = jax.ffi.ffi_call(_TARGET_QUANTIZED, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        out = jax.ffi.ffi_call(cpu_library.TARGET_QUANTIZED,
+                               jax.ShapeDtypeStruct(q.shape, jnp.float32))(
             q.astype(jnp.float32), k_pool.values, k_pool.scales.astype(jnp.float32),
             v_pool.values, v_pool.scales.astype(jnp.float32), *tables_etc, **attrs)
         return out.astype(q.dtype)
     if pool_dtype == jnp.bfloat16:
-        target = _TARGET_BF16
+        target = cpu_library.TARGET_BF16
         attrs["bf16_dot"] = np.int64(_default_bf16_dot() if bf16_dot is None else bf16_dot)
     else:
-        target = _TARGET
+        target = cpu_library.TARGET
     out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, pool_dtype))(
         q.astype(pool_dtype), k_pool, v_pool, *tables_etc, **attrs)
     return out.astype(q.dtype)
@@ -390,7 +177,8 @@ def set_rows(pool: jax.Array, index: jax.Array, values: jax.Array, *,
     `available()`."""
     if not available():
         raise RuntimeError("the CPU kernel library is not available")
-    return jax.ffi.ffi_call(_TARGET_SET_ROWS, jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+    return jax.ffi.ffi_call(cpu_library.TARGET_SET_ROWS,
+                            jax.ShapeDtypeStruct(pool.shape, pool.dtype),
                             input_output_aliases={0: 0})(
         pool, index.astype(jnp.int32), values.astype(pool.dtype),
         token_major=np.int64(bool(token_major)))
@@ -408,7 +196,7 @@ def greedy_draw(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     if logits.ndim != 2 or logits.shape[1] < 1:
         raise ValueError(f"greedy_draw takes logits [R, V >= 1], got {logits.shape}")
     rows = logits.shape[0]
-    return jax.ffi.ffi_call(_TARGET_GREEDY_DRAW,
+    return jax.ffi.ffi_call(cpu_library.TARGET_GREEDY_DRAW,
                             (jax.ShapeDtypeStruct((rows,), jnp.int32),
                              jax.ShapeDtypeStruct((rows,), jnp.float32)))(
         logits.astype(jnp.float32))
@@ -442,7 +230,7 @@ def small_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
         layout = "[N, K]" if transpose_w else "[K, N]"
         raise ValueError(f"x {x.shape} does not contract with w {w.shape} ({layout})")
     n = w.shape[0] if transpose_w else w.shape[1]
-    return jax.ffi.ffi_call(_TARGET_SMALL_MATMUL,
+    return jax.ffi.ffi_call(cpu_library.TARGET_SMALL_MATMUL,
                             jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
         x, w, transpose_w=np.int64(bool(transpose_w)),
         bf16_dot=np.int64(_default_bf16_dot() if bf16_dot is None else bool(bf16_dot)))
@@ -453,7 +241,7 @@ def panel_columns() -> int:
     kPanel), 32 where the library was built for AVX-512, else 16. It is the build's, so a
     packing is for the machine that made it, as the runner's is. The kernel must be
     `available()`."""
-    library = _loaded()
+    library = cpu_library.loaded()
     if library is None:
         raise RuntimeError("the CPU kernel library is not available")
     return int(library.JaxpagePanelColumns())
@@ -536,7 +324,7 @@ def packed_matmul(x: jax.Array, packed: jax.Array, *, live_rows: jax.Array | int
                          f"got {prefetch_bytes}")
     n = packed.shape[0] * panel
     live = jnp.asarray(x.shape[0] if live_rows is None else live_rows, jnp.int32).reshape(())
-    return jax.ffi.ffi_call(_TARGET_PACKED_MATMUL,
+    return jax.ffi.ffi_call(cpu_library.TARGET_PACKED_MATMUL,
                             jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
         x, packed, live,
         bf16_dot=np.int64(_bf16_dot_mode(bf16_dot, tiles)), prefetch_bytes=np.int64(prefetch_bytes))
@@ -571,7 +359,7 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, eps: 
     dtype = _check_model_dtype("add_rms_norm", x.dtype)
     if delta is None:
         delta = jnp.zeros((0,), dtype)
-    return jax.ffi.ffi_call(_TARGET_ADD_RMS_NORM, (jax.ShapeDtypeStruct(x.shape, dtype),
+    return jax.ffi.ffi_call(cpu_library.TARGET_ADD_RMS_NORM, (jax.ShapeDtypeStruct(x.shape, dtype),
                                                    jax.ShapeDtypeStruct(x.shape, dtype)))(
         x, delta, weight.astype(dtype), eps=np.float32(eps))
 
@@ -584,7 +372,7 @@ def silu_mul(gate_up: jax.Array, dtype) -> jax.Array:
         raise RuntimeError("the CPU kernel library is not available")
     dtype = _check_model_dtype("silu_mul", dtype)
     rows, width = gate_up.shape
-    return jax.ffi.ffi_call(_TARGET_SILU_MUL,
+    return jax.ffi.ffi_call(cpu_library.TARGET_SILU_MUL,
                             jax.ShapeDtypeStruct((rows, width // 2), dtype))(gate_up)
 
 
@@ -599,7 +387,7 @@ def qkv_rope(qkv: jax.Array, cos: jax.Array, sin: jax.Array, num_heads: int,
         raise RuntimeError("the CPU kernel library is not available")
     dtype = _check_model_dtype("qkv_rope", cos.dtype)
     rows, dim = qkv.shape[0], cos.shape[1]
-    return jax.ffi.ffi_call(_TARGET_QKV_ROPE, (
+    return jax.ffi.ffi_call(cpu_library.TARGET_QKV_ROPE, (
         jax.ShapeDtypeStruct((rows, num_heads, dim), dtype),
         jax.ShapeDtypeStruct((rows, num_kv_heads, dim), dtype),
         jax.ShapeDtypeStruct((rows, num_kv_heads, dim), dtype)))(qkv, cos, sin.astype(dtype))
@@ -636,7 +424,8 @@ def decoder_layer(x: jax.Array, h: jax.Array, layer: dict, cos: jax.Array, sin: 
     out = (jax.ShapeDtypeStruct(x.shape, dtype), jax.ShapeDtypeStruct(x.shape, dtype),
            jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype),
            jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype))
-    return jax.ffi.ffi_call(_TARGET_DECODER_LAYER, out, input_output_aliases={5: 2, 6: 3})(
+    return jax.ffi.ffi_call(cpu_library.TARGET_DECODER_LAYER, out,
+                            input_output_aliases={5: 2, 6: 3})(
         x, h, layer["qkv"], cos, sin, k_pool, v_pool, *ints, layer["o"], layer["mlp_norm"],
         layer["gate_up"], layer["down"], next_norm, live, num_heads=np.int64(num_heads),
         eps=np.float32(eps), scale=np.float32(scale), query_tile=np.int64(query_tile),

@@ -1,0 +1,225 @@
+"""Builds, caches and loads jaxpage's CPU kernel library and registers its XLA FFI targets.
+
+The library's C++ sources live in `pallas_kernels/cpu/` (one file per op family, compiled as
+one translation unit, `jaxpage_cpu.cc`); `cpu_ops` holds the JAX functions that call it. It is
+compiled on first use with the machine's C++ compiler (`g++ -O3 -march=native`, about 35 s on
+a 2-core CPU) into a cache directory keyed by the sources, the flags, the jaxlib version and
+the CPU; `available()` says whether that worked, and callers fall back to the jnp path when it
+did not (no compiler, another platform). Build-time facts the ops depend on are read back from
+the library: `wide_vectors()` (AVX-512), `bf16_dot_compiled()` (AVX512-BF16) and
+`packed_tiles()` (AMX-BF16 usable by this process).
+
+Environment: `JAXPAGE_NO_CPU_KERNEL` (any value) turns the library off; `JAXPAGE_CACHE_DIR`
+(or the older `JAXPAGE_CACHE`) moves the build cache; `JAXPAGE_CPU_KERNEL_LIB` names a
+prebuilt shared library of the same sources to register instead of building one (for checks
+that need another build, e.g. `scripts/check_cpu_kernel_sanitizers.py`'s build with ASan and
+UBSan); `JAXPAGE_CPU_KERNEL_STAGE_CLOCK=1` builds the decoder layer's stage clock in
+(`stage_clock`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import jax
+
+_SOURCE = Path(__file__).with_name("cpu_attention.cc")
+TARGET = "jaxpage_paged_attention"
+TARGET_BF16 = "jaxpage_paged_attention_bf16"
+TARGET_SET_ROWS = "jaxpage_set_rows"
+TARGET_QUANTIZED = "jaxpage_paged_attention_quantized"
+TARGET_SMALL_MATMUL = "jaxpage_small_matmul"
+TARGET_PACKED_MATMUL = "jaxpage_packed_matmul"
+TARGET_GREEDY_DRAW = "jaxpage_greedy_draw"
+TARGET_ADD_RMS_NORM = "jaxpage_add_rms_norm"
+TARGET_SILU_MUL = "jaxpage_silu_mul"
+TARGET_QKV_ROPE = "jaxpage_qkv_rope"
+TARGET_DECODER_LAYER = "jaxpage_decoder_layer"
+
+
+def _cache_dir() -> Path:
+    # the same root as jaxpage.cache_dir.cache_root (not imported: this package stands alone)
+    root = os.environ.get("JAXPAGE_CACHE_DIR") or os.environ.get("JAXPAGE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxpage")
+    return Path(root)
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the CPU's model and flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = []
+    return platform.machine() + "".join(lines)
+
+
+_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
+          # vectorize the loops marked `omp simd` and reassociate their sums (no OpenMP runtime);
+          # not -ffast-math: the kernel relies on -inf and NaN behaving as IEEE says
+          "-fopenmp-simd", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+
+
+def _flags() -> list[str]:
+    """The build's flags: `_FLAGS`, and the decoder layer's stage clock where
+    JAXPAGE_CPU_KERNEL_STAGE_CLOCK=1 (`stage_clock`; a library of its own in the cache)."""
+    value = os.environ.get("JAXPAGE_CPU_KERNEL_STAGE_CLOCK", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"JAXPAGE_CPU_KERNEL_STAGE_CLOCK must be '0' or '1', got {value!r}")
+    return _FLAGS + (["-DJAXPAGE_STAGE_CLOCK"] if value == "1" else [])
+
+
+def _build(source: Path = _SOURCE) -> Path:
+    """Compile the kernel (or reuse a build of the same source and flags for this jaxlib and
+    CPU). `source`: another version of cpu_attention.cc (a variant to measure against this
+    one: scripts/ab_env_switch.py --source)."""
+    import jaxlib
+
+    flags = _flags()
+    key = hashlib.sha256(b"\0".join([
+        source.read_bytes(), " ".join(flags).encode(), jaxlib.__version__.encode(),
+        _cpu_id().encode()])).hexdigest()
+    library = _cache_dir() / f"cpu_attention-{key[:16]}.so"
+    if library.exists():
+        return library
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found (set CXX)")
+    library.parent.mkdir(parents=True, exist_ok=True)
+    # build beside the target and rename: concurrent processes never load a half-written file
+    with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+        partial = Path(tmp) / library.name
+        cmd = [compiler, *flags, "-isystem", jax.ffi.include_dir(), "-o", str(partial),
+               str(source)]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if result.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
+        os.replace(partial, library)
+    return library
+
+
+def _library_path() -> Path:
+    """The shared library to register: `JAXPAGE_CPU_KERNEL_LIB` if set, else our build."""
+    prebuilt = os.environ.get("JAXPAGE_CPU_KERNEL_LIB")
+    if prebuilt:
+        if not Path(prebuilt).is_file():
+            raise RuntimeError(f"JAXPAGE_CPU_KERNEL_LIB={prebuilt} is not a file")
+        return Path(prebuilt)
+    return _build()
+
+
+@functools.cache
+def loaded() -> ctypes.CDLL | None:
+    """The kernel's library, built and registered with XLA (compiles it on first call), or
+    None where that failed."""
+    if os.environ.get("JAXPAGE_NO_CPU_KERNEL"):
+        return None
+    try:
+        library = ctypes.cdll.LoadLibrary(str(_library_path()))
+        jax.ffi.register_ffi_target(
+            TARGET, jax.ffi.pycapsule(library.JaxpagePagedAttention), platform="cpu")
+        jax.ffi.register_ffi_target(
+            TARGET_BF16, jax.ffi.pycapsule(library.JaxpagePagedAttentionBf16), platform="cpu")
+        jax.ffi.register_ffi_target(
+            TARGET_SET_ROWS, jax.ffi.pycapsule(library.JaxpageSetRows), platform="cpu")
+        jax.ffi.register_ffi_target(
+            TARGET_QUANTIZED, jax.ffi.pycapsule(library.JaxpagePagedAttentionQuantized),
+            platform="cpu")
+        jax.ffi.register_ffi_target(
+            TARGET_SMALL_MATMUL, jax.ffi.pycapsule(library.JaxpageSmallMatmul), platform="cpu")
+        jax.ffi.register_ffi_target(
+            TARGET_PACKED_MATMUL, jax.ffi.pycapsule(library.JaxpagePackedMatmul),
+            platform="cpu")
+        jax.ffi.register_ffi_target(
+            TARGET_GREEDY_DRAW, jax.ffi.pycapsule(library.JaxpageGreedyDraw), platform="cpu")
+        for target, handler in ((TARGET_ADD_RMS_NORM, library.JaxpageAddRmsNorm),
+                                (TARGET_SILU_MUL, library.JaxpageSiluMul),
+                                (TARGET_QKV_ROPE, library.JaxpageQkvRope),
+                                (TARGET_DECODER_LAYER, library.JaxpageDecoderLayer)):
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+    except Exception as e:  # noqa: BLE001 - any failure means: use the jnp path
+        warnings.warn(f"jaxpage: CPU attention kernel unavailable, using the jnp path ({e})",
+                      stacklevel=3)
+        return None
+    return library
+
+
+def available() -> bool:
+    """Whether the kernel is built and registered with XLA (compiles it on first call)."""
+    return loaded() is not None
+
+
+def wide_vectors() -> bool:
+    """Whether the kernel library was built for 16-float vectors (AVX-512; False when it is not
+    available). `small_matmul`'s walks are written in them, and without AVX-512 GCC lowers them
+    through the stack: there they lose to XLA's dot (8 rows of a [576, 1536] weight on a Zen 3
+    box: ~4 ms against 0.3-0.6), so models route few-row matmuls to them only where this holds
+    (`llama._matmul_f32`). `packed_matmul` is written in the machine's own width either way."""
+    library = loaded()
+    return library is not None and library.JaxpageVectorLanes() == 16
+
+
+def bf16_dot_compiled() -> bool:
+    """Whether the kernel was built with the AVX512-BF16 path for bfloat16 pools (False when
+    the kernel is not available)."""
+    library = loaded()
+    return library is not None and bool(library.JaxpagePagedAttentionBf16Dot())
+
+
+def packed_tiles() -> bool:
+    """Whether `packed_matmul` runs bfloat16 on AMX tiles where asked (`tiles`): the kernel
+    built for a CPU with AMX-BF16 (Sapphire Rapids and later) and Linux letting this process use
+    the tile registers (False when the kernel is not available)."""
+    library = loaded()
+    return library is not None and bool(library.JaxpagePackedTiles())
+
+
+# the decoder layer's stages, in the order the stage clock reports them (cpu_attention.cc)
+LAYER_STAGES = ("start", "qkv", "rope", "write", "attn_prep", "attention", "attn_finish", "o",
+                "norm1", "gate_up", "silu", "down", "norm2")
+
+
+def stage_clock(reset: bool = False) -> dict | None:
+    """What the decoder layer's stage clock has summed since the last reset, or None where the
+    library was built without it (JAXPAGE_CPU_KERNEL_STAGE_CLOCK=1 before the first kernel
+    call builds one with it): `calls`, `seconds` per stage (LAYER_STAGES: the calling thread's
+    wall time in each, summed over the calls), the helper threads' `joins`, their
+    `join_seconds` (from being scheduled to starting, summed), `late_joins` (over 50 us) and
+    `join_buckets`, the joins by lateness: bucket b those of [2^b - 1, 2^(b+1) - 1) ns, the
+    last every later one (`join_quantile` reads them)."""
+    library = loaded()
+    if library is None:
+        return None
+    n, buckets = len(LAYER_STAGES), library.JaxpageStageClockJoinBuckets()
+    out = (ctypes.c_double * (n + 3 + buckets))()
+    library.JaxpageStageClock.restype = ctypes.c_int64
+    calls = library.JaxpageStageClock(out, ctypes.c_int(int(reset)))
+    if calls < 0:
+        return None
+    return {"calls": calls, "seconds": dict(zip(LAYER_STAGES, out[:n], strict=True)),
+            "joins": int(out[n]), "join_seconds": out[n + 1], "late_joins": int(out[n + 2]),
+            "join_buckets": [int(c) for c in out[n + 3:]]}
+
+
+def join_quantile(buckets: list[int], q: float) -> float:
+    """An upper bound (seconds) on the q-quantile of the helpers' lateness from `stage_clock`'s
+    `join_buckets`: the upper edge of the bucket the quantile falls in (inf in the last one;
+    NaN with no joins)."""
+    total = sum(buckets)
+    if not total:
+        return float("nan")
+    seen = 0
+    for b, count in enumerate(buckets):
+        seen += count
+        if seen >= q * total:
+            return float("inf") if b == len(buckets) - 1 else (2 ** (b + 1) - 1) * 1e-9
+    return float("inf")
