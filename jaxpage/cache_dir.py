@@ -5,7 +5,7 @@ honoured), else `$XDG_CACHE_HOME/jaxpage`, else `~/.cache/jaxpage`. Under it:
 
     gguf/   GGUF models converted once to jaxpage checkpoints (jaxpage.loading.gguf_cache)
     xla/    JAX's persistent compilation cache of the CLIs (unless $JAX_COMPILATION_CACHE_DIR)
-    cpu_attention-*.so   the C++ CPU attention kernel (pallas_kernels.cpu_attention)
+    cpu_kernels-*.so     the C++ CPU kernel library (pallas_kernels.cpu_library)
 
 Deleting the directory is always safe: everything in it is rebuilt on demand.
 """

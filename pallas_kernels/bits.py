@@ -9,7 +9,7 @@ integers of the same width is exact (a gather or a replacing scatter never does 
 and lowered natively everywhere; a gather fuses its bitcast, so `take` is free. A scatter
 cannot: XLA:CPU materializes the bitcast of its whole operand (two copies of the pool), so on
 CPU `set_rows` writes narrow floats in place through the kernel library's `set_rows` custom
-call (cpu_attention.cc; as bits where the library is unavailable), and on accelerators, whose
+call (cpu/cache.h; as bits where the library is unavailable), and on accelerators, whose
 scatters take narrow floats, as a plain scatter.
 """
 

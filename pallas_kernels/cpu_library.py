@@ -1,13 +1,16 @@
 """Builds, caches and loads jaxpage's CPU kernel library and registers its XLA FFI targets.
 
-The library's C++ sources live in `pallas_kernels/cpu/` (one file per op family, compiled as
-one translation unit, `jaxpage_cpu.cc`); `cpu_ops` holds the JAX functions that call it. It is
-compiled on first use with the machine's C++ compiler (`g++ -O3 -march=native`, about 35 s on
-a 2-core CPU) into a cache directory keyed by the sources, the flags, the jaxlib version and
-the CPU; `available()` says whether that worked, and callers fall back to the jnp path when it
-did not (no compiler, another platform). Build-time facts the ops depend on are read back from
-the library: `wide_vectors()` (AVX-512), `bf16_dot_compiled()` (AVX512-BF16) and
-`packed_tiles()` (AMX-BF16 usable by this process).
+The library's C++ sources live in `pallas_kernels/cpu/`: a header per op family (attention,
+set_rows, the small and packed matmuls with the AMX tile path, the layer glue, the decoder layer,
+the greedy draw, and what they share), compiled as one translation unit, `cpu/ffi.cc`, which
+holds the XLA FFI handlers (docs/kernels.md describes the layout); `cpu_ops` holds the JAX
+functions that call it. It is compiled on first use with the machine's C++ compiler (`g++ -O3
+-march=native`, about 35 s on a 2-core CPU) into a cache directory, as
+`cpu_kernels-<key>.so`, the key hashing every source file of `cpu/`, the flags, the jaxlib
+version and the CPU; `available()` says whether that worked, and callers fall back to the jnp
+path when it did not (no compiler, another platform). Build-time facts the ops depend on are
+read back from the library: `wide_vectors()` (AVX-512), `bf16_dot_compiled()` (AVX512-BF16)
+and `packed_tiles()` (AMX-BF16 usable by this process).
 
 Environment: `JAXPAGE_NO_CPU_KERNEL` (any value) turns the library off; `JAXPAGE_CACHE_DIR`
 (or the older `JAXPAGE_CACHE`) moves the build cache; `JAXPAGE_CPU_KERNEL_LIB` names a
@@ -32,7 +35,7 @@ from pathlib import Path
 
 import jax
 
-_SOURCE = Path(__file__).with_name("cpu_attention.cc")
+_SOURCE_DIR = Path(__file__).with_name("cpu")  # ffi.cc and the headers it includes
 TARGET = "jaxpage_paged_attention"
 TARGET_BF16 = "jaxpage_paged_attention_bf16"
 TARGET_SET_ROWS = "jaxpage_set_rows"
@@ -78,17 +81,29 @@ def _flags() -> list[str]:
     return _FLAGS + (["-DJAXPAGE_STAGE_CLOCK"] if value == "1" else [])
 
 
-def _build(source: Path = _SOURCE) -> Path:
-    """Compile the kernel (or reuse a build of the same source and flags for this jaxlib and
-    CPU). `source`: another version of cpu_attention.cc (a variant to measure against this
-    one: scripts/ab_env_switch.py --source)."""
+def _sources_digest(source: Path) -> bytes:
+    """Every source file of the directory `source` (headers included), sorted by name: each
+    name and its contents."""
+    files = sorted(p for p in source.iterdir() if p.is_file() and p.suffix in (".cc", ".h"))
+    return b"\0".join(part for p in files for part in (p.name.encode(), p.read_bytes()))
+
+
+def _build(source: Path = _SOURCE_DIR) -> Path:
+    """Compile the library (`source`/ffi.cc, with -I `source`), or reuse a build of the same
+    sources and flags for this jaxlib and CPU: the cache key hashes every .cc and .h file of
+    the directory (names and contents), the flags, the jaxlib version and the CPU. `source`: a
+    directory holding another version of `cpu/` (a variant to measure against this one:
+    scripts/lab/ab_env_switch.py --source)."""
     import jaxlib
 
+    source = Path(source)
+    if not (source / "ffi.cc").is_file():
+        raise RuntimeError(f"{source} holds no ffi.cc (a copy of pallas_kernels/cpu/)")
     flags = _flags()
     key = hashlib.sha256(b"\0".join([
-        source.read_bytes(), " ".join(flags).encode(), jaxlib.__version__.encode(),
+        _sources_digest(source), " ".join(flags).encode(), jaxlib.__version__.encode(),
         _cpu_id().encode()])).hexdigest()
-    library = _cache_dir() / f"cpu_attention-{key[:16]}.so"
+    library = _cache_dir() / f"cpu_kernels-{key[:16]}.so"
     if library.exists():
         return library
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
@@ -98,8 +113,8 @@ def _build(source: Path = _SOURCE) -> Path:
     # build beside the target and rename: concurrent processes never load a half-written file
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
         partial = Path(tmp) / library.name
-        cmd = [compiler, *flags, "-isystem", jax.ffi.include_dir(), "-o", str(partial),
-               str(source)]
+        cmd = [compiler, *flags, "-isystem", jax.ffi.include_dir(), "-I", str(source), "-o",
+               str(partial), str(source / "ffi.cc")]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if result.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
@@ -161,9 +176,10 @@ def available() -> bool:
 def wide_vectors() -> bool:
     """Whether the kernel library was built for 16-float vectors (AVX-512; False when it is not
     available). `small_matmul`'s walks are written in them, and without AVX-512 GCC lowers them
-    through the stack: there they lose to XLA's dot (8 rows of a [576, 1536] weight on a Zen 3
-    box: ~4 ms against 0.3-0.6), so models route few-row matmuls to them only where this holds
-    (`llama._matmul_f32`). `packed_matmul` is written in the machine's own width either way."""
+    through the stack: there they lose to XLA's dot (8 rows of a [576, 1536] weight on a 2-core
+    AMD EPYC Zen 3, 2026-12-01: ~4 ms against 0.3-0.6), so models route few-row matmuls to them
+    only where this holds (`jaxpage.layers.linear.matmul_f32`). `packed_matmul` is written in
+    the machine's own width either way."""
     library = loaded()
     return library is not None and library.JaxpageVectorLanes() == 16
 
@@ -183,7 +199,7 @@ def packed_tiles() -> bool:
     return library is not None and bool(library.JaxpagePackedTiles())
 
 
-# the decoder layer's stages, in the order the stage clock reports them (cpu_attention.cc)
+# the decoder layer's stages, in the order the stage clock reports them (cpu/thread_team.h)
 LAYER_STAGES = ("start", "qkv", "rope", "write", "attn_prep", "attention", "attn_finish", "o",
                 "norm1", "gate_up", "silu", "down", "norm2")
 

@@ -66,7 +66,7 @@ def _default_bf16_dot() -> bool:
     return value == "dot"
 
 
-MAX_TILE = 256  # largest head_dim and block_size the kernel serves (cpu_attention.cc)
+MAX_TILE = 256  # largest head_dim and block_size the kernel serves (cpu/attention.h)
 POOL_DTYPES = (jnp.float32, jnp.bfloat16)  # the float pools it reads (q and the output alike)
 # the storage dtypes of the QuantizedPools it reads (q cast to float32, the output float32)
 QUANTIZED_DTYPES = tuple(jnp.dtype(name) for name in quantized.FORMATS)
@@ -210,7 +210,7 @@ def small_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
     """x [M, K] @ w [K, N] (or @ w.T for w [N, K] with `transpose_w`, a tied LM head) as
     float32 [M, N]: x and w of one dtype, float32 or bfloat16, products and sums in float32
     (bfloat16 widened exactly), as `jnp.dot(x, w, preferred_element_type=jnp.float32)`. Made
-    for few rows (a decode step's; `jaxpage.models.llama.SMALL_MATMUL_ROWS` says up to where it
+    for few rows (a decode step's; `jaxpage.layers.SMALL_MATMUL_ROWS` says up to where it
     beats XLA's dot): each weight is read once and used for all rows while in registers; any
     M is correct. The kernel must be `available()`.
 
@@ -237,7 +237,7 @@ def small_matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
 
 
 def panel_columns() -> int:
-    """Columns in a packed weight's panel: two of the kernel's vectors (cpu_attention.cc
+    """Columns in a packed weight's panel: two of the kernel's vectors (cpu/packed_panels.h
     kPanel), 32 where the library was built for AVX-512, else 16. It is the build's, so a
     packing is for the machine that made it, as the runner's is. The kernel must be
     `available()`."""
@@ -305,7 +305,7 @@ def packed_matmul(x: jax.Array, packed: jax.Array, *, live_rows: jax.Array | int
     multiplied, the output's other rows are zeros (a shape bucket's padding rows, whose
     products no one reads). `prefetch_bytes`: how far ahead in a panel's stream the walk
     prefetches; 0 (default) lets the kernel choose by the rows of a pass (a tuning knob for
-    `scripts/bench_small_matmul.py --vs-prefetch`; the result does not depend on it). The
+    `scripts/lab/matmul_prefetch_ab.py --bytes`; the result does not depend on it). The
     kernel must be `available()`."""
     if not available():
         raise RuntimeError("the CPU kernel library is not available")
@@ -351,7 +351,7 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, eps: 
     residual add and the next layer's (or the final) norm, for x [T, H] float32 or bfloat16,
     delta [T, H] of x's dtype or float32 (a matmul's output, rounded to x's dtype first, as
     `.astype` does), weight [H] of x's dtype. The sum is exactly XLA's `x + delta.astype(...)`;
-    the norm computes `jaxpage.models.llama.rms_norm`'s formula with its roundings, summing the
+    the norm computes `jaxpage.layers.rms_norm`'s formula with its roundings, summing the
     squares in the kernel's order (within float32 rounding of it, not bit for bit). The
     kernel must be `available()`."""
     if not available():
@@ -380,7 +380,7 @@ def qkv_rope(qkv: jax.Array, cos: jax.Array, sin: jax.Array, num_heads: int,
              num_kv_heads: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [T, H, D], k and v [T, KH, D] in cos's dtype (float32 or bfloat16) from qkv [T, (H +
     2 KH) D] (of that dtype or float32, rounded to it first), q and k rotated by the rotary
-    tables cos, sin [T, D] in the rotate-half convention (`jaxpage.models.llama.rotate`), each
+    tables cos, sin [T, D] in the rotate-half convention (`jaxpage.layers.rotate`), each
     product and their sum rounded to the dtype as XLA rounds them: bit for bit the jnp path's.
     The kernel must be `available()`."""
     if not available():

@@ -1,12 +1,12 @@
-"""Run the C++ CPU attention kernel (`pallas_kernels/cpu_attention.cc`) under AddressSanitizer
-and UndefinedBehaviorSanitizer.
+"""Run the C++ CPU kernel library (`pallas_kernels/cpu/`) under AddressSanitizer and
+UndefinedBehaviorSanitizer.
 
-Builds the kernel as a shared library with `-fsanitize=undefined,address` (plus
-`float-cast-overflow`, which `undefined` leaves out in GCC and which is the check for a float
-such as NaN converted to an int), `-fno-sanitize-recover=all -g -O1` and the kernel's own code
-generation flags (`cpu_library._FLAGS` less its -O level: -march=native, -fopenmp-simd and
-the float flags, so that the `omp simd` loops are vectorized as in the real build) into a
-temporary directory. A child Python then registers that library through
+Builds the library (`cpu/ffi.cc`, with -I that directory) as a shared library with
+`-fsanitize=undefined,address` (plus `float-cast-overflow`, which `undefined` leaves out in GCC
+and which is the check for a float such as NaN converted to an int), `-fno-sanitize-recover=all
+-g -O1` and the library's own code generation flags (`cpu_library._FLAGS` less its -O level:
+-march=native, -fopenmp-simd and the float flags, so that the `omp simd` loops are vectorized
+as in the real build) into a temporary directory. A child Python then registers that library through
 `JAXPAGE_CPU_KERNEL_LIB`, with the sanitizer runtimes preloaded (`LD_PRELOAD` of libasan and
 libubsan, as `g++ -print-file-name` finds them), and runs the kernel on random ragged batches:
 decode and prefill, GQA and not, the compiled (head_dim, block_size) pairs and run-time sized
@@ -37,7 +37,7 @@ stands for, bit for bit.
 Prints a one-line summary. Exit status: 0 clean; 1 a sanitizer finding (its report is printed)
 or a wrong result; 2 this machine cannot run the check (no C++ compiler or sanitizer runtime).
 
-    python scripts/check_cpu_kernel_sanitizers.py [--seeds N] [--cxx g++] [--source FILE.cc]
+    python scripts/check_cpu_kernel_sanitizers.py [--seeds N] [--cxx g++] [--source DIR]
 """
 
 from __future__ import annotations
@@ -81,15 +81,15 @@ def _runtime(compiler: str, name: str) -> str | None:
 
 
 def build(compiler: str, out_dir: Path, source: Path | None = None) -> Path:
-    sys.path.insert(0, str(REPO))
     import jax
 
     from pallas_kernels import cpu_library
 
     flags = [f for f in cpu_library._FLAGS if not re.fullmatch(r"-O\w*", f)]
-    library = out_dir / "cpu_attention_sanitized.so"
-    cmd = [compiler, *flags, *SANITIZE, "-isystem", jax.ffi.include_dir(), "-o", str(library),
-           str(source or cpu_library._SOURCE)]
+    source = Path(source or cpu_library._SOURCE_DIR)
+    library = out_dir / "cpu_kernels_sanitized.so"
+    cmd = [compiler, *flags, *SANITIZE, "-isystem", jax.ffi.include_dir(), "-I", str(source),
+           "-o", str(library), str(source / "ffi.cc")]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if result.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-4000:]}")
@@ -652,7 +652,6 @@ def check_decoder_layer(rng) -> int:
 
 
 def child(seeds: int) -> int:
-    sys.path.insert(0, str(REPO))
     import warnings
 
     import jax
@@ -786,8 +785,9 @@ def main() -> int:
     parser.add_argument("--cxx", default=os.environ.get("CXX") or shutil.which("g++"),
                         help="C++ compiler (default: $CXX, else g++)")
     parser.add_argument("--source", type=Path,
-                        help="build this file instead of pallas_kernels/cpu_attention.cc "
-                             "(e.g. an older version, to see what the check finds in it)")
+                        help="build the library from this directory (a copy of "
+                             "pallas_kernels/cpu/: its ffi.cc and headers) instead, e.g. an "
+                             "older version, to see what the check finds in it")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

@@ -1,20 +1,22 @@
-"""A kernel variant against the build it came from, in one process: an environment variable
-that a scratch build of the CPU kernel library reads at each call, set and unset round by
-round while the runner (or the engine) decodes.
+"""Lab probe: a variant of the CPU kernel library against its build, A/B in one process.
 
-On a shared machine whose read bandwidth drifts 25-50 GB/s within an hour, two processes (one
-per build) compare the hours they ran in as much as the builds; here both variants share every
-round's conditions, and the paired differences' median says which is faster and by how much.
-The variant: a copy of pallas_kernels/cpu_attention.cc whose change is taken only while
+An environment variable that a scratch build of the library reads at each call is set and
+unset round by round while the runner (or the engine) decodes. On a shared machine whose read
+bandwidth drifts 25-50 GB/s within an hour, two processes (one per build) compare the hours they
+ran in as much as the builds; here both variants share every round's conditions, and the paired
+differences' median says which is faster and by how much.
+The variant: a copy of the `pallas_kernels/cpu/` directory whose change is taken only while
 `getenv("NAME")` is set (`#include <cstdlib>`), built as the library builds itself
-(`--source`: cpu_attention's flags, cached by content) or given prebuilt in
-JAXPAGE_CPU_KERNEL_LIB. E.g. for the packed matmuls' units (2026-12-04):
+(`--source DIR`: cpu_library's flags, cached by the directory's contents) or given prebuilt in
+JAXPAGE_CPU_KERNEL_LIB. E.g. for the packed matmuls' units (2026-12-04), in the copy's
+matmul_packed.h:
 
     work.units = std::min(P, threads * (rows <= kPackedRows && !getenv("FOUR_UNITS")
                                         ? 1 : kPackedUnitsPerThread));
 
-    python scripts/ab_env_switch.py FOUR_UNITS --source /tmp/variant.cc --batch 8
-    python scripts/ab_env_switch.py FOUR_UNITS --source /tmp/variant.cc --engine
+    cp -r pallas_kernels/cpu /tmp/variant   # then edit /tmp/variant/matmul_packed.h
+    python scripts/lab/ab_env_switch.py FOUR_UNITS --source /tmp/variant --batch 8
+    python scripts/lab/ab_env_switch.py FOUR_UNITS --source /tmp/variant --engine
 
 The runner's rounds time 4 decode steps of `--batch` sequences of context 128 (bfloat16, the
 default model) after one untimed; the engine's (`--engine`) the median step while `--batch`
@@ -24,9 +26,10 @@ sequences of 129 tokens over scattered blocks (bench_attention.py's pools and st
 change to the kernel shows without the rest of the step's noise around it.
 
 `--by-placement SECONDS` runs rounds for that long instead and reports them by where the two
-threads ran (bench_decode_step's `round_trip_ns` before and after each round: `near`, one CCX,
-and `far`, two CCDs; a round whose two disagree is dropped): on the 2-core VM a change to the
-handoffs between the threads can win in one placement and lose in the other.
+threads ran (bench_common's `round_trip_ns` probe before and after each round: `near`, one CCX,
+and `far`, two CCDs; a round whose two disagree is dropped): on a 2-core VM whose vCPUs move
+between placements, a change to the handoffs between the threads can win in one and lose in the
+other.
 """
 
 from __future__ import annotations
@@ -37,10 +40,9 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/
 
-from bench_decode_step import NEAR_NS, _probes, decode_step_seconds  # noqa: E402
-from bench_throughput import decode_seqs, make_llm  # noqa: E402
+from bench_common import NEAR_NS, decode_seqs, decode_step_seconds, make_llm, probes  # noqa: E402
 
 
 def attention_ms(batch: int, dtype: str):
@@ -78,7 +80,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--by-placement", type=float, default=0, metavar="SECONDS",
                     help="rounds for SECONDS, reported by where the two threads ran")
-    ap.add_argument("--source", help="the variant's C++ source, built here (else the library "
+    ap.add_argument("--source", help="the variant: a directory holding a copy of "
+                                     "pallas_kernels/cpu/, built here (else the library "
                                      "JAXPAGE_CPU_KERNEL_LIB names)")
     args = ap.parse_args()
     if args.source:
@@ -129,9 +132,9 @@ def main() -> None:
 
     groups: dict[str, list] = {"": []}
     if args.by_placement:
-        lib = _probes()
+        lib = probes()
         if lib is None:
-            raise SystemExit("--by-placement needs bench_decode_step's C probes")
+            raise SystemExit("--by-placement needs bench_common's C probes")
         groups = {"near": [], "far": []}
         end, r = time.perf_counter() + args.by_placement, 0
         while time.perf_counter() < end:
