@@ -15,14 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpage.constants import ATTENTION_BACKENDS as BACKENDS  # each described there
 from pallas_kernels import cpu_ops, quantized
 from pallas_kernels.blockwise import paged_attention_blockwise, write_kv
 from pallas_kernels.reference import paged_attention_reference
 
-# "cpp": the C++ kernel called through XLA FFI (the CPU path, float32 or bfloat16 pools);
-# "jnp": blockwise online-softmax jnp (any platform and dtype); "reference": the dense jnp oracle;
-# "pallas_gpu" / "pallas_tpu": the ragged Pallas kernels (Triton / Mosaic).
-BACKENDS = ("cpp", "jnp", "reference", "pallas_gpu", "pallas_tpu")
 # Backends that cost each sequence only its own queries and keys (no padding to
 # max_query_len): the runner packs a step's decode and prefill into one call for them.
 RAGGED_BACKENDS = ("cpp", "pallas_gpu", "pallas_tpu")

@@ -6,13 +6,13 @@ import dataclasses
 import json
 from typing import Any
 
-from jaxpage.attention import BACKENDS
+from jaxpage import constants
 from jaxpage.engine.block_allocator import POLICIES as RESERVATION_POLICIES
 from jaxpage.engine.swap_cost import PREEMPTION_MODES
-from jaxpage.loading import DEFAULT_MODEL
 from jaxpage.validation import check, is_int, is_positive_int, is_real
 
-ATTENTION_BACKENDS = ("auto", *BACKENDS)  # "auto": the platform's kernel (select_backend)
+# "auto": the platform's kernel (jaxpage.attention.select_backend)
+ATTENTION_BACKENDS = ("auto", *constants.ATTENTION_BACKENDS)
 DTYPES = ("float32", "bfloat16")
 # the KV pool's storage: "auto" is the model dtype; the 8-bit formats keep a float32 scale per
 # KV head and token (pallas_kernels/quantized.py)
@@ -57,7 +57,7 @@ class EngineConfig:
       prefill_seconds_per_token, each measured as the engine runs unless given here.
     """
 
-    model: str = DEFAULT_MODEL
+    model: str = constants.DEFAULT_MODEL
     dtype: str = "float32"
     kv_cache_dtype: str = "auto"
     block_size: int = 16

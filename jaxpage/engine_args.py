@@ -21,7 +21,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, exclude: tuple[str, ...]
     per EngineConfig field not in `exclude` (`--block-size`, `--enable-prefix-caching/
     --no-...`, ...); a flag left out keeps the preset's or the config's default."""
     from jaxpage.config import EngineConfig, choices
-    from jaxpage.loading import DEFAULT_MODEL
+    from jaxpage.constants import DEFAULT_MODEL
 
     group = parser.add_argument_group("engine (EngineConfig fields)")
     group.add_argument("--model", default=DEFAULT_MODEL,

@@ -28,7 +28,8 @@ class LLM:
     def __init__(self, model: Any = None, *, params: Any = None, tokenizer: Any = None,
                  config: EngineConfig | None = None, **engine_kwargs: Any) -> None:
         if isinstance(model, str) or model is None:
-            from jaxpage.loading import DEFAULT_MODEL, load_model
+            from jaxpage.constants import DEFAULT_MODEL
+            from jaxpage.loading import load_model
             from jaxpage.models import build_model
 
             if config is None:

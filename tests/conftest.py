@@ -53,7 +53,7 @@ def pytest_xdist_auto_num_workers(config):
     on, at most 4 and one per 6 GiB of memory (a worker's memory reached 11 GiB while it ran
     a Pallas interpreter through the engine, 5-7 GiB in the kernel cases, and the subprocess
     tests start 8-device JAX processes beside it). Two workers took the default suite on a
-    2-core box from 34 to 27 minutes: its tests are mostly single-threaded Python and XLA
+    2-core x86-64 CPU from 34 to 27 minutes: its tests are mostly single-threaded Python and XLA
     compilations."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30

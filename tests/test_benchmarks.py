@@ -1,17 +1,22 @@
-"""The benchmark scripts' core functions on a tiny random model: accounting and invariants."""
+"""The benchmark scripts' core functions on a tiny random model (accounting and invariants),
+and the scripts' layout: each one answers --help, and only lab probes touch sys.path."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from jaxpage.attention import kv_bytes_per_block
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
 
+import bench_common  # noqa: E402
 import bench_host_cache  # noqa: E402
 import bench_memory  # noqa: E402
 import bench_prefix  # noqa: E402
@@ -22,7 +27,7 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def tiny():
-    return bench_memory.tiny_model()
+    return bench_common.tiny_model()
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +82,7 @@ def test_prefix_caching_core(tiny):
     model, params = tiny
 
     def new_engine(caching):
-        return bench_memory.make_engine(model, params, None, "paged",
+        return bench_common.make_engine(model, params, None, "paged",
                                         enable_prefix_caching=caching, block_size=BLOCK,
                                         num_blocks=256, max_model_len=512, max_num_seqs=8,
                                         max_num_batched_tokens=512)
@@ -122,7 +127,7 @@ def test_host_cache_bench_core(tiny):
                                           np.float32)
 
     def new_engine(host_tier):
-        return bench_memory.make_engine(model, params, None, "paged",
+        return bench_common.make_engine(model, params, None, "paged",
                                         enable_prefix_caching=True, block_size=BLOCK,
                                         num_blocks=25, swap_space=host_bytes if host_tier else 0,
                                         max_model_len=512, max_num_seqs=8,
@@ -141,12 +146,12 @@ def test_host_cache_bench_core(tiny):
 
 
 def test_decode_peer_protocol(tiny):
-    """bench_decode_peer's one measuring function, `vllm_peer.decode_rounds` (what vLLM's venv
-    runs too), on a real engine through vLLM's calling convention (token-id prompt dicts, a
-    SamplingParams class): every generation of the length asked (it stops the run otherwise),
-    the warm-up round dropped; and a step from the medians, hand-worked."""
+    """bench_decode_peer's one measuring function, `bench_common.decode_rounds` (what vLLM's
+    venv runs too, through vllm_peer.py), on a real engine through vLLM's calling convention
+    (token-id prompt dicts, a SamplingParams class): every generation of the length asked (it
+    stops the run otherwise), the warm-up round dropped; and a step from the medians,
+    hand-worked."""
     import bench_decode_peer
-    import vllm_peer
 
     from jaxpage import LLM, SamplingParams
 
@@ -154,7 +159,7 @@ def test_decode_peer_protocol(tiny):
     llm = LLM(model, params=params, max_model_len=256, max_num_seqs=8, num_blocks=64,
               block_size=BLOCK, enable_prefix_caching=False)
     requests = [{"prompt_token_ids": [5 + i, 7, 9, 11]} for i in range(4)]
-    out = vllm_peer.decode_rounds(llm, SamplingParams, requests, [1, 4], (3, 9), rounds=2)
+    out = bench_common.decode_rounds(llm, SamplingParams, requests, [1, 4], (3, 9), rounds=2)
     assert sorted(out) == [1, 4]
     for times in out.values():
         assert len(times["short"]) == len(times["long"]) == 2
@@ -162,3 +167,53 @@ def test_decode_peer_protocol(tiny):
     # medians 2 s and 6 s: 4 s over the 128 tokens between 32 and 160
     assert bench_decode_peer.step_ms({"short": [3, 1, 2], "long": [7, 5, 6]}, 32, 160) == (
         pytest.approx(31.25))
+
+
+def test_decode_step_plumbing(tiny):
+    """bench_common's decode-step helpers on a tiny engine: the step's inputs (scattered, whole
+    blocks), the bytes and FLOPs its bound is built from, the alternation of a runner
+    attribute (restored after) and the forward's arguments."""
+    from jaxpage import LLM
+
+    model, params = tiny
+    llm = LLM(model, params=params, max_model_len=256, max_num_seqs=8, num_blocks=64,
+              block_size=BLOCK, enable_prefix_caching=False)
+    runner = llm.engine.runner
+    seqs = bench_common.decode_seqs(runner, 3, 20)
+    blocks = [b for seq in seqs for b in seq.block_table]
+    assert len(seqs) == 3 and len(blocks) == 3 * 2 and len(set(blocks)) == 6 and 0 not in blocks
+    weights, kv, flops = bench_common.step_bytes_and_flops(llm, 3, 20)
+    assert kv == 3 * 21 * runner.block_bytes / runner.block_size
+    assert weights > 0 and flops == bench_common.forward_flops(model.config, 3, 20, True)
+    buckets = runner.decode_buckets
+    own, other = bench_common.alternating_step_seconds(llm, 3, 20, "decode_buckets",
+                                                       (buckets, [max(buckets)]), rounds=2)
+    assert own > 0 and other > 0 and runner.decode_buckets == buckets
+    assert len(bench_common.forward_args(runner, seqs)) == 6
+    prompts, outs = bench_common.make_trace(10, 0, 512)
+    assert (prompts, outs) == bench_common.make_trace(10, 0, 512)
+    assert all(8 <= len(p) <= 512 and 8 <= o <= 256 for p, o in zip(prompts, outs, strict=True))
+
+def script_paths() -> list[Path]:
+    """Every runnable script: the benchmarks and checks in scripts/, the probes in scripts/lab/
+    (bench_common is their shared module, not a script)."""
+    return sorted(p for p in [*SCRIPTS.glob("*.py"), *SCRIPTS.glob("lab/*.py")]
+                  if p.name != "bench_common.py")
+
+
+@pytest.mark.parametrize("script", script_paths(), ids=lambda p: str(p.relative_to(SCRIPTS)))
+def test_script_answers_help(script):
+    """`python scripts/X.py --help` (and scripts/lab/Y.py) imports what the script imports,
+    from the directory a user runs it in: a script moved or a helper renamed fails here."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True,
+                          text=True, timeout=300, cwd=SCRIPTS.parent, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "usage:" in done.stdout
+
+
+def test_only_lab_probes_touch_sys_path():
+    """A benchmark in scripts/ imports bench_common as `python scripts/X.py` finds it (its own
+    directory is on sys.path); only scripts/lab/'s probes insert scripts/ to find it."""
+    inserting = [p.name for p in SCRIPTS.glob("*.py") if "sys.path.insert" in p.read_text()]
+    assert not inserting, f"scripts outside scripts/lab/ that edit sys.path: {inserting}"

@@ -21,7 +21,7 @@ NARRATION = re.compile(
     r"|\bsessions? \d+\b|\b(this|that|next|last|earlier|previous|later) session\b"
     r"|\btoday\b|\byesterday\b|\btonight\b|\bthis morning\b|\bthe morning's\b"
     r"|\ban hour (earlier|later|before|after)\b"
-    r"|\bbox(es)?\b"                                    # "the AMX box", "the 2-core Zen 4 box"
+    r"|(?<![-\w])box(es)?\b"                          # "the AMX box", "the 2-core Zen 4 box"
     r"|\b(AMX|Zen ?\d|SPR|EPYC|Xeon)[- ](VM|machine)\b",
     re.IGNORECASE)
 BINARY_SUFFIXES = {".png", ".jpg", ".ipynb_checkpoints", ".so", ".gguf", ".safetensors"}

@@ -21,9 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jaxpage.engine.beam_search import BeamGroup
-from jaxpage.engine.block_hashing import encode_extra_keys
 from jaxpage.engine.detokenizer import IncrementalDetokenizer
-from jaxpage.engine.kv_groups import window_blocks_per_seq
 from jaxpage.engine.output_builder import beam_output, sample_deltas
 from jaxpage.engine.request import Request, RequestGroup
 from jaxpage.engine.scheduler import Scheduler, SchedulerOutput
@@ -124,7 +122,7 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        encode_extra_keys(cache_salt, None)  # the allocator's check of the salt, at the door
+        self.scheduler.check_cache_salt(cache_salt)
         with self._lock:
             request_id = self._new_request_id(request_id)
             token_ids = self._prompt_token_ids(prompt)
@@ -204,25 +202,20 @@ class LLMEngine:
         for t in params.stop_token_ids:
             if t >= self.vocab_size:
                 raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {t}")
-        # the first sample's blocks as the policy reserves them, then every other sample's
-        # own blocks (shared prompt blocks once; its last, partly filled one copied)
-        bs = self.config.block_size
-        own_blocks = -(-total // bs) - len(token_ids) // bs
-        need = -(-self.allocator.reserved_tokens(total) // bs) + (params.n - 1) * own_blocks
+        need, window_need = self.scheduler.blocks_needed(len(token_ids), total, params.n)
         if need > self.allocator.num_blocks - 1:
             raise ValueError(
                 f"prompt + max_tokens = {total} tokens (n={params.n}) needs {need} KV blocks "
                 f"under reservation_policy {self.config.reservation_policy!r} but the pool has "
                 f"only {self.allocator.num_blocks - 1}; raise num_blocks or lower max_tokens"
             )
-        if self.scheduler.windowed:  # each sample holds at most its window's blocks
+        if self.scheduler.windowed:
             group = self.allocator.window_group
-            need = params.n * min(-(-total // bs), window_blocks_per_seq(
-                group.window, bs, self.config.max_num_batched_tokens, self.max_model_len))
-            if need > group.num_blocks - 1:
+            if window_need > group.num_blocks - 1:
                 raise ValueError(
-                    f"n={params.n} samples need up to {need} blocks of the sliding-window "
-                    f"layers' pool, which has {group.num_blocks - 1}; raise num_window_blocks")
+                    f"n={params.n} samples need up to {window_need} blocks of the "
+                    f"sliding-window layers' pool, which has {group.num_blocks - 1}; raise "
+                    f"num_window_blocks")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n must be <= max_num_seqs ({self.config.max_num_seqs}), "
                              f"got {params.n}")

@@ -2,14 +2,15 @@
 
 A decode step streams every weight once, and on CPU it is bound by that read. With 4 KiB
 pages the read pays a TLB miss every 4 KiB, and under a hypervisor (nested paging) each miss
-walks two page tables: on the 2-core development VM a plain sequential read of 256 MiB (a C
-loop) runs at 15 GB/s on one core and 24 on two with 4 KiB pages, 27 and 33.5 with 2 MiB ones
-(NumPy asks for huge pages for its large arrays: the read bandwidth the benchmarks measure with
-it is the second kind). XLA:CPU allocates its buffers with malloc, in 4 KiB pages unless the
-system's THP setting is "always" (the common default is "madvise"), so the
-runner asks Linux to back its weight buffers with huge pages once they are placed: `advise`
-marks each buffer's range MADV_HUGEPAGE and collapses it into huge pages now (MADV_COLLAPSE,
-Linux 6.1+; older kernels leave the collapsing to khugepaged, in the background).
+walks two page tables: on a 2-core AMD EPYC (Zen 4) virtual machine a plain sequential read
+of 256 MiB (a C loop) runs at 15 GB/s on one core and 24 on two with 4 KiB pages, 27 and 33.5
+with 2 MiB ones (NumPy asks for huge pages for its large arrays: the read bandwidth the
+benchmarks measure with it is the second kind). XLA:CPU allocates its buffers with malloc, in
+4 KiB pages unless the system's THP setting is "always" (the common default is "madvise"), so
+the runner asks Linux to back its weight buffers with huge pages once they are placed:
+`advise` marks each buffer's range MADV_HUGEPAGE and collapses it into huge pages now
+(MADV_COLLAPSE, Linux 6.1+; older kernels leave the collapsing to khugepaged, in the
+background).
 
 The range advised is each buffer widened to the 2 MiB boundaries around it, clipped to the
 mapping it lies in: a buffer smaller than 2 MiB (most of a small model's) gets a huge page only
@@ -20,14 +21,14 @@ keep their pages and nothing else changes. `JAXPAGE_CPU_HUGE_PAGES=0` turns it o
 The KV pool (`advise_zeroed`) needs them as much: attention reads each sequence's blocks where
 they lie, and in a pool in use those are scattered over it, a 4 KiB page apiece (a bfloat16 K
 tile of SmolLM2 is 2 KiB), each a TLB miss. Collapsing the pool as the weights are would copy
-it (~6 s a GiB on the development VM); a fresh pool holds only zeros, so instead the whole
+it (~6 s a GiB on that machine); a fresh pool holds only zeros, so instead the whole
 2 MiB pages inside each of its buffers are marked MADV_HUGEPAGE and given back
 (MADV_DONTNEED): a private anonymous page given back reads as zeros, as the pool did, and the
-first write into each 2 MiB faults in a huge page. Measured on the 2-core box, alternating in
+first write into each 2 MiB faults in a huge page. Measured on the same machine, alternating in
 one process (docs/bench/cpu_pool_huge_pages_2026-12-04.log): decode attention alone, 30 layers
-over permuted tables, 1.14-1.36x (`bench_attention.py --cpp-only --dtype bfloat16
---vs-4k-pool`); a bfloat16 decode step over blocks spread across a 1 GiB pool 1.07x at 8 rows
-(`bench_decode_step.py --vs-4k-pool`).
+over permuted tables, 1.14-1.36x (`scripts/lab/attention_pool_pages_ab.py`); a bfloat16
+decode step over blocks spread across a 1 GiB pool 1.07x at 8 rows
+(`scripts/lab/decode_step_ab.py --vs-4k-pool`).
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ from collections.abc import Iterable
 
 from jaxpage.engine.batch import SeqInput, SeqResult
 from jaxpage.engine.beam_search import BeamGroup, BeamPlan, NextBeam
-from jaxpage.engine.kv_groups import WindowedAllocator
+from jaxpage.engine.block_hashing import encode_extra_keys
+from jaxpage.engine.kv_groups import WindowedAllocator, window_blocks_per_seq
 from jaxpage.engine.request import Request, RequestGroup, RequestStatus
 from jaxpage.engine.swap_cost import SwapCostModel
 from jaxpage.engine.tiered_allocator import TieredAllocator
@@ -130,6 +131,29 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+
+    @staticmethod
+    def check_cache_salt(cache_salt: str | None) -> None:
+        """Raise ValueError for a cache_salt the prefix cache cannot key blocks by (the
+        allocator's own check, for a request's door)."""
+        encode_extra_keys(cache_salt, None)
+
+    def blocks_needed(self, num_prompt_tokens: int, num_tokens: int, n: int = 1
+                      ) -> tuple[int, int]:
+        """The most KV blocks `n` samples of a request of `num_tokens` tokens (its prompt's
+        and max_tokens) hold at once: (in the device pool, the first sample's blocks as the
+        reservation policy reserves them, then every other sample's own: shared prompt blocks
+        once, its last, partly filled one copied; in the window group's pool, each sample at
+        most its window's blocks, or 0 without sliding-window layers)."""
+        bs = self.allocator.block_size
+        whole = -(-num_tokens // bs)
+        own_blocks = whole - num_prompt_tokens // bs
+        need = -(-self.allocator.reserved_tokens(num_tokens) // bs) + (n - 1) * own_blocks
+        if not self.windowed:
+            return need, 0
+        window = self.allocator.window_group.window
+        return need, n * min(whole, window_blocks_per_seq(
+            window, bs, self.max_num_batched_tokens, self.max_model_len))
 
     @property
     def num_unfinished(self) -> int:

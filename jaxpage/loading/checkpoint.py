@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpage.loading.hf import WeightsError
+from jaxpage.loading.errors import WeightsError
 from jaxpage.models import param_shapes
 from jaxpage.models.config import ModelConfig, RopeConfig
 

@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxpage.loading.hf import WeightsError, params_from_hf_tensors
+from jaxpage.loading.errors import WeightsError
+from jaxpage.loading.hf_families import HF_MOE_NAMES, params_from_hf_tensors
 from jaxpage.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from jaxpage.models.moe import HF_MOE_NAMES
 
 # general.architecture -> HF architecture. Mistral GGUFs say "llama", and so do Mixtral's
 # (told apart by their `llama.expert_count`).
@@ -86,7 +86,7 @@ GEMMA_SLIDING_PERIOD = {"gemma2": 2, "gemma3": 6}
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
 # A MoE block's router and its experts, each stacked [E, ...] in one tensor by
-# convert_hf_to_gguf: "blk.N.<gguf>.weight" -> the HF names' parts (see moe.HF_MOE_NAMES).
+# convert_hf_to_gguf: "blk.N.<gguf>.weight" -> the HF names' parts (see hf_families.HF_MOE_NAMES).
 EXPERT_NAMES = {"ffn_gate_inp": None, "ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
 ROPE_FREQS = "rope_freqs.weight"
 # Bump when load_gguf or gguf_tokenizer changes what it makes of a file: conversions cached

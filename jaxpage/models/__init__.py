@@ -1,9 +1,11 @@
 """The model families jaxpage serves, by HF architecture name.
 
 Each family is a module with a model class (a frozen dataclass over a `ModelConfig` with
-`forward(params, token_ids, positions, kv_pool, metadata)`), `param_shapes(config)` (the
-shape of every param, which the loaders check against) and
-`params_from_hf_tensors(config, get, dtype)` (HF-named tensors -> its params layout).
+`forward(params, token_ids, positions, kv_pool, metadata)`) and `param_shapes(config)` (the
+shape of every param, which the loaders check against). A family is written against the ops
+of `jaxpage.layers`, which choose each op's implementation by platform and weight layout, and
+knows no file format: the loaders convert checkpoints to its params layout
+(`jaxpage.loading.hf_families`).
 """
 
 from __future__ import annotations

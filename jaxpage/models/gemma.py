@@ -33,17 +33,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxpage import layers
 from jaxpage.attention import AttentionMetadata, LayerKV
-from jaxpage.loading.hf import (
-    TensorGetter,
-    attention_params,
-    decoder_from_hf,
-    hf_fetchers,
-    mlp_from_hf,
-)
 from jaxpage.models import llama
 from jaxpage.models.config import ModelConfig
-from jaxpage.models.llama import LlamaModel, Params, rms_norm, rope_cos_sin
+from jaxpage.models.llama import LlamaModel, Params, rope_cos_sin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +46,7 @@ class GemmaModel(LlamaModel):
     extra norms are replicated like the others)."""
 
     def _norm(self, x: jax.Array, weight: jax.Array) -> jax.Array:
-        return rms_norm(x, weight, self.config.rms_norm_eps, unit_offset=True)
+        return layers.rms_norm(x, weight, self.config.rms_norm_eps, unit_offset=True)
 
     def forward(
         self,
@@ -96,21 +90,3 @@ def param_shapes(config: ModelConfig) -> dict[str, Any]:
         layer["post_attn_norm"] = layer["post_mlp_norm"] = (config.hidden_size,)
     return shapes
 
-
-def params_from_hf_tensors(config: ModelConfig, get: TensorGetter) -> dict[str, Any]:
-    """HF-named Gemma2ForCausalLM / Gemma3ForCausalLM tensors -> the params layout (numpy,
-    the tensors' dtype; the caller casts)."""
-    fetch, linear = hf_fetchers(config, get)
-    h = config.hidden_size
-    layers = []
-    for n in range(config.num_layers):
-        p = f"model.layers.{n}."
-        layers.append({
-            "attn_norm": fetch(p + "input_layernorm.weight", (h,)),
-            **attention_params(config, fetch, linear, p),
-            "post_attn_norm": fetch(p + "post_attention_layernorm.weight", (h,)),
-            "mlp_norm": fetch(p + "pre_feedforward_layernorm.weight", (h,)),
-            **mlp_from_hf(config, fetch, linear, p + "mlp.", config.intermediate_size),
-            "post_mlp_norm": fetch(p + "post_feedforward_layernorm.weight", (h,)),
-        })
-    return decoder_from_hf(config, fetch, linear, layers)

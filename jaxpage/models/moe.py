@@ -29,7 +29,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpage.loading.hf import attention_from_hf, decoder_from_hf, hf_fetchers, mlp_from_hf
 from jaxpage.models import llama
 from jaxpage.models.config import ModelConfig
 from jaxpage.models.torch_topk import torch_cpu_topk_indices
@@ -184,38 +183,6 @@ def param_shapes(config: ModelConfig) -> dict[str, Any]:
             del layer["gate_up"], layer["down"]
             layer.update(router=(h, e), experts_gate_up=(e, h, 2 * i), experts_down=(e, i, h))
     return shapes
-
-
-# Where an HF checkpoint keeps a MoE layer's router and experts ("model.layers.N.<block>.gate",
-# "...<block>.experts.E.<gate|up|down>"): the Hub's per-expert layout, which transformers 5
-# also saves.
-HF_MOE_NAMES = {
-    "MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3", "w2")),
-    "Qwen3MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-}
-
-
-def params_from_hf_tensors(config: ModelConfig, get) -> dict[str, Any]:
-    """HF-named tensors -> numpy params: llama's attention, norms and dense MLPs, plus each
-    MoE layer's router and its experts stacked [E, ...]."""
-    fetch, linear = hf_fetchers(config, get)
-    block, names = HF_MOE_NAMES[config.architecture]
-    layers = []
-    for n in range(config.num_layers):
-        layer = attention_from_hf(config, fetch, linear, n)
-        if config.is_moe_layer(n):
-            p = f"model.layers.{n}.{block}."
-            experts = [mlp_from_hf(config, fetch, linear, f"{p}experts.{e}.",
-                                   config.moe_intermediate_size, names)
-                       for e in range(config.num_experts)]
-            layer.update(router=linear(p + "gate.weight", config.hidden_size, config.num_experts),
-                         experts_gate_up=np.stack([x["gate_up"] for x in experts]),
-                         experts_down=np.stack([x["down"] for x in experts]))
-        else:
-            layer.update(mlp_from_hf(config, fetch, linear, f"model.layers.{n}.mlp.",
-                                     config.intermediate_size))
-        layers.append(layer)
-    return decoder_from_hf(config, fetch, linear, layers)
 
 
 MODEL_CLASS = MoeModel

@@ -1,5 +1,6 @@
 """The host side of the engine imports no JAX: the allocator, scheduler, requests, beam
-search and the engine itself run as plain Python (the runner alone owns the device)."""
+search and the engine itself run as plain Python (the runner alone owns the device), and so
+do the engine's config, sampling parameters and outputs."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ HOST_MODULES = [
     "jaxpage.engine.detokenizer",
     "jaxpage.engine.output_builder",
     "jaxpage.engine.engine",
+    "jaxpage.constants",
+    "jaxpage.config",
+    "jaxpage.sampling_params",
+    "jaxpage.outputs",
 ]
 
 

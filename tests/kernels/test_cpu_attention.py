@@ -1,4 +1,4 @@
-"""The C++ CPU attention kernel (`pallas_kernels/cpu_attention.cc`, the "cpp" backend) against
+"""The C++ CPU attention kernel (`pallas_kernels/cpu/attention.h`, the "cpp" backend) against
 naive float64 NumPy, hand-worked cases and the dense jnp reference.
 
 Both code paths of the kernel are covered: the (head_dim, block_size) pairs compiled for their

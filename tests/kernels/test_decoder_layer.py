@@ -1,5 +1,5 @@
-"""A whole decoder layer in one CPU kernel call (cpu_attention.cc's JaxpageDecoderLayer; the
-model takes it for steps of at most `llama.FUSED_LAYER_ROWS` tokens) against the unfused calls
+"""A whole decoder layer in one CPU kernel call (cpu/decoder_layer.h's JaxpageDecoderLayer; the
+model takes it for steps of at most `layers.FUSED_LAYER_ROWS` tokens) against the unfused calls
 the model makes otherwise (packed matmuls, qkv_rope, set_rows, paged attention, add_rms_norm,
 silu_mul: each tested against float64 and HF in its own file): logits and every pool byte bit
 for bit, NaN in the pool's unwritten slots, over decode steps with several sequences, padding
@@ -20,6 +20,7 @@ from conftest import hf_logits
 from test_layer_glue import same_bits
 from test_packed_matmul import PACKABLE
 
+from jaxpage import layers
 from jaxpage.attention import build_metadata, init_kv_pool
 from jaxpage.loading.hf import load_hf_dir
 from jaxpage.models import llama
@@ -121,7 +122,7 @@ def test_a_short_prompt_chunk_beside_decodes_fuses_alike(dtype, shapes, hf_model
     _, pool = _run(unfused, params, _pool(config, dtype), tables[:2], [0, 0],
                    [list(range(3, 23)), list(range(30, 47))])
     new = [[7], [9], [11, 12, 13, 14, 15]]
-    assert sum(map(len, new)) <= llama.FUSED_LAYER_ROWS
+    assert sum(map(len, new)) <= layers.FUSED_LAYER_ROWS
     dims = dict(num_tokens=8, max_query_len=8, num_logits=None)
     ours, ours_pool = _run(fused, params, pool, tables, [20, 17, 0], new, **dims)
     theirs, pool = _run(unfused, params, pool, tables, [20, 17, 0], new, **dims)
@@ -177,6 +178,7 @@ def test_bad_slots_and_blocks_are_refused_by_name(hf_model_dir):
 _CLOCKED_STEPS = """
 import json, sys, time
 import jax, jax.numpy as jnp, numpy as np
+from jaxpage import layers
 from jaxpage.attention import build_metadata, init_kv_pool
 from jaxpage.loading.hf import load_hf_dir
 from jaxpage.models import llama
@@ -207,7 +209,7 @@ print(json.dumps(dict(cpu_library.stage_clock(), wall=wall, layers=config.num_la
 
 @pytest.mark.slow
 def test_the_stage_clock_counts_every_layer_call_within_the_steps_wall_time(hf_model_dir):
-    """scripts/profile_layer_stages.py's clock (a library built with JAXPAGE_STAGE_CLOCK, in a
+    """scripts/lab/profile_layer_stages.py's clock (a library built with JAXPAGE_STAGE_CLOCK, in a
     process of its own): one count per layer call of each decode step, every stage's time
     counted, their sum within the steps' wall time, and at most one join per helper and call;
     the default library has no clock."""

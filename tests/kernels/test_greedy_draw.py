@@ -1,4 +1,4 @@
-"""cpu_ops.greedy_draw (cpu_attention.cc's JaxpageGreedyDraw) against a float64 NumPy
+"""cpu_ops.greedy_draw (cpu/sampling.h's JaxpageGreedyDraw) against a float64 NumPy
 oracle, and the sampler's greedy rows, which take it on CPU, against its XLA path.
 
 Tokens are exact: each row's first maximum (its first NaN where it has one), as np.argmax and

@@ -1,5 +1,5 @@
-"""A layer's elementwise glue on CPU (cpu_attention.cc's JaxpageAddRmsNorm, JaxpageSiluMul and
-JaxpageQkvRope; `jaxpage.models.llama.add_rms_norm`, `silu_mul`, `split_rotate` take them on
+"""A layer's elementwise glue on CPU (cpu/layer_glue.h's JaxpageAddRmsNorm, JaxpageSiluMul and
+JaxpageQkvRope; `jaxpage.layers.add_rms_norm`, `silu_mul`, `split_rotate` take them on
 CPU) against a float64 NumPy oracle and, where the kernel keeps XLA's roundings, bit for bit
 against the jnp path the other platforms run.
 
@@ -26,7 +26,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxpage.models import llama
+from jaxpage import layers
 from pallas_kernels import cpu_library, cpu_ops
 
 pytestmark = [pytest.mark.kernels,
@@ -91,7 +91,7 @@ def test_add_rms_norm_keeps_a_nan_to_its_row_and_the_model_takes_it_on_cpu():
     assert np.isnan(normed[1]).all()
     np.testing.assert_array_equal(normed[[0, 2]], 2.0)  # ones over rms 1, times 2: exact
     # the model's glue lowers to the kernel on CPU (and to the jnp path elsewhere)
-    text = jax.jit(functools.partial(llama.add_rms_norm, eps=1e-6)).lower(
+    text = jax.jit(functools.partial(layers.add_rms_norm, eps=1e-6)).lower(
         jnp.asarray(x, jnp.bfloat16), jnp.asarray(x), weight).as_text()
     assert cpu_library.TARGET_ADD_RMS_NORM in text
 
@@ -140,13 +140,13 @@ def test_qkv_rope_is_the_jnp_path_bit_for_bit(dtype, heads, kv_heads, dim, rows)
         q = given.astype(dtype)[:, : heads * dim].reshape(rows, heads, dim)
         k = given.astype(dtype)[:, heads * dim : (heads + kv_heads) * dim]
         v = given.astype(dtype)[:, (heads + kv_heads) * dim :]
-        want = (llama.rotate(q, cos, sin),
-                llama.rotate(k.reshape(rows, kv_heads, dim), cos, sin),
+        want = (layers.rotate(q, cos, sin),
+                layers.rotate(k.reshape(rows, kv_heads, dim), cos, sin),
                 v.reshape(rows, kv_heads, dim))
         for name, a, b in zip("qkv", got, want, strict=True):
             assert same_bits(a, b), name
     # and the model's glue takes the kernel on CPU
-    text = jax.jit(functools.partial(llama.split_rotate, num_heads=heads,
+    text = jax.jit(functools.partial(layers.split_rotate, num_heads=heads,
                                      num_kv_heads=kv_heads)).lower(qkv, cos, sin).as_text()
     assert cpu_library.TARGET_QKV_ROPE in text
 

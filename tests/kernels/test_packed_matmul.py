@@ -1,4 +1,4 @@
-"""cpu_ops.packed_matmul (cpu_attention.cc's JaxpagePackedMatmul) on weights packed by
+"""cpu_ops.packed_matmul (cpu/matmul_packed.h's JaxpagePackedMatmul) on weights packed by
 `pack_weight`: against the float64 oracle and bit for bit against small_matmul's [K, N] tiles
 (same products, same float32 sums in k's order; on AMX tiles, which sum in the hardware's
 order, against the oracle only); llama's `pack_params` through a whole model
@@ -261,7 +261,7 @@ def test_packed_model_errs_as_the_unpacked_one_and_decodes_alike(tied, tiles, hf
     assert hlo.count("jaxpage_packed_matmul") >= 4 * config.num_layers  # four per layer
     if not cpu_ops.wide_vectors() or tiles:
         # built without AVX-512 the unpacked model's few-row matmuls are XLA's dot, not
-        # small_matmul's tiles (llama._matmul_f32), and AMX sums in its own order: then each
+        # small_matmul's tiles (jaxpage.layers.matmul_f32), and AMX sums in its own order: then each
         # decode step against HF, as the prefill (bfloat16 activations round differently along
         # the two paths)
         steps = [7, 11, 13]

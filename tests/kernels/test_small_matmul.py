@@ -1,5 +1,6 @@
-"""cpu_ops.small_matmul (cpu_attention.cc's JaxpageSmallMatmul) against a float64 NumPy
-oracle, and llama's matmuls routed through it on CPU for few rows.
+"""cpu_ops.small_matmul (cpu/matmul_small.h's JaxpageSmallMatmul) against a float64 NumPy
+oracle, and the model's matmuls (`jaxpage.layers.linear`) routed through it on CPU for few
+rows.
 
 Tolerance: the kernel multiplies and sums in float32 (bfloat16 inputs widened exactly, their
 products exact in float32), so each output is within the classic bound of a float32 dot
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpage.models import llama
+from jaxpage import layers
 from pallas_kernels import cpu_library, cpu_ops
 
 pytestmark = [pytest.mark.kernels,
@@ -146,18 +147,18 @@ def test_the_handler_rejects_what_the_wrapper_would(operands_, out_shape, messag
 def test_linear_takes_the_kernel_on_cpu_and_equals_the_jnp_path(dtype, rows):
     rng = np.random.default_rng(3)
     x, w = operands(rng, rows, 576, 960, dtype, False)
-    hlo = jax.jit(llama.linear).lower(x, w).as_text()
+    hlo = jax.jit(layers.linear).lower(x, w).as_text()
     # the kernel where the library is built for AVX-512; else XLA's dot (faster there)
     assert ("jaxpage_small_matmul" in hlo) == cpu_ops.wide_vectors()
-    out32 = jax.jit(llama._matmul_f32)(x, w)
+    out32 = jax.jit(layers.matmul_f32)(x, w)
     jnp32 = jnp.dot(x, w, preferred_element_type=jnp.float32)
     _, magnitude = oracle(x, w, False)
     # both within the float32 bound of the exact product, so within twice it of each other
     assert np.all(np.abs(np.asarray(out32) - np.asarray(jnp32)) <= 2 * bound(576, magnitude))
     check(out32, x, w, False)
-    out = np.asarray(jax.jit(llama.linear)(x, w), np.float32)
+    out = np.asarray(jax.jit(layers.linear)(x, w), np.float32)
     ref = np.asarray(jnp32.astype(dtype), np.float32)
-    assert jax.jit(llama.linear)(x, w).dtype == dtype
+    assert jax.jit(layers.linear)(x, w).dtype == dtype
     # rounded once to x's dtype: at most one ulp of it apart (a float32 difference that
     # straddles a rounding boundary)
     ulp = 2.0**-7 if dtype == jnp.bfloat16 else 2.0**-23
@@ -167,19 +168,19 @@ def test_linear_takes_the_kernel_on_cpu_and_equals_the_jnp_path(dtype, rows):
 def test_tied_head_and_many_rows_and_other_platforms():
     rng = np.random.default_rng(4)
     x, w = operands(rng, 8, 64, 300, jnp.bfloat16, True)
-    head = jax.jit(lambda x, w: llama._matmul_f32(x, w, transpose_w=True))
+    head = jax.jit(lambda x, w: layers.matmul_f32(x, w, transpose_w=True))
     wide = cpu_ops.wide_vectors()  # the kernel only where built for AVX-512
     assert ("jaxpage_small_matmul" in head.lower(x, w).as_text()) == wide
     check(head(x, w), x, w, True)
     # up to SMALL_MATMUL_ROWS of the dtype and layout the kernel, one row more the jnp dot
-    for (dtype_name, transpose_w), rows in llama.SMALL_MATMUL_ROWS.items():
+    for (dtype_name, transpose_w), rows in layers.SMALL_MATMUL_ROWS.items():
         for m, kernel in ((rows, True), (rows + 1, False)):
             xm, wm = operands(rng, m, 64, 32, jnp.dtype(dtype_name), transpose_w)
-            step = jax.jit(lambda x, w, t=transpose_w: llama._matmul_f32(x, w, transpose_w=t))
+            step = jax.jit(lambda x, w, t=transpose_w: layers.matmul_f32(x, w, transpose_w=t))
             assert ("jaxpage_small_matmul" in step.lower(xm, wm).as_text()) == (kernel and wide)
             if kernel:
                 check(step(xm, wm), xm, wm, transpose_w)
     # exported for an accelerator, the CPU branch is gone
     x8, w8 = operands(rng, 8, 64, 32, jnp.float32, False)
-    exported = jax.export.export(jax.jit(llama.linear), platforms=["cuda"])(x8, w8)
+    exported = jax.export.export(jax.jit(layers.linear), platforms=["cuda"])(x8, w8)
     assert "jaxpage_small_matmul" not in exported.mlir_module()

@@ -1,0 +1,37 @@
+"""The ops a model family is written against, each choosing its implementation.
+
+A model (`jaxpage.models`) says what it computes: a matmul, a norm, an activation, a rotary
+embedding, an embedding lookup, a whole decoder layer. The modules here decide how, by
+platform, dtype and weight layout: XLA's ops, or a call into the CPU kernel library
+(`pallas_kernels.cpu_ops`) where it is built, through `jax.lax.platform_dependent` so that
+accelerators lower the jnp form; packed or plain weights. A family is written once against
+them and imports no kernel itself.
+
+    linear      matmuls and the packed weight layout (`matmul_f32`, `linear`, `pack_weight`)
+    norm        RMSNorm, alone and fused with the residual add before it
+    activation  the gated MLP's activations (`silu_mul`)
+    rotary      rotary embedding (`cos_sin`, `rotate`, `split_rotate`)
+    embedding   the embedding lookup (plain, packed as a tied head, vocabulary-parallel)
+    fused       a whole Llama-family layer in one CPU kernel call (`fusable`, `decoder_layer`)
+    dispatch    where a layer's elementwise glue runs (`cpu_glue`)
+"""
+
+from jaxpage.layers.activation import ACTIVATIONS, silu_mul
+from jaxpage.layers.embedding import embed
+from jaxpage.layers.fused import (
+    FUSED_LAYER_PARAMS,
+    FUSED_LAYER_ROWS,
+    FUSED_LAYER_WEIGHTS,
+    decoder_layer,
+    fusable,
+)
+from jaxpage.layers.linear import SMALL_MATMUL_ROWS, linear, matmul_f32, pack_weight, packable
+from jaxpage.layers.norm import add_rms_norm, rms_norm
+from jaxpage.layers.rotary import cos_sin, rotate, split_rotate
+
+__all__ = [
+    "ACTIVATIONS", "FUSED_LAYER_PARAMS", "FUSED_LAYER_ROWS", "FUSED_LAYER_WEIGHTS",
+    "SMALL_MATMUL_ROWS", "add_rms_norm", "cos_sin", "decoder_layer", "embed", "fusable",
+    "linear", "matmul_f32", "pack_weight", "packable", "rms_norm", "rotate", "silu_mul",
+    "split_rotate",
+]

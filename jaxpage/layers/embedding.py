@@ -1,0 +1,32 @@
+"""Token embedding: rows of the embedding table, plain, packed as a tied LM head, or split
+over a tensor-parallel axis by vocabulary range."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import bits
+
+
+def embed(table: jax.Array, token_ids: jax.Array, hidden_size: int,
+          tp_axis: str | None = None) -> jax.Array:
+    """[T] ids -> [T, H] rows of `table`, gathered as bits (XLA:CPU would convert a bfloat16
+    table whole to gather from it). A table [V, H]; or one packed as a tied head
+    (`linear.pack_weight` of [H, V]: [V / P, ceil(H / G), P, G], P columns a panel), whose id
+    v's row is panel v // P, column v % P; or with `tp_axis`, this device's vocabulary range
+    [V / devices, H]: each device looks up the ids in its range and the partial rows are
+    summed over the axis."""
+    if table.ndim == 4:
+        panel = table.shape[2]  # the packing's panel width (the build's)
+        # [T, ceil(H / G), G]
+        rows = bits.take(table, (token_ids // panel, slice(None), token_ids % panel,
+                                 slice(None)))
+        return rows.reshape(token_ids.shape[0], -1)[:, :hidden_size]
+    if tp_axis is None:
+        return bits.take(table, token_ids)
+    rows = table.shape[0]
+    local = token_ids - jax.lax.axis_index(tp_axis) * rows
+    mine = (local >= 0) & (local < rows)
+    x = jnp.where(mine[:, None], bits.take(table, jnp.clip(local, 0, rows - 1)), 0)
+    return jax.lax.psum(x, tp_axis)
