@@ -21,15 +21,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import pathlib
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from jaxpage.engine.block_allocator import BlockAllocator  # noqa: E402
+from jaxpage.engine.block_allocator import BlockAllocator
 
 BLOCK_SIZE = 16
 SEQ_BLOCKS = 64

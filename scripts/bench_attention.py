@@ -1,5 +1,7 @@
-"""CPU attention paths on SmolLM2-shaped batches: the C++ kernel (`cpp` backend), the
-blockwise `jnp` backend and the dense `reference`, in one process.
+"""CPU attention paths on SmolLM2-shaped steps: the C++ kernel, blockwise jnp and dense.
+
+The C++ kernel (`cpp` backend), the blockwise `jnp` backend and the dense `reference`, in one
+process.
 
 Each case is one engine-like step (per layer a K/V pool of 2048 blocks x 16 tokens, 3 KV
 heads, 9 query heads, head_dim 64, float32, permuted block tables) timed over 30 layers, as a
@@ -18,32 +20,28 @@ materializing gathered K/V).
 
     python scripts/bench_attention.py
     python scripts/bench_attention.py --cpp-only --dtype bfloat16   # the kernel alone
-    python scripts/bench_attention.py --cpp-only --dtype bfloat16 --vs-4k-pool
-
-With --vs-4k-pool each case's cpp kernel also runs on a second copy of the pools backed by
-huge pages (`huge_pages.advise`, as a CPU runner's pool is since 2026-12-04), alternating with
-the pools as XLA allocated them (4 KiB pages: each block of a permuted table a page and a TLB
-miss of its own), and prints the 4 KiB pools' time over the huge ones'.
 
 To compare two builds of the kernel, run it twice with JAXPAGE_CPU_KERNEL_LIB naming each
-(`cpu_library._build()` writes the current source's under ~/.cache/jaxpage).
+(`cpu_library._build()` writes the current source's under ~/.cache/jaxpage). The kernel on
+pools of 4 KiB pages against huge pages is scripts/lab/attention_pool_pages_ab.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_common import HEAD_DIM, HEADS, KV_HEADS, LAYERS, median_seconds
 
 from pallas_kernels import cpu_ops
 from pallas_kernels.blockwise import paged_attention_blockwise
 from pallas_kernels.reference import paged_attention_reference
 
-KV_HEADS, GROUP, HEAD_DIM, BLOCK, POOL_BLOCKS, LAYERS = 3, 3, 64, 16, 2048, 30
+GROUP = HEADS // KV_HEADS  # query heads a KV head serves
+BLOCK, POOL_BLOCKS = 16, 2048
 
 
 def cases(rng):
@@ -102,16 +100,6 @@ def all_layers(attend, q, k_pools, v_pools, *step):
     return sum(attend(q + i * 1e-3, k_pools[i], v_pools[i], *step) for i in range(LAYERS))
 
 
-def timed(fn, *args, repeats=5) -> float:
-    jax.block_until_ready(fn(*args))  # compile
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -119,16 +107,13 @@ def main() -> None:
     ap.add_argument("--cpp-only", action="store_true",
                     help="time the C++ kernel only (the max diff is then against float32's "
                          "dense path on the same inputs)")
-    ap.add_argument("--vs-4k-pool", action="store_true",
-                    help="also the cpp kernel on the pools backed by huge pages, alternating "
-                         "with them on 4 KiB pages (15 each)")
     args = ap.parse_args()
     dtype = jnp.dtype(args.dtype)
     rng = np.random.default_rng(0)
     k_pools, v_pools = make_pools(dtype)
     pool_bytes = LAYERS * k_pools[0].nbytes
-    read_s = timed(jax.jit(lambda pools: sum(p.sum() for p in pools)), k_pools)
-    copy_s = timed(jax.jit(lambda pools: [p + 1.0 for p in pools]), k_pools)
+    read_s = median_seconds(jax.jit(lambda pools: sum(p.sum() for p in pools)), k_pools)
+    copy_s = median_seconds(jax.jit(lambda pools: [p + 1.0 for p in pools]), k_pools)
     print(f"memory ceilings over {pool_bytes / 1e6:.0f} MB of K pools: jnp.sum reads "
           f"{pool_bytes / read_s / 1e9:.1f} GB/s; a copy moves "
           f"{pool_bytes / copy_s / 1e9:.1f} GB/s each way")
@@ -138,34 +123,20 @@ def main() -> None:
         paths["cpp"] = lambda *args, max_query_len: cpu_ops.paged_attention_cpu(*args)
     elif args.cpp_only:
         raise SystemExit("the CPU kernel library is not available")
-    huge_pools = None
-    if args.vs_4k_pool and "cpp" in paths:
-        from bench_small_matmul import alternating_seconds
-
-        from jaxpage.engine import huge_pages
-
-        huge_pools = make_pools(dtype)
-        if not huge_pages.advise(jax.tree.leaves(huge_pools)):
-            raise SystemExit("Linux backed none of the pools with huge pages here")
     print(f"{'case':<34}{'dense ms':>10}{'blockwise ms':>14}{'cpp ms':>8}{'blockw/cpp':>11}"
-          f"{'KV MB':>7}{'cpp GB/s':>9}{'max diff':>10}{'cpp ordered':>12}{'perm/ord':>9}"
-          + ("" if huge_pools is None else f"{'cpp 4K':>8}{'cpp huge':>9}{'4K/huge':>8}"))
+          f"{'KV MB':>7}{'cpp GB/s':>9}{'max diff':>10}{'cpp ordered':>12}{'perm/ord':>9}")
     for name, lens, new, max_query_len in cases(rng):
         q, tables, seq_lens, qsl, kv_bytes = make_step(rng, lens, new, dtype)
         seconds, outs = {}, {}
         for label, attend in paths.items():
             fn = jax.jit(functools.partial(
                 all_layers, functools.partial(attend, max_query_len=max_query_len)))
-            seconds[label] = timed(fn, q, k_pools, v_pools, tables, seq_lens, qsl)
+            seconds[label] = median_seconds(fn, q, k_pools, v_pools, tables, seq_lens, qsl)
             outs[label] = fn(q, k_pools, v_pools, tables, seq_lens, qsl)
             if label == "cpp":  # the same step over tables in pool order: where blocks lie
                 ordered = make_step(np.random.default_rng(0), lens, new, dtype, ordered=True)[1]
-                seconds["cpp ordered"] = timed(fn, q, k_pools, v_pools, ordered, seq_lens, qsl)
-                if huge_pools is not None:
-                    seconds["cpp 4K"], seconds["cpp huge"] = alternating_seconds(
-                        [functools.partial(fn, q, *pools)
-                         for pools in ((k_pools, v_pools), huge_pools)],
-                        tables, seq_lens, qsl, runs=15)
+                seconds["cpp ordered"] = median_seconds(fn, q, k_pools, v_pools, ordered,
+                                                        seq_lens, qsl)
         nan = float("nan")
         diff = nan if "dense" not in outs else max(
             float(jnp.abs(outs["dense"] - out).max()) / LAYERS for out in outs.values())
@@ -181,10 +152,8 @@ def main() -> None:
               f"{kv_bytes / 1e6:>7.0f}{column(kv_bytes / cpp / 1e9, 9, '.1f')}"
               f"{column(diff, 10, '.1e')}"
               f"{column(seconds.get('cpp ordered', nan) * 1e3, 12, '.1f')}"
-              f"{column(cpp / seconds.get('cpp ordered', nan), 9, '.2f')}"
-              + ("" if huge_pools is None else
-                 f"{seconds['cpp 4K'] * 1e3:>8.1f}{seconds['cpp huge'] * 1e3:>9.1f}"
-                 f"{seconds['cpp 4K'] / seconds['cpp huge']:>8.2f}"), flush=True)
+              f"{column(cpp / seconds.get('cpp ordered', nan), 9, '.2f')}", flush=True)
+
 
 if __name__ == "__main__":
     main()

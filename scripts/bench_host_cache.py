@@ -1,5 +1,7 @@
-"""The prefix cache's host tier: a multi-turn chat trace whose conversations together exceed
-the device KV pool, served with the host tier on and off (TTFT and prefill tokens).
+"""The prefix cache's host tier: a chat trace beyond the device pool, the tier on and off.
+
+A multi-turn chat trace whose conversations together exceed the device KV pool, served with
+the host tier on and off (TTFT and prefill tokens).
 
 --conversations conversations (default 8), each its own system prompt (64 tokens), then
 --turns turns of a user message (16-48 tokens) and a greedy answer (--max-tokens, 16): each
@@ -21,15 +23,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import numpy as np
+from bench_common import make_engine, tiny_model
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-from bench_memory import make_engine, tiny_model  # noqa: E402
 
 
 def run_one(engine, request_id: str, prompt: list[int], max_tokens: int) -> dict:

@@ -54,12 +54,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from pallas_kernels.paged_decode_gpu import paged_decode_attention_gpu  # noqa: E402
-from pallas_kernels.paged_decode_tpu import paged_decode_attention_tpu  # noqa: E402
-from pallas_kernels.ragged_paged_gpu import ragged_paged_attention_gpu  # noqa: E402
-from pallas_kernels.reference import paged_attention_reference  # noqa: E402
+from pallas_kernels.paged_decode_gpu import paged_decode_attention_gpu
+from pallas_kernels.paged_decode_tpu import paged_decode_attention_tpu
+from pallas_kernels.ragged_paged_gpu import ragged_paged_attention_gpu
+from pallas_kernels.reference import paged_attention_reference
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPE = jnp.bfloat16

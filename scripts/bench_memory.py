@@ -39,6 +39,7 @@ import os
 import time
 
 import numpy as np
+from bench_common import make_engine, tiny_model
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -73,24 +74,7 @@ def make_trace(spec: TraceSpec, vocab_size: int, max_model_len: int):
     return prompts, output_lens.tolist(), arrivals.tolist()
 
 
-# ------------------------------------------------------------------------- models
-
-def tiny_model(max_position_embeddings: int = 2048):
-    """(model, params): a 2-layer random-weight Llama; accounting does not need real weights."""
-    import jax
-
-    from jaxpage.models.config import ModelConfig
-    from jaxpage.models.llama import LlamaModel, param_shapes
-
-    config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=64,
-                         intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                         head_dim=16, max_position_embeddings=max_position_embeddings,
-                         eos_token_ids=(1,))
-    rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda shape: (0.1 * rng.standard_normal(shape)).astype(np.float32),
-                          param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
-    return LlamaModel(config), params
-
+# ------------------------------------------------------------------------- the KV budget
 
 def kv_budget_bytes(model_config, block_size: int, num_blocks: int, dtype="float32") -> int:
     """kv_cache_memory that yields `num_blocks` usable blocks (+ the reserved null block)."""
@@ -102,17 +86,6 @@ def kv_budget_bytes(model_config, block_size: int, num_blocks: int, dtype="float
                                    model_config.num_kv_heads, model_config.head_dim,
                                    jnp.dtype(dtype))
     return per_block * (num_blocks + 1)
-
-
-def make_engine(model, params, tokenizer, policy: str, **config):
-    from jaxpage import EngineConfig
-    from jaxpage.engine.engine import LLMEngine
-
-    # the policies alone: a small batch running ahead (decode_lookahead_rows) takes a
-    # decode's next block a step early, a reservation of its own
-    config = {"enable_prefix_caching": False, "decode_lookahead_rows": 0, **config}
-    cfg = EngineConfig(model=type(model).__name__, reservation_policy=policy, **config)
-    return LLMEngine(cfg, model, params, tokenizer)
 
 
 # ------------------------------------------------------------------------- accounting

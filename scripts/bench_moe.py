@@ -1,7 +1,9 @@
-"""MoE step time on CPU: the grouped experts (`jaxpage.models.moe.grouped_experts`, two
-`jax.lax.ragged_dot`s over only the routed (token, expert) pairs) against the dense
-reference (`dense_experts`: every expert on every token, unrouted ones weighted 0), and the
-tiled loop (`tiled_experts`: the routed pairs in tiles of 8 rows, one expert per tile).
+"""MoE decode step time on CPU: grouped experts against the dense reference and a tiled loop.
+
+The grouped experts (`jaxpage.models.moe.grouped_experts`, two `jax.lax.ragged_dot`s over
+only the routed (token, expert) pairs) against the dense reference (`dense_experts`: every
+expert on every token, unrouted ones weighted 0), and the tiled loop (`tiled_experts`: the
+routed pairs in tiles of 8 rows, one expert per tile).
 
 The model is Qwen3-30B-A3B scaled down: its hidden 2048 / expert width 768 / 128 experts /
 top-8 / 48 layers become, by default, hidden 512 / expert width 192 (the same 8:3 ratio) /

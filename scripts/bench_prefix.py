@@ -23,15 +23,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import numpy as np
+from bench_common import make_engine, tiny_model
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-from bench_memory import make_engine, tiny_model  # noqa: E402
 
 
 def run_one(engine, request_id: str, prompt: list[int], max_tokens: int,

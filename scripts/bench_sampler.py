@@ -5,7 +5,7 @@ same random logits through `cpu_ops.greedy_draw` (what `sampling.sample` takes f
 rows without top logprobs on CPU) and through `sampling.greedy_xla` (the jnp it replaces: a max,
 a select-and-min over indices, a log-sum-exp), each jitted, the two alternating call by call
 (medians of 50), beside the bound of reading the logits once at this machine's read bandwidth
-(`bench_decode_step.read_gbps`). The tokens must agree.
+(`bench_common.read_gbps`: a C loop, a thread a core). The tokens must agree.
 
     python scripts/bench_sampler.py [--rows 1,8,64] [--vocab 49152]
 """
@@ -13,19 +13,15 @@ a select-and-min over indices, a log-sum-exp), each jitted, the two alternating 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_decode_step import read_gbps  # noqa: E402
+from bench_common import VOCAB, read_gbps
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1,8,64")
-    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--vocab", type=int, default=VOCAB)
     ap.add_argument("--calls", type=int, default=50)
     args = ap.parse_args()
 

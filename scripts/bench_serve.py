@@ -1,6 +1,6 @@
 """Serving benchmarks through the live server (`python -m jaxpage.serve`, default model).
 
-Requests from the throughput trace (bench_throughput.make_trace: log-normal prompt and
+Requests from the throughput trace (bench_common.make_trace: log-normal prompt and
 output lengths, token-id prompts, ignore_eos, greedy) arrive at a Poisson rate from one
 asyncio client streaming each answer. Per rate: output tokens/s, TTFT and TPOT p50/p99,
 and normalized latency (end-to-end seconds per output token, the vLLM paper's measure) mean
@@ -37,18 +37,21 @@ import sys
 import time
 
 import numpy as np
+from bench_common import (
+    HEAD_DIM,
+    KV_HEADS,
+    LAYERS,
+    MAX_MODEL_LEN,
+    MAX_NUM_BATCHED_TOKENS,
+    MAX_NUM_SEQS,
+    VOCAB,
+    make_trace,
+)
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_throughput import make_trace  # noqa: E402
-
-MAX_MODEL_LEN = 1024
-MAX_NUM_SEQS = 64
-MAX_NUM_BATCHED_TOKENS = 512
 # The KV budget of the policy and block-size sweeps, in tokens: small enough that the pool
 # binds for every policy at the swept rates (the trace's requests average ~160 tokens)
 KV_TOKENS = 3072
-KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M, float32: layers * K,V * heads * dim
-SMOLLM2_VOCAB = 49152
+KV_BYTES_PER_TOKEN = LAYERS * 2 * KV_HEADS * HEAD_DIM * 4  # SmolLM2-135M's K and V, float32
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -260,7 +263,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.requests, args.rates = 12, [1.0, 3.0]
-    prompts, output_lens = make_trace(args.requests, args.seed, SMOLLM2_VOCAB)
+    prompts, output_lens = make_trace(args.requests, args.seed, VOCAB)
     print(f"trace: {len(prompts)} requests, {sum(map(len, prompts))} prompt and "
           f"{sum(output_lens)} output tokens; KV budget {KV_TOKENS} tokens "
           f"({KV_TOKENS * KV_BYTES_PER_TOKEN / 2**20:.0f} MiB) for the sweeps")

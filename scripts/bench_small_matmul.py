@@ -1,5 +1,7 @@
-"""The kernel library's few-row matmul (`cpu_ops.small_matmul`) on a decode step's
-weights, against the machine's read bandwidth, in one process.
+"""The kernel library's few-row matmuls on a decode step's weights, against the read bandwidth.
+
+The few-row kernel (`cpu_ops.small_matmul`) and the packed one on SmolLM2-135M's weights, in
+one process.
 
 A decode step of few rows is a stream of the weights: each projection and the LM head reads
 every weight once. This runs SmolLM2-135M's shapes (30 layers of qkv [576, 960], o
@@ -7,9 +9,9 @@ every weight once. This runs SmolLM2-135M's shapes (30 layers of qkv [576, 960],
 tied head [49152, 576] read as [N, K]) at a given row count, jitted as chains of one kind
 (30 calls), all together (121) and all in turn (121, each call's x the one before's output,
 as in a step), and prints each chain's milliseconds, the GB/s it streams
-the weights at and its share of the read bandwidth (`bench_decode_step.read_gbps`: a C loop
+the weights at and its share of the read bandwidth (`bench_common.read_gbps`: a C loop
 streaming memory on one thread per core); the packed chains also their FLOP rate's share of the
-cores' FMA peak (`bench_decode_step.matmul_peak_gflops`), the other bound a few-row matmul
+cores' FMA peak (`bench_common.matmul_peak_gflops`), the other bound a few-row matmul
 meets. The weights total 256 MiB in bfloat16, 513 MiB in float32, far beyond the caches, as in
 a real step. The chains' calls are independent of one another (XLA may run two at once); a real
 step's are not (the chain "in turn" is as dependent as a step; `bench_decode_step.py --profile`
@@ -18,7 +20,6 @@ times them in a step).
     python scripts/bench_small_matmul.py                    # 8 rows, bfloat16 and float32
     python scripts/bench_small_matmul.py --rows 1,8,16 --dtypes bfloat16
     python scripts/bench_small_matmul.py --rows 16,24,32,48,64 --vs-xla   # where the kernel pays
-    python scripts/bench_small_matmul.py --rows 1,2,4,8 --vs-prefetch 4096
     python scripts/bench_small_matmul.py --rows 1,8 --dtypes bfloat16 --cached   # arithmetic
 
 Each chain also runs on the same weights packed into 32-column panels
@@ -26,49 +27,113 @@ Each chain also runs on the same weights packed into 32-column panels
 keeps them), with its speedup over the unpacked walk. The weights are backed by huge pages
 where Linux can, as a CPU runner's are (`jaxpage.engine.huge_pages`). With --vs-xla each
 chain also runs XLA:CPU's dot (`jnp.dot` / einsum with a float32 result, what the model runs
-above `jaxpage.models.llama.SMALL_MATMUL_ROWS` on unpacked weights) and prints the kernel's
-speedup over it. With --vs-prefetch BYTES each packed chain also runs with its panels
-prefetched BYTES ahead (`packed_matmul(prefetch_bytes=...)`) instead of the kernel's own
-distance for the rows, the two alternating run by run (60 each), and prints the kernel's
+above `jaxpage.layers.SMALL_MATMUL_ROWS` on unpacked weights) and prints the kernel's
 speedup over it. With --cached each row count also runs the packed kernel on one weight held in
 the caches (o in L2, gate_up in L3), called in turn: the rate its arithmetic allows, beside
-the read bandwidth (at 8 bfloat16 rows on the 2-core Zen 4 box the two are alike, so a step's
-matmuls from memory take more than either unless the two overlap perfectly).
+the read bandwidth (at 8 bfloat16 rows on a 2-core AMD EPYC (Zen 4) the two are alike, so a
+step's matmuls from memory take more than either unless the two overlap perfectly). The packed
+chains at another prefetch distance are scripts/lab/matmul_prefetch_ab.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import (
+    HIDDEN,
+    INTERMEDIATE,
+    LAYERS,
+    QKV,
+    VOCAB,
+    fma_peak_gflops,
+    matmul_peak_gflops,
+    median_seconds,
+    read_gbps,
+)
 
-from bench_decode_step import fma_peak_gflops, matmul_peak_gflops, read_gbps  # noqa: E402
-from bench_throughput import median_seconds  # noqa: E402
-
-LAYERS, HIDDEN, QKV, INTERMEDIATE, VOCAB = 30, 576, 960, 1536, 49152
 # the projections as [K, N]
 KINDS = {"qkv": (HIDDEN, QKV), "o": (HIDDEN, HIDDEN), "gate_up": (HIDDEN, 2 * INTERMEDIATE),
          "down": (INTERMEDIATE, HIDDEN)}
+CHAIN_STEPS = LAYERS * len(KINDS) + 1  # a step's matmuls: every layer's and the head
 
 
-def alternating_seconds(fns, *args, runs: int = 60) -> list[float]:
-    """Median wall times of each of `fns(*args)` to completion, run in turn `runs` times after
-    one call each that compiles it (the machine's drift falls on all of them)."""
+def model_weights(rng, dtype) -> tuple:
+    """(layers, head, packed layers, packed head): every layer's projections and the tied head
+    at random in `dtype`, as [K, N] (the head [V, H]) and packed (`cpu_ops.pack_weight`, the
+    head as [H, V], as `llama.pack_params` packs it), backed by huge pages where Linux can."""
     import jax
+    import jax.numpy as jnp
     import numpy as np
 
-    times = [[] for _ in fns]
-    for fn in fns:
-        jax.block_until_ready(fn(*args))
-    for _ in range(runs):
-        for fn, out in zip(fns, times, strict=True):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            out.append(time.perf_counter() - start)
-    return [float(np.median(t)) for t in times]
+    from jaxpage.engine import huge_pages
+    from pallas_kernels import cpu_ops
+
+    def weights(*shape):
+        return jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02, dtype)
+
+    layers = [{kind: weights(*shape) for kind, shape in KINDS.items()} for _ in range(LAYERS)]
+    head = weights(VOCAB, HIDDEN)
+    packed = [{kind: cpu_ops.pack_weight(w) for kind, w in layer.items()} for layer in layers]
+    packed_head = cpu_ops.pack_weight(head.T)
+    collapsed = huge_pages.advise(jax.tree.leaves((layers, head, packed, packed_head)))
+    print(f"{jnp.dtype(dtype).name}: {collapsed >> 20} MiB of weights collapsed into huge pages")
+    return layers, head, packed, packed_head
+
+
+def kernel(x, w, transpose_w=False, prefetch_bytes=0):
+    """The kernel library's matmul of `x` by `w`: packed panels (a head packed as [H, V]: no
+    transposing) or the few-row kernel on [K, N] (or [N, K] with `transpose_w`)."""
+    from pallas_kernels import cpu_ops
+
+    if w.ndim == 4:
+        return cpu_ops.packed_matmul(x, w, prefetch_bytes=prefetch_bytes)
+    return cpu_ops.small_matmul(x, w, transpose_w=transpose_w)
+
+
+def xla(x, w, transpose_w=False):
+    """XLA:CPU's dot of `x` by `w`, a float32 result."""
+    import jax.numpy as jnp
+
+    return jnp.einsum("mk,nk->mn" if transpose_w else "mk,kn->mn", x, w,
+                      preferred_element_type=jnp.float32)
+
+
+def chain(kinds, with_head: bool, rows: int, dtype, matmul=kernel, in_turn: bool = False):
+    """A jitted function of (x, layer weights, head weight) calling `matmul` on every layer's
+    weights of `kinds` and, `with_head`, on the head; each call's x its own slice of the
+    input, or `in_turn` the call before's output (as in a step). Every call's result is kept
+    live in a sum."""
+    import jax
+    import jax.numpy as jnp
+
+    def run(inputs, layer_weights, head_weight):
+        total = jnp.zeros((rows,), jnp.float32)
+        h = inputs
+        for layer in layer_weights:
+            for kind in kinds:
+                out = matmul(h[:, : KINDS[kind][0]], layer[kind])
+                total += out[:, 0]
+                if in_turn:  # the next call's x: this one's output (N >= its K)
+                    h = out.astype(dtype)
+        if with_head:
+            total += matmul(h[:, :HIDDEN], head_weight, transpose_w=True)[:, 0]
+        return total
+
+    return jax.jit(run)
+
+
+def chain_cases() -> list[tuple[str, list[str], bool, bool]]:
+    """(name, kinds, with the head, in turn) of every chain the table times."""
+    cases = [(f"{kind} x{LAYERS}", [kind], False, False) for kind in KINDS]
+    return cases + [(f"head {VOCAB}x{HIDDEN}", [], True, False),
+                    (f"all {CHAIN_STEPS} (a step's)", list(KINDS), True, False),
+                    (f"all {CHAIN_STEPS} in turn", list(KINDS), True, True)]
+
+
+def chain_bytes(layers, head, kinds, with_head: bool) -> int:
+    """The weight bytes a chain reads once."""
+    nbytes = sum(layer[kind].nbytes for layer in layers for kind in kinds)
+    return nbytes + (head.nbytes if with_head else 0)
 
 
 CACHED_KINDS, CACHED_CALLS = ("o", "gate_up"), 100
@@ -110,18 +175,14 @@ def main() -> None:
     ap.add_argument("--rows", default="8")
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--vs-xla", action="store_true", help="also time XLA:CPU's dot")
-    ap.add_argument("--vs-prefetch", type=int, default=0, metavar="BYTES",
-                    help="also the packed chains prefetching BYTES ahead in a panel")
     ap.add_argument("--cached", action="store_true",
                     help="also the packed kernel on one weight called in turn from the caches "
                          "(o: L2, gate_up: L3): its arithmetic ceiling at these rows")
     args = ap.parse_args()
 
-    import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxpage.engine import huge_pages
     from pallas_kernels import cpu_ops
 
     if not cpu_ops.available():
@@ -130,80 +191,31 @@ def main() -> None:
     print(f"read bandwidth {bandwidth:.1f} GB/s; FMA peak {peak:.1f} GFLOP/s (every core)")
     print(f"{'dtype':>9}{'rows':>5}  {'chain':<24}{'ms':>8}{'GB/s':>7}{'of read':>9}"
           f"{'packed ms':>11}{'GB/s':>7}{'of FMA':>8}{'speedup':>9}"
-          + (f"{'XLA ms':>9}{'speedup':>9}" if args.vs_xla else "")
-          + (f"{'pf ' + str(args.vs_prefetch):>9}{'speedup':>9}" if args.vs_prefetch else ""))
+          + (f"{'XLA ms':>9}{'speedup':>9}" if args.vs_xla else ""))
     rng = np.random.default_rng(0)
     for dtype in [jnp.dtype(d) for d in args.dtypes.split(",") if d]:
-        def weights(*shape, dtype=dtype):
-            return jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02, dtype)
-
-        layers = [{kind: weights(*shape) for kind, shape in KINDS.items()}
-                  for _ in range(LAYERS)]
-        head = weights(VOCAB, HIDDEN)
-        packed = [{kind: cpu_ops.pack_weight(w) for kind, w in layer.items()}
-                  for layer in layers]
-        packed_head = cpu_ops.pack_weight(head.T)  # as llama.pack_params packs it
-        collapsed = huge_pages.advise(jax.tree.leaves((layers, head, packed, packed_head)))
-        print(f"{dtype.name}: {collapsed >> 20} MiB of weights collapsed into huge pages")
+        layers, head, packed, packed_head = model_weights(rng, dtype)
         dtype_peak = matmul_peak_gflops(peak, dtype.name)
         for rows in [int(r) for r in args.rows.split(",")]:
             x = jnp.asarray(rng.standard_normal((rows, INTERMEDIATE), np.float32), dtype)
-
-            def kernel(x, w, transpose_w=False, prefetch_bytes=0):
-                if w.ndim == 4:  # packed (a head packed as [H, V]: no transposing)
-                    return cpu_ops.packed_matmul(x, w, prefetch_bytes=prefetch_bytes)
-                return cpu_ops.small_matmul(x, w, transpose_w=transpose_w)
-
-            def other_prefetch(x, w, transpose_w=False):
-                return kernel(x, w, transpose_w, prefetch_bytes=args.vs_prefetch)
-
-            def xla(x, w, transpose_w=False):
-                return jnp.einsum("mk,nk->mn" if transpose_w else "mk,kn->mn", x, w,
-                                  preferred_element_type=jnp.float32)
-
-            def chain(kinds, with_head, matmul=kernel, in_turn=False, rows=rows, dtype=dtype):
-                def run(inputs, layer_weights, head_weight):
-                    total = jnp.zeros((rows,), jnp.float32)  # keeps every call's result live
-                    h = inputs
-                    for layer in layer_weights:
-                        for kind in kinds:
-                            out = matmul(h[:, : KINDS[kind][0]], layer[kind])
-                            total += out[:, 0]
-                            if in_turn:  # the next call's x: this one's output (N >= its K)
-                                h = out.astype(dtype)
-                    if with_head:
-                        total += matmul(h[:, :HIDDEN], head_weight, transpose_w=True)[:, 0]
-                    return total
-                return jax.jit(run)
-
-            steps = LAYERS * len(KINDS) + 1
-            cases = [(f"{kind} x{LAYERS}", [kind], False, False) for kind in KINDS]
-            cases += [(f"head {VOCAB}x{HIDDEN}", [], True, False),
-                      (f"all {steps} (a step's)", list(KINDS), True, False),
-                      (f"all {steps} in turn", list(KINDS), True, True)]
-            for name, kinds, with_head, in_turn in cases:
-                seconds = median_seconds(chain(kinds, with_head, in_turn=in_turn), x, layers,
-                                         head, runs=15)
-                nbytes = sum(layer[kind].nbytes for layer in layers for kind in kinds)
-                nbytes += head.nbytes if with_head else 0
+            for name, kinds, with_head, in_turn in chain_cases():
+                seconds = median_seconds(chain(kinds, with_head, rows, dtype, in_turn=in_turn),
+                                         x, layers, head, runs=15)
+                nbytes = chain_bytes(layers, head, kinds, with_head)
                 rate = nbytes / seconds / 1e9
                 line = (f"{dtype.name:>9}{rows:>5}  {name:<24}{seconds * 1e3:>8.2f}{rate:>7.1f}"
                         f"{rate / bandwidth:>9.0%}")
-                packed_seconds = median_seconds(chain(kinds, with_head, in_turn=in_turn), x,
-                                                packed, packed_head, runs=15)
+                packed_seconds = median_seconds(
+                    chain(kinds, with_head, rows, dtype, in_turn=in_turn), x, packed,
+                    packed_head, runs=15)
                 flops = 2 * rows * nbytes / dtype.itemsize
                 line += (f"{packed_seconds * 1e3:>11.2f}{nbytes / packed_seconds / 1e9:>7.1f}"
                          f"{flops / packed_seconds / 1e9 / dtype_peak:>8.0%}"
                          f"{seconds / packed_seconds:>8.2f}x")
                 if args.vs_xla:
-                    xla_seconds = median_seconds(chain(kinds, with_head, xla, in_turn), x,
-                                                 layers, head, runs=15)
+                    xla_seconds = median_seconds(chain(kinds, with_head, rows, dtype, xla,
+                                                       in_turn), x, layers, head, runs=15)
                     line += f"{xla_seconds * 1e3:>9.2f}{xla_seconds / seconds:>8.2f}x"
-                if args.vs_prefetch:
-                    own, other = alternating_seconds(
-                        [chain(kinds, with_head, kernel, in_turn),
-                         chain(kinds, with_head, other_prefetch, in_turn)], x, packed, packed_head)
-                    line += f"{other * 1e3:>9.2f}{other / own:>8.2f}x"
                 print(line, flush=True)
             if args.cached:
                 for kind in CACHED_KINDS:

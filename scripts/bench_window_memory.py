@@ -1,5 +1,7 @@
-"""KV bytes per token and the longest context a KV budget holds, with sliding-window layers
-paged as such (jaxpage.engine.kv_groups) and without, for Gemma-2-2B and Gemma-3-4B shapes.
+"""KV bytes per token and the longest context a budget holds, sliding windows paged or not.
+
+With sliding-window layers paged as such (jaxpage.engine.kv_groups) and without, for
+Gemma-2-2B and Gemma-3-4B shapes.
 
 Two numbers per model, each computed twice:
 
@@ -21,20 +23,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from jaxpage.attention import kv_bytes_per_block  # noqa: E402
-from jaxpage.config import EngineConfig  # noqa: E402
-from jaxpage.engine.block_allocator import BlockAllocator  # noqa: E402
-from jaxpage.engine.kv_groups import WindowedAllocator, window_blocks_per_seq  # noqa: E402
-from jaxpage.engine.runner import _pool_blocks  # noqa: E402
-from jaxpage.models.config import ModelConfig, layer_windows  # noqa: E402
+from jaxpage.attention import kv_bytes_per_block
+from jaxpage.config import EngineConfig
+from jaxpage.engine.block_allocator import BlockAllocator
+from jaxpage.engine.kv_groups import WindowedAllocator, window_blocks_per_seq
+from jaxpage.engine.runner import _pool_blocks
+from jaxpage.models.config import ModelConfig, layer_windows
 
 # HF configs' shapes (google/gemma-2-2b, google/gemma-3-4b-pt text config)
 SHAPES = {

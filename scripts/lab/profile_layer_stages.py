@@ -1,11 +1,12 @@
 """Where a small decode step's layer call spends its time, stage by stage.
 
-A decode step of at most `llama.FUSED_LAYER_ROWS` tokens runs each layer as one call of the
-kernel library (`cpu_ops.decoder_layer`): the qkv matmul, rope, the pool writes,
-attention, the o matmul, add + norm, gate_up, SiLU, down, add + norm. This script builds the
-library with its stage clock (JAXPAGE_CPU_KERNEL_STAGE_CLOCK=1: a build of its own, ~35 s the
-first time) and prints, per batch and dtype of the default model (SmolLM2-135M, every sequence
-at the same context):
+Lab probe of the fused layer call (docs/cpu_decode_history.md). A decode step of at most
+`jaxpage.layers.FUSED_LAYER_ROWS` tokens runs each layer as one call of the kernel library
+(`cpu_ops.decoder_layer`): the qkv matmul, rope, the pool writes, attention, the o matmul,
+add + norm, gate_up, SiLU, down, add + norm. This script builds the library with its stage
+clock (JAXPAGE_CPU_KERNEL_STAGE_CLOCK=1: a build of its own, ~35 s the first time) and
+prints, per batch and dtype of the default model (SmolLM2-135M, every sequence at the same
+context):
 - each stage's wall time on the calling thread per layer call (µs), beside the bytes it must
   read (a matmul its packed weight, attention the K/V of every sequence's context and new
   token) and the rate that makes (GB/s), against the machine's read bandwidth (a C loop, a
@@ -18,8 +19,8 @@ whole engine while requests decode, small steps run ahead (`decode_lookahead_row
 the host's Python thread shares the cores with the step, and the helpers' lateness shows how
 often it took one.
 
-    python scripts/profile_layer_stages.py                       # bfloat16, 1 and 8 rows
-    python scripts/profile_layer_stages.py --batches 8 --dtypes float32,bfloat16 --steps 40
+    python scripts/lab/profile_layer_stages.py                       # bfloat16, 1 and 8 rows
+    python scripts/lab/profile_layer_stages.py --batches 8 --dtypes float32,bfloat16 --steps 40
 """
 
 from __future__ import annotations
@@ -29,11 +30,16 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ["JAXPAGE_CPU_KERNEL_STAGE_CLOCK"] = "1"  # before the library is first built
 
-from bench_decode_step import kv_bytes_per_token, read_gbps, start_decoding  # noqa: E402
-from bench_throughput import decode_seqs, make_llm  # noqa: E402
+from bench_common import (  # noqa: E402
+    decode_seqs,
+    kv_bytes_per_token,
+    make_llm,
+    read_gbps,
+    start_decoding,
+)
 
 from pallas_kernels import cpu_library  # noqa: E402
 
@@ -129,11 +135,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30, help="decode steps clocked per batch")
     args = ap.parse_args()
 
-    from jaxpage.models import llama
+    from jaxpage import layers
 
     batches = [int(b) for b in args.batches.split(",")]
-    if max(batches) > llama.FUSED_LAYER_ROWS:
-        raise SystemExit(f"batches must be at most {llama.FUSED_LAYER_ROWS} rows (a larger "
+    if max(batches) > layers.FUSED_LAYER_ROWS:
+        raise SystemExit(f"batches must be at most {layers.FUSED_LAYER_ROWS} rows (a larger "
                          "step runs no fused layer)")
     read = read_gbps()
     print(f"read bandwidth {read:.1f} GB/s (before the steps); context {args.context}")
