@@ -56,12 +56,11 @@ def test_memory_accounting_matches_requests(memory_results):
         for snap in timeline:
             # real tokens from the allocator == from the requests' lengths
             assert snap["real"] == snap["real_from_requests"], policy
-            # no sharing (prefix caching off): every allocated slot is real, reserved or tail
+            # no sharing (prefix caching off): the blocks the allocator counts as used (its
+            # free lists) are exactly those the running tables hold; real + reserved + tail
+            # slots add up to the tables by kv_snapshot's construction, so that is not checked
             assert snap["allocated"] == snap["table_slots"], policy
-            assert snap["allocated"] == snap["real"] + snap["reserved"] + snap["fragment"]
             assert snap["allocated"] <= 48 * BLOCK
-        shares = r["real_share"] + r["reserved_share"] + r["fragment_share"]
-        assert shares == pytest.approx(1.0)
     assert memory_results["paged"]["reserved_share"] == 0
 
 

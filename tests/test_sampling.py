@@ -40,26 +40,36 @@ def expected_distribution(logits, temperature, top_k=0, top_p=1.0, min_p=0.0):
     return q / q.sum()
 
 
+FILTERS_OFF = {"top_p": 1.0, "top_k": 0, "min_p": 0.0}
+
+
 @pytest.mark.parametrize("settings", [
     dict(temperature=1.0),
     dict(temperature=0.7, top_p=0.8),
     dict(temperature=1.3, top_k=5),
-    dict(temperature=1.0, min_p=0.05),
-    dict(temperature=0.9, top_k=20, top_p=0.9, min_p=0.01),
+    dict(temperature=1.0, min_p=0.3),
+    dict(temperature=0.9, top_k=20, top_p=0.9),
+    dict(temperature=0.9, top_p=0.9, min_p=0.4),
 ])
 def test_empirical_distribution_matches_hf_logits(settings, hf_model_dir):
+    """40,000 draws from HF's next-token logits follow the NumPy oracle's distribution, and
+    never a token the row's filters drop. Every filter of a row bites: a sampler ignoring it
+    would draw the tokens it drops over a thousand times."""
     _, model = hf_model_dir("llama")
     logits = hf_logits(model, [5, 17, 42, 8, 61])[-1]  # HF's next-token logits
     # scale up so the distribution is peaked enough for filters to bite
     logits = logits * 4.0
     draws = 40_000
     md = metadata(draws, **settings)
-    use_filters = any(settings.get(k, d) != d for k, d in (("top_p", 1.0), ("top_k", 0),
-                                                          ("min_p", 0.0)))
+    filters = [name for name, off in FILTERS_OFF.items() if settings.get(name, off) != off]
+    expected = expected_distribution(logits, **settings)
+    for name in filters:
+        without = expected_distribution(logits, **{**settings, name: FILTERS_OFF[name]})
+        assert draws * without[expected == 0].sum() > 1000, name
+    use_filters = bool(filters)
     out = jax.jit(sample)(jnp.tile(jnp.asarray(logits)[None], (draws, 1)),
                           SamplingMetadata(**md, use_filters=use_filters))
     counts = np.bincount(np.asarray(out["tokens"]), minlength=logits.shape[0])
-    expected = expected_distribution(logits, **settings)
     # tokens outside the kept set must never be drawn
     assert counts[expected == 0].sum() == 0
     # chi-square over the kept support: mean df, sd sqrt(2 df); allow 6 sd
@@ -179,7 +189,23 @@ def test_greedy_logprob_without_top_logprobs(llm, hf_model_dir):
     assert abs(out.cumulative_logprob - ref.max()) < 1e-4
 
 
-def test_min_tokens_bans_eos_and_stop_tokens(llm):
+def test_min_tokens_bans_eos_and_stop_tokens(llm, hf_model_dir):
+    """Before min_tokens, neither EOS nor a stop token is drawn, even where it is the greedy
+    choice: the runner-up is drawn instead."""
+    # EOS (id 2) is the HF model's greedy next token after this prompt ...
+    _, model = hf_model_dir("llama")
+    eos_prompt = [62, 12, 50]
+    logits = hf_logits(model, eos_prompt)[-1]
+    assert llm.engine.eos_token_ids == {2} and int(np.argmax(logits)) == 2
+    ends = llm.generate([eos_prompt], SamplingParams(max_tokens=6, temperature=0),
+                        use_tqdm=False)[0].outputs[0]
+    assert ends.token_ids == [2] and ends.finish_reason == "stop"
+    # ... and min_tokens holds it back: the first token is the runner-up, no EOS in 3
+    held = llm.generate([eos_prompt], SamplingParams(max_tokens=6, temperature=0,
+                                                     min_tokens=3), use_tqdm=False)
+    assert held[0].outputs[0].token_ids[0] == int(np.argsort(logits)[-2])
+    assert 2 not in held[0].outputs[0].token_ids[:3]
+
     prompt = list(range(10, 40))
     greedy = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0,
                                                    ignore_eos=True), use_tqdm=False)

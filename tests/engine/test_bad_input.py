@@ -7,7 +7,7 @@ import collections.abc
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from jaxpage import LLM, SamplingParams
@@ -194,26 +194,46 @@ FIELDS = {  # name: (valid values, extreme values)
 
 @st.composite
 def requests(draw):
-    """(SamplingParams fields, prompt, salt): half the requests take only valid values
-    (and are served); the others take extreme values in a few fields."""
-    extremes = draw(st.sets(st.sampled_from(sorted(FIELDS)), max_size=3))
+    """(SamplingParams fields, prompt, salt, valid): half the requests take only valid values
+    (`valid`: they must be served); the others take extreme values in a few fields."""
+    all_valid = draw(st.booleans())
+    extremes = set() if all_valid else draw(st.sets(st.sampled_from(sorted(FIELDS)), min_size=1,
+                                                 max_size=3))
     values = {}
     for name, (valid, extreme) in FIELDS.items():
         if name in extremes or name in ("prompt", "cache_salt") or draw(st.booleans()):
             values[name] = draw(extreme if name in extremes else valid)
-    return values, values.pop("prompt"), values.pop("cache_salt")
+    if not extremes.intersection(("min_tokens", "max_tokens")):  # valid together too
+        values["min_tokens"] = min(values.get("min_tokens", 0), values.get("max_tokens", 16))
+    return values, values.pop("prompt"), values.pop("cache_salt"), all_valid
+
+
+# every field at the low, then the high end of its valid range
+EDGES = [({"n": 1, "temperature": 0.0, "top_p": 0.01, "top_k": -1, "min_p": 0.0, "seed": -2**40,
+           "max_tokens": 1, "min_tokens": 0, "logprobs": 0, "presence_penalty": -2.0,
+           "frequency_penalty": -2.0, "repetition_penalty": 0.1, "stop_token_ids": [],
+           "ignore_eos": False}, [0], "", True),
+         ({"n": 3, "temperature": 2.0, "top_p": 1.0, "top_k": 200, "min_p": 1.0, "seed": 2**40,
+           "max_tokens": 12, "min_tokens": 3, "logprobs": 20, "presence_penalty": 2.0,
+           "frequency_penalty": 2.0, "repetition_penalty": 2.0,
+           "stop_token_ids": [VOCAB - 1] * 4, "ignore_eos": True}, [VOCAB - 1] * 40, "abc",
+          True)]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batch=st.lists(requests(), min_size=1, max_size=4))
+@example(batch=EDGES)
 def test_any_request_is_refused_at_the_door_or_finishes(llm, expected_canary, batch):
+    """Whatever the door accepts finishes and leaves the engine as it was; a request built
+    only from valid values is accepted (a door refusing one fails here)."""
     engine = llm.engine
     accepted = []
-    for i, (fields, prompt, salt) in enumerate(batch):
+    for i, (fields, prompt, salt, valid) in enumerate(batch):
         try:
             params = SamplingParams(**fields)
             engine.add_request(f"h{i}", prompt, params, cache_salt=salt)
-        except ValueError:
+        except ValueError as exc:
+            assert not valid, f"a valid request was refused: {fields} {prompt} {salt!r}: {exc}"
             continue
         accepted.append(f"h{i}")
     final = drain(engine)

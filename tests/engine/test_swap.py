@@ -321,7 +321,7 @@ def test_a_full_host_pool_degrades_to_recompute(path, reference, host_blocks, ca
 
 def test_auto_follows_the_cost_model(path, reference):
     """With copies configured to cost far more than prefills, "auto" recomputes every
-    group; without configured rates it measures both as it runs."""
+    group; without configured rates it measures both as it runs (and swaps)."""
     dear = LLM(path, **SMALL, **SWAP, preemption_mode="auto", swap_bandwidth=1.0,
                prefill_seconds_per_token=1e-9)
     assert serve(dear) == reference
@@ -329,9 +329,14 @@ def test_auto_follows_the_cost_model(path, reference):
     assert stats["num_preemptions"] > 0 and stats["num_swapped_preemptions"] == 0
     measured = LLM(path, **SMALL, **SWAP, preemption_mode="auto")
     assert serve(measured) == reference
-    cost = measured.engine.swap_cost
+    assert measured.stats()["num_swapped_preemptions"] > 0
+    cost, runner = measured.engine.swap_cost, measured.engine.runner
     assert cost.prefilled_tokens > 0 and cost.prefill_seconds > 0
     assert cost.seconds_per_token == cost.prefill_seconds / cost.prefilled_tokens
+    # the swap-outs that did not compile, timed: the bandwidth it decides with
+    assert cost.copied_bytes == runner.swap_out_bytes_timed > 0
+    assert cost.copy_seconds == runner.swap_out_seconds_timed > 0
+    assert cost.bandwidth == cost.copied_bytes / cost.copy_seconds
 
 
 def test_swap_cost_formula():

@@ -60,13 +60,25 @@ def _pool(config, dtype, blocks=48):
                         dtype=jnp.dtype(dtype), fill_value=float("nan"))
 
 
-def _run(model, params, pool, tables, computed, new_tokens, **bucket):
+def _inputs(tables, computed, new_tokens, **bucket):
     positions, metadata = build_metadata(tables, computed, [len(t) for t in new_tokens], BLOCK,
                                          backend="cpp", **bucket)
     tokens = np.zeros(len(positions), np.int32)
     flat = [t for seq in new_tokens for t in seq]
     tokens[: len(flat)] = flat
-    return STEP(model, params, jnp.asarray(tokens), positions, pool, metadata)
+    return jnp.asarray(tokens), positions, metadata
+
+
+def _run(model, params, pool, tables, computed, new_tokens, **bucket):
+    tokens, positions, metadata = _inputs(tables, computed, new_tokens, **bucket)
+    return STEP(model, params, tokens, positions, pool, metadata)
+
+
+def _layer_calls(model, params, pool, tables, computed, new_tokens, **bucket) -> int:
+    """The layer kernel's calls in the step `_run` compiles for the same arguments."""
+    tokens, positions, metadata = _inputs(tables, computed, new_tokens, **bucket)
+    hlo = STEP.lower(model, params, tokens, positions, pool, metadata).as_text()
+    return hlo.count(cpu_library.TARGET_DECODER_LAYER)
 
 
 @pytest.mark.parametrize("shapes", [PACKABLE, HEADS_64], ids=["head_dim16", "head_dim64"])
@@ -124,6 +136,10 @@ def test_a_short_prompt_chunk_beside_decodes_fuses_alike(dtype, shapes, hf_model
     new = [[7], [9], [11, 12, 13, 14, 15]]
     assert sum(map(len, new)) <= layers.FUSED_LAYER_ROWS
     dims = dict(num_tokens=8, max_query_len=8, num_logits=None)
+    # the fused step is one kernel call a layer, the unfused one none
+    assert _layer_calls(fused, params, pool, tables, [20, 17, 0], new, **dims) == \
+        config.num_layers
+    assert _layer_calls(unfused, params, pool, tables, [20, 17, 0], new, **dims) == 0
     ours, ours_pool = _run(fused, params, pool, tables, [20, 17, 0], new, **dims)
     theirs, pool = _run(unfused, params, pool, tables, [20, 17, 0], new, **dims)
     assert same_bits(ours, theirs)
@@ -133,17 +149,42 @@ def test_a_short_prompt_chunk_beside_decodes_fuses_alike(dtype, shapes, hf_model
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_long_lone_sequence_cut_among_threads_fuses_alike(dtype, hf_model_dir):
     """One sequence of 600 tokens (38 blocks: its keys cut into parts for the threads where the
-    kernel chooses) decodes alike fused and unfused."""
+    kernel chooses) decodes alike fused (one kernel call a layer) and unfused. The cut runs:
+    the layer kernel with the keys cut in 4 parts equals the uncut one within rounding, and in
+    float32 not bit for bit (the parts' sums are merged in another order)."""
     config, params, _ = _setup(hf_model_dir, dtype)
     fused, unfused = llama.LlamaModel(config), llama.LlamaModel(config, fuse_layers=False)
     table = [list(range(1, 40))]
     prompt = [[(5 * i) % 120 + 3 for i in range(600)]]
     _, pool = _run(unfused, params, _pool(config, dtype), table, [0], prompt)
+    assert _layer_calls(fused, params, pool, table, [600], [[9]]) == config.num_layers
+    assert _layer_calls(unfused, params, pool, table, [600], [[9]]) == 0
     for step, token in enumerate([9, 17]):
         ours, ours_pool = _run(fused, params, pool, table, [600 + step], [[token]])
         theirs, pool = _run(unfused, params, pool, table, [600 + step], [[token]])
         assert same_bits(ours, theirs)
         assert _same_pools(ours_pool, pool)
+
+    # layer 0 decoding position 602, its keys uncut and cut in 4
+    rng = np.random.default_rng(0)
+    x, h = (jnp.asarray(rng.normal(size=(1, config.hidden_size)), dtype) for _ in range(2))
+    angles = rng.uniform(0, 2 * np.pi, (1, config.head_dim))
+    cos, sin = jnp.asarray(np.cos(angles), dtype), jnp.asarray(np.sin(angles), dtype)
+    layer, slot = params["layers"][0], table[0][602 // BLOCK] * BLOCK + 602 % BLOCK
+
+    def layer_out(key_splits):
+        out = cpu_ops.decoder_layer(
+            x, h, layer, cos, sin, *pool[0], jnp.asarray([slot], jnp.int32),
+            jnp.asarray(table, jnp.int32), jnp.asarray([603], jnp.int32),
+            jnp.asarray([0, 1], jnp.int32), params["layers"][1]["attn_norm"],
+            num_heads=config.num_heads, eps=config.rms_norm_eps, key_splits=key_splits)
+        return np.asarray(out[0], np.float32)  # the layer's output x2
+
+    uncut, cut = layer_out(1), layer_out(4)
+    if dtype == "float32":  # (bfloat16 rounds the attention's output: it may hide the cut)
+        assert not same_bits(cut, uncut)
+    np.testing.assert_allclose(cut, uncut, rtol=0,
+                               atol=(1e-5 if dtype == "float32" else 2**-6) * np.abs(uncut).max())
 
 
 def test_bad_slots_and_blocks_are_refused_by_name(hf_model_dir):

@@ -162,7 +162,9 @@ def test_grouped_experts_with_idle_experts():
 
 
 def test_routing_matches_hf_router_and_the_dense_model():
-    """route() picks the experts and weights HF's router module picks for the same inputs."""
+    """route() picks the experts HF's router module picks for the same inputs, each with
+    HF's weight; and every expert run densely (dense_experts), combined with those weights,
+    is HF's whole MoE block."""
     import torch
 
     hf_model = build_moe_model("qwen3_moe_unnormed")
@@ -170,11 +172,24 @@ def test_routing_matches_hf_router_and_the_dense_model():
     h = torch.randn(64, 48)
     with torch.no_grad():
         _, hf_weights, hf_experts = block.gate(h)
+        hf_out = block(h[None])[0].numpy()
     config = ModelConfig.from_hf(hf_model.config)
     weights, experts = route(config, jnp.asarray(h.numpy()),
                              jnp.asarray(block.gate.weight.detach().numpy().T))
-    np.testing.assert_array_equal(np.sort(experts, -1), np.sort(hf_experts.numpy(), -1))
-    np.testing.assert_allclose(np.sort(weights, -1), np.sort(hf_weights.numpy(), -1), atol=1e-6)
+
+    def by_expert(experts, weights):  # each token's (expert, weight) pairs, by expert id
+        order = np.argsort(np.asarray(experts), -1)
+        return (np.take_along_axis(np.asarray(experts), order, -1),
+                np.take_along_axis(np.asarray(weights), order, -1))
+
+    (ours_e, ours_w), (hf_e, hf_w) = by_expert(experts, weights), by_expert(hf_experts, hf_weights)
+    np.testing.assert_array_equal(ours_e, hf_e)
+    np.testing.assert_allclose(ours_w, hf_w, atol=1e-6)
+    # HF's fused experts: gate_up [E, 2I, H], down [E, H, I]; ours [E, H, 2I], [E, I, H]
+    gate_up, down = (jnp.asarray(p.detach().numpy().transpose(0, 2, 1))
+                     for p in (block.experts.gate_up_proj, block.experts.down_proj))
+    np.testing.assert_allclose(DENSE(jnp.asarray(h.numpy()), weights, experts, gate_up, down),
+                               hf_out, atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow  # ~20 s: three models compiled; the grouped one is checked against HF by default

@@ -13,6 +13,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 import uvicorn
 from test_server import free_port, metrics
@@ -53,18 +54,22 @@ def serving(engine, **kwargs):
         assert not thread.is_alive()
 
 
-def fail_steps(engine, count: float):
-    """Make the next `count` runner executions raise (a device failure)."""
+def fail_steps(engine, count: float, after: int = 0) -> list:
+    """Make `count` runner executions raise (a device failure), after the next `after` run;
+    returns [failures not yet raised]."""
     real = engine.runner.execute
-    left = [count]
+    left, runs = [count], [after]
 
     def execute(seqs):
-        if left[0] > 0:
+        if runs[0] > 0:
+            runs[0] -= 1
+        elif left[0] > 0:
             left[0] -= 1
             raise RuntimeError("injected device failure")
         return real(seqs)
 
     engine.runner.execute = execute
+    return left
 
 
 def running(url: str) -> float:
@@ -72,18 +77,25 @@ def running(url: str) -> float:
 
 
 def test_a_transient_failure_is_retried_without_loss(llama_dir):
+    """Two failed steps mid-generation (after the prefill and two decodes) are retried: both
+    injected failures fired, and the reply's tokens and log-probs are the clean run's."""
     llm = make_llm(llama_dir)
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    expected = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    clean = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
     with serving(llm.engine) as url:
-        fail_steps(llm.engine, 2)  # fewer than max_consecutive_failures (3)
+        left = fail_steps(llm.engine, 2, after=3)  # fewer than max_consecutive_failures (3)
         r = httpx.post(f"{url}/v1/completions", timeout=60, json={
             "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
             "logprobs": 0})
         assert r.status_code == 200, r.text
         assert httpx.get(f"{url}/health").status_code == 200
-    tokens = r.json()["choices"][0]["logprobs"]["tokens"]
-    assert len(tokens) == len(expected) == 12
+    assert left == [0]  # both failures were raised
+    logprobs = r.json()["choices"][0]["logprobs"]
+    # no tokenizer: a token's text is its id
+    assert logprobs["tokens"] == [str(t) for t in clean.token_ids]
+    np.testing.assert_allclose(logprobs["token_logprobs"],
+                               [lp[t] for t, lp in zip(clean.token_ids, clean.logprobs,
+                                                       strict=True)], rtol=0, atol=1e-5)
     assert r.json()["usage"]["completion_tokens"] == 12
 
 

@@ -147,13 +147,16 @@ def test_completions_greedy_equal_llm_generate(client, oracle):
 
 
 def test_completions_token_id_prompts_and_echo(client, oracle):
+    """Token-id prompts with echo: each choice is its own prompt's text, then LLM's
+    continuation of that prompt."""
     ids = oracle.engine.tokenize(PROMPTS[0])
-    expected = texts(oracle.generate([ids], SamplingParams(max_tokens=6, temperature=0.0)))
+    expected = texts(oracle.generate([ids, ids[:3]], SamplingParams(max_tokens=6,
+                                                                     temperature=0.0)))
     response = client.completions.create(model=MODEL, prompt=[ids, ids[:3]], max_tokens=6,
                                          temperature=0, echo=True)
-    decoded = oracle.tokenizer.decode(ids)
-    assert response.choices[0].text == decoded + expected[0][0]
-    assert response.choices[1].text.startswith(oracle.tokenizer.decode(ids[:3]))
+    decode = oracle.tokenizer.decode
+    assert response.choices[0].text == decode(ids) + expected[0][0]
+    assert response.choices[1].text == decode(ids[:3]) + expected[1][0]
 
 
 def test_chat_greedy_equals_llm_chat(client, oracle):
@@ -208,17 +211,23 @@ def test_stop_strings_end_where_llm_ends(client, oracle):
 
 
 def test_logprobs_equal_llm(client, oracle):
+    """The completion's tokens, their log-probs and their top-3 (exactly 3: greedy draws the
+    top token) are LLM's, each token as its own text; then chat's top-2."""
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True)
     expected = oracle.generate([PROMPTS[2]], params, use_tqdm=False)[0].outputs[0]
     response = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=6,
                                          temperature=0, logprobs=3,
                                          extra_body={"ignore_eos": True})
     lp = response.choices[0].logprobs
+    assert response.choices[0].text == expected.text
     want = [entry[t] for t, entry in zip(expected.token_ids, expected.logprobs, strict=True)]
     assert lp.token_logprobs == pytest.approx(want, abs=1e-5)
-    assert "".join(lp.tokens) == response.choices[0].text or "\ufffd" in "".join(lp.tokens)
-    assert all(1 <= len(top) <= 4 for top in lp.top_logprobs)
-    assert lp.text_offset[0] == 0
+    decode = oracle.tokenizer.decode
+    assert lp.tokens == [decode([t]) for t in expected.token_ids]
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    for top, entry in zip(lp.top_logprobs, expected.logprobs, strict=True):
+        assert len(entry) == 3 and len({decode([t]) for t in entry}) == 3  # texts are keys
+        assert top == pytest.approx({decode([t]): v for t, v in entry.items()}, abs=1e-5)
 
     chat = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": PROMPTS[2]}], max_tokens=5,
