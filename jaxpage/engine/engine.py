@@ -4,8 +4,8 @@ The engine validates requests where they enter, asks the scheduler what to run, 
 runner the scheduler's plain lists, gives the results back to the scheduler (which appends
 the tokens, forks, advances beams and ends sequences on EOS, stop tokens and lengths), then
 detokenizes, ends sequences on stop strings and builds the outputs. It imports no JAX and
-does no device math: the runner (`jaxpage.engine.runner`, or any object with its
-interface) owns the device.
+does no device math: the runner (`jaxpage.engine.runner`, or any object with the interface
+of `jaxpage.engine.runner_api.Runner`) owns the device.
 """
 
 from __future__ import annotations
@@ -24,6 +24,17 @@ from jaxpage.engine.beam_search import BeamGroup
 from jaxpage.engine.detokenizer import IncrementalDetokenizer
 from jaxpage.engine.output_builder import beam_output, sample_deltas
 from jaxpage.engine.request import Request, RequestGroup
+from jaxpage.engine.runner_api import (
+    ENGINE_PHASES,
+    RUNNER_PHASES,
+    CopyBlocks,
+    DeviceWork,
+    FillBlocks,
+    Runner,
+    StepTimer,
+    SwapIn,
+    SwapOut,
+)
 from jaxpage.engine.scheduler import Scheduler, SchedulerOutput
 from jaxpage.engine.swap_cost import SwapCostModel
 from jaxpage.outputs import RequestMetrics, RequestOutput
@@ -46,7 +57,7 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, model: Any, params: Any, tokenizer: Any = None,
-                 *, runner: Any = None, devices: list | None = None):
+                 *, runner: Runner | None = None, devices: list | None = None):
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
@@ -80,13 +91,13 @@ class LLMEngine:
             enable_host_prefix_cache=config.enable_host_prefix_cache,
             preemption_mode=config.preemption_mode, swap_cost=self.swap_cost,
             window=runner.window, num_window_blocks=runner.num_window_blocks,
-            lookahead_rows=getattr(runner, "lookahead_rows", 0),
+            lookahead_rows=runner.lookahead_rows,
         )
         self.requests: dict[str, RequestGroup] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # outputs of aborts between steps
-        # device work a failed step left undone, in order: (runner method, its arguments)
-        self._device_work_due: list[tuple[str, tuple]] = []
+        # device work a failed step left undone, in order
+        self._device_work_due: list[DeviceWork] = []
         # one caller at a time: every public method holds it (re-entrant for stats())
         self._lock = threading.RLock()
         self._num_added = 0
@@ -97,6 +108,8 @@ class LLMEngine:
         self.peak_kv_usage = 0.0
         self.num_steps = 0
         self.step_seconds = 0.0  # wall time inside step(), host and device
+        # step_seconds by phase (ENGINE_PHASES; the runner times its own inside "device")
+        self.timer = StepTimer(ENGINE_PHASES)
 
     @property
     def allocator(self) -> TieredAllocator:
@@ -253,10 +266,12 @@ class LLMEngine:
 
     def warmup(self) -> tuple[int, float]:
         """Compile the step shapes a server meets first (the runner's `warmup`), before any
-        request; returns (compilations, seconds). A no-op for a runner without one."""
+        request; returns (compilations, seconds). Its steps are no engine steps: the
+        runner's phase times start after it."""
         with self._lock:
-            warmup = getattr(self.runner, "warmup", None)
-            return warmup() if warmup is not None else (0, 0.0)
+            result = self.runner.warmup()
+            self.runner.timer.reset()
+            return result
 
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
@@ -277,21 +292,25 @@ class LLMEngine:
         the host never ran). No request is lost; the next step() goes on.
         """
         with self._lock:
-            start = time.perf_counter()
+            timer = self.timer
+            start = timer.start()
             outputs, self._pending = self._pending, []
             scheduled = self.scheduler.schedule()
             outputs += self._failure_outputs()
             if not (scheduled.chunks or scheduled.swap_out):  # planned copies always run
                 return outputs
+            timer.mark("schedule")  # of a step that runs: an idle one is no step
             try:
                 results = self._run_device(scheduled)
             except Exception:
                 self._pending = outputs  # reported by the next step
                 raise
+            timer.mark("device")
             # peak KV use: with this step's blocks, before finished requests free theirs
             self.peak_kv_usage = max(self.peak_kv_usage, self.allocator.usage()["usage"])
             update = self.scheduler.update(scheduled, results)
             self.num_steps += 1
+            timer.mark("update")
             for group in update.finished_beams:
                 outputs.append(beam_output(group, "length", self.tokenizer))
                 self._release(group)
@@ -308,6 +327,7 @@ class LLMEngine:
                 if group.finished:
                     self._release(group)
             outputs += self._failure_outputs()
+            timer.mark("outputs")
             self.step_seconds += time.perf_counter() - start
             return outputs
 
@@ -327,16 +347,14 @@ class LLMEngine:
                 window_released = self.allocator.take_window_released()
         nan = float("nan")
         work = self._device_work_due
-        work += [(name, args) for name, args in [
-            ("swap_out", (scheduled.swap_out,)), ("fill_blocks", (released, nan)),
-            ("fill_blocks", (window_released, nan, True)),
-            ("swap_in", (scheduled.swap_in,)), ("copy_blocks", (scheduled.block_copies,)),
-            ("copy_blocks", (scheduled.window_copies, True)),
-        ] if args[0]]
+        planned = (SwapOut(scheduled.swap_out), FillBlocks(released, nan),
+                   FillBlocks(window_released, nan, True), SwapIn(scheduled.swap_in),
+                   CopyBlocks(scheduled.block_copies),
+                   CopyBlocks(scheduled.window_copies, True))
+        work += [item for item in planned if item.blocks]  # an item with no blocks: no call
         try:
             while work:  # each item leaves the list once done (a swap-out: once dispatched)
-                name, args = work[0]
-                getattr(self.runner, name)(*args)
+                work[0].run(self.runner)
                 work.pop(0)
             compiles, start = self.runner.compiles, time.perf_counter()
             results = self.runner.execute(scheduled.seqs) if scheduled.seqs else []
@@ -365,8 +383,7 @@ class LLMEngine:
         try:
             self.runner.finish_swaps()
         except Exception:
-            self._device_work_due[:0] = [("swap_out", (copies,))
-                                         for copies in self.runner.drop_swaps()]
+            self._device_work_due[:0] = [SwapOut(copies) for copies in self.runner.drop_swaps()]
             self._rebuild_pool()
             raise
 
@@ -375,8 +392,8 @@ class LLMEngine:
         pool, send every running request back to recompute, and forget the device prefix
         cache. The host pool keeps its contents, except blocks whose swap-out had not run
         yet: the swapped-out requests holding one go back to recompute too."""
-        unwritten = [host_id for name, args in self._device_work_due if name == "swap_out"
-                     for _, host_id in args[0]]
+        unwritten = [host_id for item in self._device_work_due if isinstance(item, SwapOut)
+                     for _, host_id in item.copies]
         self._device_work_due = []
         self.runner.reset_pool()
         self.scheduler.pool_lost(unwritten)
@@ -438,6 +455,19 @@ class LLMEngine:
         with self._lock:
             return self._stats()
 
+    def step_phases(self) -> dict[str, float]:
+        """Seconds of the steps so far (`step_seconds`) by phase, in step order: schedule;
+        the runner's prepare, compile, dispatch, wait and readback inside its execute;
+        "device_other", the rest of the device call (block copies, swaps and their landing,
+        the runner's own bookkeeping); update; outputs (detokenizing, stop strings, the
+        outputs). A step that raised counts the phases it went through."""
+        engine, runner = self.timer.seconds, self.runner.timer.seconds
+        phases = {"schedule": engine["schedule"]}
+        phases.update((phase, runner[phase]) for phase in RUNNER_PHASES)
+        phases["device_other"] = engine["device"] - sum(runner.values())
+        phases["update"], phases["outputs"] = engine["update"], engine["outputs"]
+        return phases
+
     def _stats(self) -> dict[str, Any]:
         usage = self.allocator.usage()
         ttft = [m.ttft for m in self.finished_metrics if m.ttft is not None]
@@ -470,10 +500,11 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "step_seconds": self.step_seconds,
             "device_seconds": self.runner.device_seconds,
+            "step_phases": self.step_phases(),
             # decode steps the runner had started before the step they follow was read
             # back, and steps so started that were not the scheduler's next (run anew)
-            "lookahead_hits": getattr(self.runner, "lookahead_hits", 0),
-            "lookahead_misses": getattr(self.runner, "lookahead_misses", 0),
+            "lookahead_hits": self.runner.lookahead_hits,
+            "lookahead_misses": self.runner.lookahead_misses,
             "ttft": _summary(ttft),
             "tpot": _summary(tpot),
         }

@@ -36,6 +36,7 @@ from jaxpage.buckets import bucket_for, power_of_two_buckets
 from jaxpage.engine import huge_pages
 from jaxpage.engine.batch import SeqInput, SeqResult
 from jaxpage.engine.kv_groups import window_blocks_per_seq
+from jaxpage.engine.runner_api import RUNNER_PHASES, StepTimer
 from jaxpage.models.config import layer_windows
 from jaxpage.parallel import TensorParallel, TensorParallelModel
 from jaxpage.sampling import SamplingMetadata, sample
@@ -305,6 +306,7 @@ class ModelRunner:
                                and jax.process_count() == 1 and self.window is None else 0)
         self.lookahead_hits = self.lookahead_misses = 0  # steps found run ahead, or not
         self._ahead: _Ahead | None = None
+        self.timer = StepTimer(RUNNER_PHASES)  # execute's phases (runner_api)
 
     @property
     def compiles(self) -> int:
@@ -447,6 +449,7 @@ class ModelRunner:
     def execute(self, seqs: list[SeqInput]) -> list[list[SeqResult]]:
         """Run one step over `seqs`; returns per sequence one drawn token per sampling row
         (none for a non-final prompt chunk, several for a prompt whose samples fork)."""
+        self.timer.start()
         results: list[list[SeqResult]] = [[] for _ in seqs]
         decode = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
         prefill = [i for i, s in enumerate(seqs) if len(s.token_ids) > 1]
@@ -457,6 +460,7 @@ class ModelRunner:
                 for i, result in zip(group, self._run([seqs[i] for i in group], is_decode),
                                      strict=True):
                     results[i] = result
+        self.timer.mark("readback")
         return results
 
     def warmup(self) -> tuple[int, float]:
@@ -500,6 +504,7 @@ class ModelRunner:
                 and _same_inputs(ahead.seqs, seqs, self.block_size)):
             step = ahead.step  # run ahead last step, on the tokens it then drew
             self.lookahead_hits += 1
+            self.timer.mark("prepare")
         else:
             if ahead is not None:
                 self.lookahead_misses += 1
@@ -514,6 +519,7 @@ class ModelRunner:
         if self._ahead is not None:  # its inputs, now that this step's tokens are known
             for seq, result in zip(self._ahead.seqs, results, strict=True):
                 seq.token_ids = [result[0].token]
+            self.timer.mark("readback")
         return results
 
     def _dispatch(self, seqs: list[SeqInput], is_decode: bool,
@@ -562,8 +568,10 @@ class ModelRunner:
                                             positions, attn_md)
             return logits
 
+        timer = self.timer
+        timer.mark("prepare")
         logits = self._timed(("forward", num_tokens, max_query_len, num_seqs, width, num_rows),
-                             forward)
+                             forward, timer)
         step = _Step(len(seqs), rows, num_rows)
         if not rows:  # only non-final prompt chunks: nothing to draw
             return step
@@ -574,7 +582,8 @@ class ModelRunner:
                         sampling_md.all_greedy,
                         *(None if a is None else a.shape[1] for a in (
                             sampling_md.prompt_token_ids, sampling_md.banned_token_ids)))
-        step.drawn = self._timed(sampling_key, lambda: _SAMPLE(logits, sampling_md))
+        timer.mark("prepare")
+        step.drawn = self._timed(sampling_key, lambda: _SAMPLE(logits, sampling_md), timer)
         return step
 
     def _results(self, step: _Step) -> list[list[SeqResult]]:
@@ -583,6 +592,8 @@ class ModelRunner:
         if not step.rows:
             return results
         start = time.perf_counter()
+        step.drawn["tokens"].block_until_ready()  # every output of the sampler's one call
+        self.timer.mark("wait")
         out = jax.device_get(step.drawn)
         self.device_seconds += time.perf_counter() - start
         for r, (i, row) in enumerate(step.rows):
@@ -592,6 +603,7 @@ class ModelRunner:
                 top = dict(zip(out["top_ids"][r, :n].tolist(),
                                out["top_logprobs"][r, :n].tolist(), strict=True))
             results[i].append(SeqResult(int(out["tokens"][r]), float(out["logprob"][r]), top))
+        self.timer.mark("readback")
         return results
 
     def _run_ahead(self, seqs: list[SeqInput], step: _Step) -> _Ahead | None:
@@ -607,22 +619,28 @@ class ModelRunner:
         nxt = [SeqInput(s.block_table, s.num_computed + 1, [0], [
             dataclasses.replace(s.sampling[0], step=s.sampling[0].step + 1)],
             s.window_block_table, True) for s in seqs]
+        self.timer.mark("prepare")
         tokens = self._timed(("next_tokens", step.num_rows),
-                             lambda: _NEXT_TOKENS(step.drawn["tokens"], len(seqs)))
+                             lambda: _NEXT_TOKENS(step.drawn["tokens"], len(seqs)), self.timer)
         return _Ahead(nxt, self._dispatch(nxt, True, token_ids=tokens))
 
-    def _timed(self, key: tuple, fn):
+    def _timed(self, key: tuple, fn, timer: StepTimer | None = None):
         """Run fn; the first call of a shape key is a compilation, timed (to completion) as
         such. Later calls are not synchronized here, so the forward's execution overlaps the
-        sampler's dispatch; its time lands in the sampler's device_get."""
+        sampler's dispatch; its time lands in the wait for the sampler's draws. With
+        `timer`, the call ends its "dispatch" phase (or "compile")."""
         start = time.perf_counter()
         if key in self.compiled:
             result = fn()
             self.device_seconds += time.perf_counter() - start
+            if timer is not None:
+                timer.mark("dispatch")
             return result
         result = jax.block_until_ready(fn())
         self.compile_seconds += time.perf_counter() - start
         self.compiled.add(key)
+        if timer is not None:
+            timer.mark("compile")
         return result
 
 
