@@ -592,3 +592,255 @@ def run_vllm_peer(python: str, model: str, dtype: str, trace_path: str,
     tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
     print(f"vLLM-CPU {dtype} peer failed (exit {proc.returncode}):\n{tail}", file=sys.stderr)
     return {"error": f"exit {proc.returncode}: {tail.splitlines()[-1] if tail else ''}"}
+
+
+# --------------------------------------------------------------------- the host alone
+
+class NullRunner:
+    """A runner (`jaxpage.engine.runner_api.Runner`) that does no device work: each step's
+    draws are made up at once, one per sampling row, so an engine over it costs only its host
+    work (scheduling, the update, detokenizing, the outputs). Its draw for a row is
+    `token_at(position)`, the position of the token drawn, which never is a special token
+    (ids 0-2 of `tiny_tokenizer`); with ignore_eos the requests run to their max_tokens. Its
+    "pool" holds `num_blocks` blocks of nothing."""
+
+    FIRST_TOKEN = 3  # past tiny_tokenizer's <pad>, <s>, </s>
+
+    def __init__(self, vocab_size: int, num_blocks: int) -> None:
+        from jaxpage.engine.batch import SeqResult
+        from jaxpage.engine.runner_api import RUNNER_PHASES, StepTimer
+
+        self._result = SeqResult
+        self._span = vocab_size - self.FIRST_TOKEN
+        self.num_blocks = num_blocks
+        self.num_window_blocks = self.num_host_blocks = 0
+        self.window = None
+        self.block_bytes = 0
+        self.kv_bytes_per_token = {"full_attention": 0}
+        self.kv_dtype = np.dtype(np.float32)
+        self.lookahead_rows = 0
+        self.compile_seconds = self.device_seconds = 0.0
+        self.swap_out_blocks = self.swap_in_blocks = self.swap_out_bytes_timed = 0
+        self.swap_out_seconds_timed = 0.0
+        self.lookahead_hits = self.lookahead_misses = 0
+        self.timer = StepTimer(RUNNER_PHASES)
+        self.steps = 0
+
+    @property
+    def compiles(self) -> int:
+        return 0
+
+    def token_at(self, position: int) -> int:
+        return self.FIRST_TOKEN + position * 31 % self._span
+
+    def execute(self, seqs: list) -> list:
+        self.timer.start()
+        result, first, span = self._result, self.FIRST_TOKEN, self._span
+        out = []
+        for s in seqs:
+            token = first + (s.num_computed + len(s.token_ids)) * 31 % span
+            out.append([result(token, 0.0, {token: 0.0} if row.num_logprobs else None)
+                        for row in s.sampling])
+        self.steps += 1
+        self.timer.mark("readback")
+        return out
+
+    def copy_blocks(self, copies, window=False) -> None:
+        pass
+
+    def fill_blocks(self, block_ids, value, window=False) -> None:
+        pass
+
+    def swap_out(self, copies) -> None:
+        pass
+
+    def swap_in(self, copies) -> None:
+        pass
+
+    def finish_swaps(self) -> None:
+        pass
+
+    def swaps_in_flight(self) -> list:
+        return []
+
+    def drop_swaps(self) -> list:
+        return []
+
+    def pool_lost(self) -> bool:
+        return False
+
+    def reset_pool(self) -> None:
+        pass
+
+    def warmup(self) -> tuple[int, float]:
+        return 0, 0.0
+
+
+# the near-zero-arithmetic Llama of scripts/bench_host.py: 30 layers of one 64-wide KV head,
+# hidden and intermediate 64, vocab 512; its steps are nearly all overhead
+NEAR_ZERO = dict(vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=30,
+                 num_attention_heads=1, num_key_value_heads=1, head_dim=64)
+
+
+def tiny_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE of `vocab_size` tokens (ids 0-2: <pad>, <s>, </s>), trained on seeded
+    pseudo-words, as a transformers tokenizer: detokenizing costs what a real BPE's does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = np.random.default_rng(0)
+    syllables = [a + b for a in "bcdfghklmnprstvwz" for b in "aeiou"] + list("éüñ.,")
+    corpus = [" ".join("".join(rng.choice(syllables, rng.integers(1, 4)))
+                       for _ in range(40)) for _ in range(400)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                        eos_token="</s>", clean_up_tokenization_spaces=False)
+    if len(tokenizer) != vocab_size:
+        raise RuntimeError(f"the tokenizer has {len(tokenizer)} tokens, not {vocab_size}")
+    return tokenizer
+
+
+def write_hf_llama(path: str, max_position_embeddings: int = 2048, seed: int = 0,
+                   **shape) -> str:
+    """An HF Llama directory at `path` (safetensors, config, `tiny_tokenizer`) of
+    `NEAR_ZERO`'s shape with `shape` changes, random weights from `seed`: a model both jaxpage
+    and vLLM load. Returns `path`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = {**NEAR_ZERO, **shape}
+    config = LlamaConfig(**spec, max_position_embeddings=max_position_embeddings,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                         tie_word_embeddings=False, torch_dtype="float32")
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    tiny_tokenizer(spec["vocab_size"]).save_pretrained(path)
+    return path
+
+
+# --------------------------------------------------------------------- an accelerator's step
+
+def sharegpt_trace(num_requests: int, seed: int, vocab_size: int,
+                   prompt_range: tuple[int, int] = (50, 1000),
+                   output_range: tuple[int, int] = (50, 400)):
+    """(prompts as token ids, output lengths) with ShareGPT-like lengths: log-normal prompts
+    (median 200 tokens) and outputs (median 160), clipped to the ranges, uniform random tokens
+    in [0, vocab_size), from `seed`. At the default ranges the mean prompt is ~260 tokens and
+    the mean output ~180, near the filtered ShareGPT set vLLM's throughput benchmark draws."""
+    rng = np.random.default_rng(seed)
+    prompt_lens = np.clip(rng.lognormal(np.log(200), 0.8, num_requests), *prompt_range)
+    output_lens = np.clip(rng.lognormal(np.log(160), 0.6, num_requests), *output_range)
+    prompts = [rng.integers(0, vocab_size, size=int(n)).tolist() for n in prompt_lens]
+    return prompts, [int(n) for n in output_lens]
+
+
+def weight_read_bytes(config, itemsize: int, rows: int) -> int:
+    """Bytes of weights a decode step of `rows` tokens must read: every param once, except an
+    untied embedding table, of which it reads only the rows' embeddings (a tied one is the LM
+    head, read whole). From the model's param shapes, whatever layout the runner keeps."""
+    import math
+
+    from jaxpage.models.llama import param_shapes
+
+    shapes = param_shapes(config)
+    total = math.prod(shapes["embed"]) if config.tie_word_embeddings else rows * config.hidden_size
+    total += math.prod(shapes["final_norm"]) + math.prod(shapes.get("lm_head", (0,)))
+    total += sum(math.prod(shape) for layer in shapes["layers"] for shape in layer.values())
+    return total * itemsize
+
+
+def kv_read_bytes(config, itemsize: int, batch: int, context: float) -> float:
+    """Bytes of K and V a decode step of `batch` sequences of `context` tokens (the new one
+    included) must read, over every layer."""
+    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
+    return batch * context * per_token
+
+
+def device_copy_gbps(nbytes: int = 1 << 30, runs: int = 10) -> float:
+    """The default device's copy bandwidth in GB/s: a jitted `x + 1` over `nbytes` of random
+    uint32 (every byte read once and written once: 2 * nbytes moved), the median of `runs`
+    after one that compiles. What a step that reads its weights and K/V once cannot beat."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jax.random.bits(jax.random.key(0), (nbytes // 4,), jnp.uint32)
+    seconds = median_seconds(jax.jit(lambda a: a + 1), x, runs=runs)
+    del x
+    return 2 * nbytes / seconds / 1e9
+
+
+def union_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of (start_ns, end_ns) intervals."""
+    covered, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            covered += stop - max(start, end)
+            end = stop
+    return covered / 1e9
+
+
+def profile_busy(trace_dir: str, host_fallback: bool = True) -> dict:
+    """Device busy time in the `jax.profiler` trace under `trace_dir`: the union of the
+    intervals of the device's activity, as {"busy_s", "kernel_busy_s", "events", "source"}.
+    On a GPU that is the first device plane's stream lines (kernels, and copies: kernel_busy_s
+    counts kernels alone); on a TPU its "XLA Ops" line where it has no stream lines; where
+    there is no device plane (CPU) and `host_fallback`, the events of XLA's CPU client and
+    Eigen threads on the host plane (the executables' thunks: work the host thread only waits
+    for; the CPU kernel library's own threads are not among them)."""
+    import glob
+
+    from jax.profiler import ProfileData
+
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True),
+                   key=os.path.getmtime)
+    if not files:
+        return {"busy_s": None, "error": f"no .xplane.pb under {trace_dir}"}
+    data = ProfileData.from_file(files[-1])
+    devices = sorted((p for p in data.planes if p.name.startswith("/device:")),
+                     key=lambda p: (not p.name.startswith(("/device:GPU:", "/device:TPU:")),
+                                    p.name))
+    if devices:
+        plane = devices[0]
+        lines = list(plane.lines)
+        chosen = ([line for line in lines if line.name.startswith("Stream")]
+                  or [line for line in lines if line.name == "XLA Ops"] or lines)
+    elif not host_fallback:
+        return {"busy_s": None, "error": "no device plane in the profile (is CUPTI there?)"}
+    else:
+        plane = next((p for p in data.planes if p.name == "/host:CPU"), None)
+        if plane is None:
+            return {"busy_s": None, "error": "no device or host plane in the profile"}
+        chosen = [line for line in plane.lines if line.name.startswith("tf_XLA")]
+    spans, kernels = [], []
+    for line in chosen:
+        for event in line.events:
+            if event.duration_ns > 0:
+                span = (event.start_ns, event.start_ns + event.duration_ns)
+                spans.append(span)
+                if not event.name.startswith(("Memcpy", "Memset")):
+                    kernels.append(span)
+    return {"busy_s": union_seconds(spans), "kernel_busy_s": union_seconds(kernels),
+            "events": len(spans),
+            "source": f"{plane.name}: "
+                      f"{', '.join(sorted({line.name.split('/')[0] for line in chosen}))}"}
+
+
+def parse_name_values(items: list[str]) -> dict:
+    """NAME=VALUE pairs from the command line, each value a Python literal where it parses
+    as one, else the string."""
+    import ast
+
+    out = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        try:
+            out[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[name] = value
+    return out

@@ -38,7 +38,6 @@ stops starting decode configs and sweep settings past a time, to fit a lease.
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import functools
 import json
@@ -53,6 +52,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_common import parse_name_values
 
 from pallas_kernels.paged_decode_gpu import paged_decode_attention_gpu
 from pallas_kernels.paged_decode_tpu import paged_decode_attention_tpu
@@ -720,17 +720,6 @@ def print_row(record):
           flush=True)
 
 
-def parse_kernel_args(items):
-    args = {}
-    for item in items:
-        name, _, value = item.partition("=")
-        try:
-            args[name] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            args[name] = value
-    return args
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the ~3-5 minute grid")
@@ -763,7 +752,7 @@ def main(argv=None):
         sys.exit(f"bench_kernels: no accelerator (jax backend is {backend!r}); the kernels only "
                  "run on a CUDA GPU or a TPU. Use --interpret for a CPU smoke run.")
     grid = GRIDS[grid_name]
-    kernel_args = parse_kernel_args(args.kernel_arg)
+    kernel_args = parse_name_values(args.kernel_arg)
     device = jax.devices()[0]
     meta = dict(command=" ".join(sys.argv), jax=jax.__version__, backend=backend,
                 device_kind=device.device_kind, host=host_platform.node(), grid=grid_name,

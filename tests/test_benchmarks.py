@@ -216,3 +216,168 @@ def test_only_lab_probes_touch_sys_path():
     directory is on sys.path); only scripts/lab/'s probes insert scripts/ to find it."""
     inserting = [p.name for p in SCRIPTS.glob("*.py") if "sys.path.insert" in p.read_text()]
     assert not inserting, f"scripts outside scripts/lab/ that edit sys.path: {inserting}"
+
+
+@pytest.fixture(scope="module")
+def host_bench_model(tmp_path_factory):
+    """bench_host's model at 2 layers, written as an HF directory and loaded as the bench
+    loads it: (directory, model, params, tokenizer)."""
+    import bench_host
+
+    path = bench_common.write_hf_llama(str(tmp_path_factory.mktemp("host_bench")),
+                                       num_hidden_layers=2)
+    return (path, *bench_host.load(path))
+
+
+@pytest.mark.parametrize("step_kind", ["decode", "mixed"])
+@pytest.mark.parametrize("kind", ["host", "model"])
+def test_host_bench_steps(host_bench_model, kind, step_kind):
+    """bench_host's timed steps at 1 and 4 sequences: each step's phases, read from the
+    engine, add up to no more than its wall time; every decoding request gets one token a
+    step; a mixed step's prompt ends every 4 steps; the no-device runner's draws are the
+    outputs' tokens; the engine's stats carry the same phases."""
+    import bench_host
+
+    _, model, params, tokenizer = host_bench_model
+    for n in (1, 4):
+        records, engine = bench_host.run_case(kind, step_kind, model, params, tokenizer, n,
+                                              chunk=16, warm=2, steps=8)
+        assert len(records) == 8
+        for r in records:
+            phases = [r[p] for p in bench_host.COLUMNS]
+            assert min(phases) >= -1e-9 and 0 < sum(phases) <= r["wall"]
+            assert r["compiles"] == 0
+            decoded = {rid: t for rid, t in r["tokens"].items() if rid.startswith("d")}
+            assert sorted(decoded) == sorted(f"d{i}" for i in range(n))
+            assert all(len(t) == 1 for t in decoded.values())
+        prompts = [rid for r in records for rid in r["tokens"] if rid.startswith("p")]
+        assert len(prompts) == (2 if step_kind == "mixed" else 0) == len(set(prompts))
+        runner = engine.runner
+        if kind == "host":
+            assert all(r["prepare"] == r["dispatch"] == r["wait"] == 0 for r in records)
+            for i in range(n):  # a draw is the token at its position, prompt of 16 tokens
+                out = engine.requests[f"d{i}"].samples[0].output_token_ids
+                assert out == [runner.token_at(16 + k) for k in range(len(out))]
+                assert [t for r in records for t in r["tokens"][f"d{i}"]] == out[-8:]
+            assert all(t == [runner.token_at(64)] for r in records
+                       for rid, t in r["tokens"].items() if rid.startswith("p"))
+        else:
+            assert all(r["prepare"] > 0 and r["dispatch"] > 0 and r["readback"] > 0
+                       for r in records)
+        stats = engine.stats()
+        assert list(stats["step_phases"]) == list(bench_host.COLUMNS)
+        assert 0 < sum(stats["step_phases"].values()) <= stats["step_seconds"]
+        row = bench_host.summarize(records, n)
+        assert row["compiles"] == 0 and row["tok_s"] == pytest.approx(n / row["step"] * 1e3)
+
+
+FAKE_VLLM = '''
+"""A stand-in for vllm: records how LLM() was made, and generates max_tokens tokens at
+1 ms a token."""
+import json, os, time
+__version__ = "0.0-fake"
+
+class SamplingParams:
+    def __init__(self, max_tokens=16, temperature=1.0, ignore_eos=False):
+        self.max_tokens = max_tokens
+
+class _Out:
+    def __init__(self, n):
+        self.outputs = [type("C", (), {"token_ids": [5] * n})()]
+
+class LLM:
+    def __init__(self, model, **kwargs):
+        with open(os.path.join(model, "config.json")) as f:
+            config = json.load(f)
+        tokenizer = os.path.isfile(os.path.join(model, "tokenizer.json"))
+        with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
+            f.write(json.dumps({"config": config, "tokenizer": tokenizer, **kwargs}) + "\\n")
+
+    def generate(self, requests, params, use_tqdm=False):
+        time.sleep(1e-3 * params[0].max_tokens)
+        return [_Out(p.max_tokens) for p in params]
+'''
+
+
+def test_host_bench_main_and_vllm_plumbing(host_bench_model, tmp_path):
+    """bench_host's whole run at 1 and 2 sequences on the 2-layer model, the vLLM column
+    through the real scripts/vllm_peer.py and run_vllm_peer under a stand-in vllm module
+    (no vLLM here): the peer gets the bench's HF model and the sizes' limits, its steps
+    come back per size, the JSON holds every case, and the profile lists functions."""
+    import json
+
+    import bench_host
+
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    log = tmp_path / "llm.jsonl"
+    python = tmp_path / "bin" / "python"
+    python.parent.mkdir()
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={tmp_path} FAKE_VLLM_LOG={log} "
+                      f"exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    out = tmp_path / "result.json"
+    results = bench_host.main(["--sizes", "1,2", "--steps", "3", "--warm", "1", "--layers", "2",
+                               "--chunk", "16", "--lens", "2,4", "--rounds", "1",
+                               "--vllm-python", str(python), "--profile", "2", "--top", "5",
+                               "--json", str(out)])
+    made = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(made) == 1 and made[0]["max_num_seqs"] == 2
+    assert made[0]["max_num_batched_tokens"] == 2 + 16 and made[0]["max_model_len"] == 1024
+    config = made[0]["config"]
+    assert config["num_hidden_layers"] == 2 and config["vocab_size"] == 512
+    assert made[0]["tokenizer"]
+    assert sorted(results["vllm"]) == sorted(results["delta"]) == [1, 2]
+    assert all(ms > 0 for ms in results["vllm"].values())
+    saved = json.loads(out.read_text())
+    assert sorted((c["kind"], c["engine"], c["seqs"]) for c in saved["cases"]) == sorted(
+        (k, e, n) for k in ("decode", "mixed") for e in ("host", "model") for n in (1, 2))
+    assert len(saved["profiles"]["2"]) == 5 and saved["timer_mark_ns"] > 0
+
+
+def test_bench_gpu_engine_plumbing(tmp_path):
+    """scripts/bench_gpu_engine.py --tiny on CPU, as a GPU runs it but small: jaxpage and HF
+    transformers, each in a process of its own, on the same weights (HF loads jaxpage's, split
+    and transposed back) and the same trace. Every request produces its ignore_eos length in
+    each of jaxpage's runs and both of HF's, HF's greedy tokens are jaxpage's (float32), the
+    JSON carries each figure of the table, and no profiled window is busier than its wall."""
+    import json
+
+    out = tmp_path / "gpu_engine.json"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, str(SCRIPTS / "bench_gpu_engine.py"), "--tiny",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600,
+                          cwd=SCRIPTS.parent, env=env)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "jaxpage/best HF" in done.stdout and "decode at 24 tokens" in done.stdout
+    data = json.loads(out.read_text())
+    _, lens = bench_common.sharegpt_trace(6, 0, 512, (4, 40), (3, 12))  # the --tiny trace
+    assert data["trace"]["tiny"]["requests"] == 6
+    assert data["trace"]["tiny"]["output_tokens"] == sum(lens)
+    ours, hf = data["results"]["tiny"]["jaxpage"], data["results"]["tiny"]["hf"]
+    for run in ("cold", "warm"):
+        assert ours[run]["complete"] and ours[run]["lengths_ok"], ours[run]
+        assert ours[run]["produced_tokens"] == lens and ours[run]["output_tokens"] == sum(lens)
+    assert ours["cold"]["compiles"] > 0 and ours["warm"]["compiles"] == 0
+    assert hf["weights"].startswith("jaxpage's")
+    for name in ("static", "continuous"):
+        assert hf[name]["complete"] and hf[name]["lengths_ok"], hf[name]
+        assert hf[name]["produced_tokens"] == lens and hf[name]["output_tokens"] == sum(lens)
+        same = hf[name]["agreement_with_jaxpage"]
+        assert same["compared"] == 6 and same["same_first_token"] == 6
+        assert same["identical"] >= 5  # one near-tie between two float32 kernels at most
+    summary = data["summary"]["tiny"]
+    for key in ("jaxpage_tok_s", "hf_static_tok_s", "hf_continuous_tok_s", "ratio_to_best_hf",
+                "mean_step_ms", "device_ms_per_step"):
+        assert summary[key] > 0 or key == "device_ms_per_step" and summary[key] == 0, key
+    window = ours["warm"]["window"]
+    assert window["steps"] > 0 and 0 <= window["busy_s"] <= window["wall_s"]
+    assert ours["copy_gbps"] > 0
+    assert [d["batch"] for d in ours["decode"]] == [1, 4]
+    for d in ours["decode"]:
+        assert d["wall_ms"] > 0 and d["bound_ms"] > 0 and d["forward_alone_ms"] > 0
+        assert d["weight_bytes"] > 0 and d["kv_bytes"] == pytest.approx(
+            # layers, K and V, heads, head dim, float32; the prompt, the first token, two
+            # warm-up steps, then the mean of 8 timed steps
+            d["batch"] * 2 * 2 * 2 * 16 * 4 * (24 + 1 + 2 + 3.5))
+        assert 0 <= d["window"]["busy_s"] <= d["window"]["wall_s"]
