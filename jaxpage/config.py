@@ -90,10 +90,11 @@ class EngineConfig:
     # (~/.cache/jaxpage/gguf) and loaded from it later (jaxpage.loading.gguf_cache)
     cache_gguf: bool = True
     # a decode step of at most this many sequences starts the next step before its own draws
-    # are read, feeding them to it on the device (vLLM's async scheduling, for small
-    # batches); a step that turns out different (a sequence ended, a request came) is run
-    # anew. 0: never (ModelRunner.lookahead_rows)
-    decode_lookahead_rows: int = 8
+    # are read, feeding them to it on the device (vLLM's async scheduling); the next step
+    # takes the rows that are still the same computation (ModelRunner._run). 0: never; None:
+    # 8 on a CPU (whose steps are mostly the device's own work past a few rows), every step
+    # on an accelerator
+    decode_lookahead_rows: int | None = None
 
     def __post_init__(self) -> None:
         check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
@@ -138,8 +139,9 @@ class EngineConfig:
               self.enable_host_prefix_cache, "True or False")
         check(isinstance(self.cache_gguf, bool), "cache_gguf", self.cache_gguf,
               "True or False")
-        check(is_int(self.decode_lookahead_rows) and self.decode_lookahead_rows >= 0,
-              "decode_lookahead_rows", self.decode_lookahead_rows, "an integer >= 0")
+        check(self.decode_lookahead_rows is None or (is_int(self.decode_lookahead_rows)
+                                                     and self.decode_lookahead_rows >= 0),
+              "decode_lookahead_rows", self.decode_lookahead_rows, "an integer >= 0 or None")
         for name in ("swap_bandwidth", "prefill_seconds_per_token"):
             value = getattr(self, name)
             check(value is None or (is_real(value) and 0 < value < float("inf")), name, value,

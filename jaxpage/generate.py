@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from jaxpage import LLM, BeamSearchParams, SamplingParams
+    from jaxpage.engine import gc_tuning
     from jaxpage.engine_args import engine_config
     from jaxpage.llm import chat_token_ids
 
@@ -73,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     llm = LLM(config=engine_config(args))
     load_seconds = time.perf_counter() - start
+    gc_tuning.freeze_heap()  # the engine lives as long as the process: see gc_tuning
     if args.chat:
         if llm.tokenizer is None:
             raise ValueError("--chat: this model has no tokenizer")

@@ -115,11 +115,13 @@ class BeamSearchParams:
               self.early_stopping, 'True, False or "never"')
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class SamplingRow:
     """One token draw of one sequence in a step (host side): the request's parameters, the
     draw's RNG counter (seed, step = output position), and the token ids the penalties and
-    bans need. `sampling.SamplingMetadata.pack` turns a step's rows into device arrays."""
+    bans need. `sampling.SamplingMetadata.pack` turns a step's rows into device arrays.
+    Read-only by convention, not frozen: the scheduler makes one for every sequence every
+    step, and a frozen dataclass takes 4x as long to make (1.4 us against 0.3)."""
 
     params: SamplingParams
     seed: int

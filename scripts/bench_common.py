@@ -623,6 +623,7 @@ class NullRunner:
         self.swap_out_blocks = self.swap_in_blocks = self.swap_out_bytes_timed = 0
         self.swap_out_seconds_timed = 0.0
         self.lookahead_hits = self.lookahead_misses = 0
+        self.lookahead_split = self.lookahead_dropped = 0
         self.timer = StepTimer(RUNNER_PHASES)
         self.steps = 0
 

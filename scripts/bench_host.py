@@ -34,6 +34,9 @@ generated to the two --lens, in turn for --rounds rounds after one of each to wa
 step the difference of the medians over the tokens between. (b) is measured that way too
 ("model Δ"), so the two compare like for like.
 
+Once warm, each engine's process freezes its heap as `jaxpage.serve` and `jaxpage.generate`
+do (`jaxpage.engine.gc_tuning`; --no-freeze leaves it as a library user's process has it).
+
 --profile 64,256 runs (a)'s decode steps at those sizes under cProfile and lists the
 functions that cost the most time of their own.
 
@@ -139,10 +142,12 @@ def phase_steps(engine, num_steps: int, profile: cProfile.Profile | None = None)
 
 def run_case(kind: str, step_kind: str, model, params, tokenizer, num_seqs: int, *,
              chunk: int, warm: int, steps: int, profile: cProfile.Profile | None = None,
-             seed: int = 0) -> tuple[list[dict], object]:
+             seed: int = 0, freeze: bool = False) -> tuple[list[dict], object]:
     """Measure `steps` steps of `step_kind` ("decode" or "mixed") at `num_seqs` sequences on a
-    new engine (`kind` "host" or "model"); returns (per-step records, the engine)."""
+    new engine (`kind` "host" or "model"); returns (per-step records, the engine). With
+    `freeze`, the heap is frozen once warm, as the CLIs freeze it (jaxpage.engine.gc_tuning)."""
     from jaxpage import SamplingParams
+    from jaxpage.engine import gc_tuning
 
     # the first requests decode while the last are prefilled; the longest is then warmed to
     # CONTEXT_FLOOR: a bound on any one's tokens, which they never reach (none ends)
@@ -167,6 +172,8 @@ def run_case(kind: str, step_kind: str, model, params, tokenizer, num_seqs: int,
     for _ in range(WARM_CYCLES):  # a shape met first in the timed steps would be timed
         if not sum(r["compiles"] for r in phase_steps(engine, CHUNKS_PER_PROMPT)):
             break
+    if freeze:
+        gc_tuning.freeze_heap()
     records = phase_steps(engine, steps, profile)
     for r in records:  # each timed step decodes every sequence, none ended
         decoded = sum(rid.startswith("d") for rid in r["tokens"])
@@ -249,6 +256,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--lens", default="16,48",
                     help="the short and long output length of the generate-differenced steps")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-freeze", action="store_true",
+                    help="leave the heap unfrozen (the CLIs freeze it once warm; a library "
+                         "user's process does not)")
     ap.add_argument("--no-delta", action="store_true",
                     help="skip (b)'s generate-differenced decode steps")
     ap.add_argument("--vllm-python", default=None,
@@ -284,7 +294,8 @@ def measure(args, hf_dir: str) -> dict:
             for n in sizes:
                 print(f"{kind} {step_kind} {n} ...", file=sys.stderr, flush=True)
                 records, engine = run_case(kind, step_kind, model, params, tokenizer, n,
-                                           chunk=args.chunk, warm=args.warm, steps=args.steps)
+                                           chunk=args.chunk, warm=args.warm, steps=args.steps,
+                                           freeze=not args.no_freeze)
                 results["cases"][(step_kind, kind, n)] = summarize(records, n)
                 if step_kind == "decode":
                     marks_per_step.setdefault(kind, engine_marks(engine))
@@ -307,7 +318,7 @@ def measure(args, hf_dir: str) -> dict:
               "(profiling slows them):")
         profile = cProfile.Profile()
         run_case("host", "decode", model, params, tokenizer, n, chunk=args.chunk,
-                 warm=args.warm, steps=args.steps, profile=profile)
+                 warm=args.warm, steps=args.steps, profile=profile, freeze=not args.no_freeze)
         results["profiles"][n] = print_profile(profile, args.steps, args.top)
     if args.json:
         with open(args.json, "w") as f:

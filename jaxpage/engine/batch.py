@@ -29,6 +29,9 @@ class SeqInput:
     # history, no beam, below its length limits): the runner may start that step before it
     # reads this one's draw (ModelRunner.lookahead_rows)
     may_run_ahead: bool = False
+    # the scheduler's word that this decode's draw is its last (by length): no step follows
+    # it, so a step run ahead of this one leaves it out
+    ends: bool = False
 
 
 @dataclasses.dataclass(slots=True)

@@ -285,8 +285,13 @@ class BlockAllocator:
         nothing, when the pool is short.
         """
         seq = self._seq(seq_id)
-        self._check_len("num_tokens", num_tokens)
         bs, table, computed = self.block_size, seq.block_table, seq.num_computed_tokens
+        last = (num_tokens - 1) // bs
+        if (computed < num_tokens and last == computed // bs and last < len(table)
+                and self._ref_count[table[last]] == 1
+                and (self.max_model_len is None or num_tokens <= self.max_model_len)):
+            return []  # a decode's usual case: its one block is its own, nothing to do
+        self._check_len("num_tokens", num_tokens)
         end = -(-num_tokens // bs)
         cow = []
         if num_tokens > computed:
@@ -317,14 +322,15 @@ class BlockAllocator:
         if not old <= n <= len(table) * bs:
             raise ValueError(f"commit of {n} tokens: must be in [num_computed_tokens={old}, "
                              f"table capacity={len(table) * bs}]")
+        ref_count = self._ref_count
         for i in range(old // bs, -(-n // bs)) if n > old else ():
-            if self._ref_count[table[i]] > 1:
+            if ref_count[table[i]] > 1:
                 raise AllocationError(f"seq {seq_id!r} would write into shared block {table[i]} "
                                       f"(index {i}); call grow() first for copy-on-write")
         seq.num_computed_tokens = n
-        if not self.enable_prefix_caching:
-            return
         hashes = seq.block_hashes
+        if not self.enable_prefix_caching or n // bs == len(hashes):  # no block filled
+            return
         for i in range(len(hashes), n // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             extra = b"" if i else seq.extra

@@ -21,7 +21,8 @@ from jaxpage.outputs import RequestOutput
 
 _SUMMED = ("kv_blocks_total", "kv_blocks_used", "prefix_cache_queries", "prefix_cache_hits",
            "num_preemptions", "compiles", "compile_seconds", "num_steps", "step_seconds",
-           "device_seconds", "num_running", "num_waiting")
+           "device_seconds", "num_running", "num_waiting", "lookahead_hits",
+           "lookahead_misses", "lookahead_split", "lookahead_dropped")
 
 
 def build_engine(config: Any, model: Any, params: Any, tokenizer: Any = None) -> Any:
@@ -145,6 +146,10 @@ class DataParallelEngine:
         total = {key: sum(s[key] for s in per) for key in _SUMMED}
         total["kv_usage"] = total["kv_blocks_used"] / total["kv_blocks_total"]
         total["kv_peak_usage"] = max(s["kv_peak_usage"] for s in per)
+        # the replicas step at once, each on its own thread: their phases add up to their
+        # steps' seconds, as step_seconds does
+        total["step_phases"] = {phase: sum(s["step_phases"][phase] for s in per)
+                                for phase in per[0]["step_phases"]}
         metrics = [m for r in self.replicas for m in r.finished_metrics]
         total["ttft"] = _summary([m.ttft for m in metrics if m.ttft is not None])
         total["tpot"] = _summary([m.tpot for m in metrics if m.tpot is not None])

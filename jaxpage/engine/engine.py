@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from jaxpage.engine import gc_tuning
 from jaxpage.engine.beam_search import BeamGroup
-from jaxpage.engine.detokenizer import IncrementalDetokenizer
+from jaxpage.engine.detokenizer import IncrementalDetokenizer, TextDecoder
 from jaxpage.engine.output_builder import beam_output, sample_deltas
 from jaxpage.engine.request import Request, RequestGroup
 from jaxpage.engine.runner_api import (
@@ -95,6 +96,7 @@ class LLMEngine:
         )
         self.requests: dict[str, RequestGroup] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._text_decoder = TextDecoder(tokenizer) if tokenizer is not None else None
         self._pending: list[RequestOutput] = []  # outputs of aborts between steps
         # device work a failed step left undone, in order
         self._device_work_due: list[DeviceWork] = []
@@ -110,6 +112,7 @@ class LLMEngine:
         self.step_seconds = 0.0  # wall time inside step(), host and device
         # step_seconds by phase (ENGINE_PHASES; the runner times its own inside "device")
         self.timer = StepTimer(ENGINE_PHASES)
+        gc_tuning.raise_threshold()  # a step's garbage, collected a few times a step, not 50
 
     @property
     def allocator(self) -> TieredAllocator:
@@ -314,17 +317,20 @@ class LLMEngine:
             for group in update.finished_beams:
                 outputs.append(beam_output(group, "length", self.tokenizer))
                 self._release(group)
+            detokenize = self._detokenize if self.tokenizer is not None else None
             for group, starts in update.new_tokens.items():
                 if group.error is not None:
                     continue  # failed in update: reported below
-                try:
-                    for sample in starts:
-                        self._detokenize(sample)
-                except Exception as exc:
-                    self.scheduler.fail(group, exc)
-                    continue
-                outputs.append(sample_deltas(group, starts, self._detokenizers))
-                if group.finished:
+                if detokenize is not None:
+                    try:
+                        for sample in starts:
+                            detokenize(sample)
+                    except Exception as exc:
+                        self.scheduler.fail(group, exc)
+                        continue
+                finished = group.finished
+                outputs.append(sample_deltas(group, starts, self._detokenizers, finished))
+                if finished:
                     self._release(group)
             outputs += self._failure_outputs()
             timer.mark("outputs")
@@ -422,16 +428,15 @@ class LLMEngine:
 
     def _detokenize(self, sample: Request) -> None:
         """Extend the sample's text by its new token; a stop string in it ends the sample
-        (over a "length" end on the same token, as vLLM reports it)."""
-        if self.tokenizer is None:
-            return
+        (over a "length" end on the same token, as vLLM reports it). Needs a tokenizer."""
+        p = sample.params
         detok = self._detokenizers.get(sample.seq_id)
         if detok is None:
             detok = self._detokenizers[sample.seq_id] = IncrementalDetokenizer(
-                self.tokenizer, sample.num_prompt_tokens, sample.params.stop)
-        p = sample.params
-        stop = detok.update(sample.token_ids,
-                            check_stop=sample.num_output_tokens >= p.min_tokens,
+                self.tokenizer, sample.num_prompt_tokens, p.stop, self._text_decoder)
+        tokens = sample.token_ids
+        stop = detok.update(tokens,
+                            check_stop=len(tokens) - len(sample.prompt_token_ids) >= p.min_tokens,
                             final=sample.finished)
         sample.text = detok.text
         if stop is not None and sample.finish_reason in (None, "length"):
@@ -505,6 +510,10 @@ class LLMEngine:
             # back, and steps so started that were not the scheduler's next (run anew)
             "lookahead_hits": self.runner.lookahead_hits,
             "lookahead_misses": self.runner.lookahead_misses,
+            # of the hits, steps whose other rows ran in a call of their own; rows run ahead
+            # that were not taken (their sequence had ended)
+            "lookahead_split": self.runner.lookahead_split,
+            "lookahead_dropped": self.runner.lookahead_dropped,
             "ttft": _summary(ttft),
             "tpot": _summary(tpot),
         }

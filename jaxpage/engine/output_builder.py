@@ -6,32 +6,41 @@ from typing import Any
 
 from jaxpage.engine.beam_search import BeamGroup
 from jaxpage.engine.detokenizer import IncrementalDetokenizer
-from jaxpage.engine.request import Request, RequestGroup
+from jaxpage.engine.request import Request, RequestGroup, RequestStatus
 from jaxpage.outputs import CompletionOutput, RequestOutput
 
 
 def sample_deltas(group: RequestGroup, starts: dict[Request, int],
-                  detokenizers: dict[str, IncrementalDetokenizer]) -> RequestOutput:
+                  detokenizers: dict[str, IncrementalDetokenizer],
+                  finished: bool | None = None) -> RequestOutput:
     """The group's deltas: for each changed sample, its tokens from `starts[sample]` and the
-    text not shown yet (a possible partial stop string is held back while it runs)."""
+    text not shown yet (a possible partial stop string is held back while it runs);
+    `finished`: group.finished, when the caller has it already."""
     completions = []
-    for sample, first in sorted(starts.items(), key=lambda kv: kv[0].sample_index):
+    items = starts.items()
+    for sample, first in sorted(items, key=_by_index) if len(starts) > 1 else items:
         detok = detokenizers.get(sample.seq_id)
-        text = detok.streamable_text(sample.finished) if detok is not None else sample.text
+        text = (sample.text if detok is None else detok.text if not detok.hold_back
+                else detok.streamable_text(sample.status is RequestStatus.FINISHED))
         start_char = sample.num_text_emitted
         sample.num_text_emitted = max(len(text), start_char)
         completions.append(CompletionOutput(
-            index=sample.sample_index,
-            text=text[start_char:],
-            token_ids=sample.output_token_ids[first:],
-            cumulative_logprob=sample.cumulative_logprob,
-            logprobs=None if sample.logprobs is None else sample.logprobs[first:],
-            finish_reason=sample.finish_reason,
-            stop_reason=sample.stop_reason,
+            sample.sample_index,
+            text[start_char:],
+            sample.token_ids[len(sample.prompt_token_ids) + first:],
+            sample.cumulative_logprob,
+            None if sample.logprobs is None else sample.logprobs[first:],
+            sample.finish_reason,
+            sample.stop_reason,
         ))
     parent = group.samples[0]
     return RequestOutput(group.request_id, parent.prompt, parent.prompt_token_ids,
-                         completions, group.finished, parent.metrics)
+                         completions, group.finished if finished is None else finished,
+                         parent.metrics)
+
+
+def _by_index(item: tuple[Request, int]) -> int:
+    return item[0].sample_index
 
 
 def beam_output(group: BeamGroup, reason: str, tokenizer: Any) -> RequestOutput:

@@ -44,17 +44,16 @@ class Request:
     num_text_emitted: int = 0  # characters of `text` already streamed
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # the allocator's key for this sequence, "<request_id>#<sample_index>" (set once: read
+    # several times a step for every running sequence)
+    seq_id: str = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
-
-    @property
-    def seq_id(self) -> str:
-        """The allocator's key for this sequence."""
-        return f"{self.request_id}#{self.sample_index}"
+        self.seq_id = f"{self.request_id}#{self.sample_index}"
 
     @property
     def num_slots(self) -> int:
@@ -109,7 +108,10 @@ class RequestGroup:
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.samples)  # before forking: just the parent
+        samples = self.samples  # before forking: just the parent
+        if len(samples) == 1:
+            return samples[0].status is RequestStatus.FINISHED
+        return all(s.status is RequestStatus.FINISHED for s in samples)
 
     @property
     def forks_by_drawing(self) -> bool:

@@ -101,6 +101,11 @@ def _forward_fn(model, params, kv_pool, token_ids, positions, attn_md):
     return _counted(logits), kv_pool
 
 
+# decode_lookahead_rows's default on a CPU: past a few rows a step is mostly the device's own
+# work there, which the host shares the cores with (running every step ahead left the
+# throughput trace of docs/benchmarks.md where it was, 208-228 tok/s either way)
+CPU_LOOKAHEAD_ROWS = 8
+
 # Module-level so that every runner of the same model shares compiled executables. The
 # forward and the sampler are separate executables: the compile count is then the number of
 # batch shapes plus the number of sampling variants, not their product.
@@ -109,6 +114,10 @@ _SAMPLE = jax.jit(sample)
 # a decode step's drawn tokens as the next step's token ids (padding rows: 0)
 _NEXT_TOKENS = jax.jit(lambda drawn, n: jnp.where(jnp.arange(drawn.shape[0]) < n, drawn,
                                                   0).astype(jnp.int32))
+# the same, the rows picked by `rows` out of one or two steps' draws laid end to end (a step
+# served partly by a run-ahead step, partly by a call of its own)
+_PICK_TOKENS = jax.jit(lambda rows, n, *drawn: jnp.where(
+    jnp.arange(rows.shape[0]) < n, jnp.concatenate(drawn)[rows], 0).astype(jnp.int32))
 _COPY_BLOCKS = jax.jit(_copy_blocks_fn, donate_argnums=0)
 _FILL_BLOCKS = jax.jit(_fill_blocks_fn, donate_argnums=0)
 _GATHER_BLOCKS = jax.jit(_gather_blocks_fn)
@@ -129,24 +138,49 @@ class _Step:
 @dataclasses.dataclass(slots=True)
 class _Ahead:
     """A decode step started before the step it follows was read back: its inputs (their
-    token ids filled in once that step's draws are read) and the step."""
+    token ids filled in once that step's draws are read), the step, and for each of its
+    sequences the index of the one it follows in that step."""
 
     seqs: list[SeqInput]
     step: _Step
+    sources: list[int]
 
 
-def _same_inputs(a: list[SeqInput], b: list[SeqInput], block_size: int) -> bool:
-    """Whether two steps' sequences are the same computation: the same blocks under their
-    tokens (past them a table may have grown since: the scheduler takes a block a step before
-    it is written, and attention reads no block past a sequence's length), positions, tokens
-    and sampling rows (`may_run_ahead` aside)."""
-    def used(s: SeqInput) -> list[int]:
-        return s.block_table[:-(-(s.num_computed + len(s.token_ids)) // block_size)]
+@dataclasses.dataclass(slots=True)
+class _Served:
+    """A decode step as it was run: the steps that drew its rows (a run-ahead step and/or a
+    call of its own) and, per row, (which of them, its row there)."""
 
-    return len(a) == len(b) and all(
-        used(x) == used(y) and x.num_computed == y.num_computed
-        and x.token_ids == y.token_ids and x.sampling == y.sampling
-        and x.window_block_table == y.window_block_table for x, y in zip(a, b, strict=True))
+    steps: list[_Step]
+    rows: list[tuple[int, int]]
+
+
+def _same_seq(x: SeqInput, y: SeqInput, block_size: int) -> bool:
+    """Whether two decode rows are the same computation: the same blocks under their tokens
+    (past them a table may have grown since: the scheduler takes a block a step before it is
+    written, and attention reads no block past a sequence's length), position, tokens and
+    sampling rows (`may_run_ahead` aside)."""
+    used = -(-(x.num_computed + len(x.token_ids)) // block_size)
+    return (x.num_computed == y.num_computed and x.token_ids == y.token_ids
+            and x.block_table[:used] == y.block_table[:used] and x.sampling == y.sampling
+            and x.window_block_table == y.window_block_table)
+
+
+def _ahead_rows(ahead: list[SeqInput], seqs: list[SeqInput], block_size: int
+                ) -> list[int | None]:
+    """For each decode row of `seqs`, the row of the run-ahead step `ahead` that is the same
+    computation (`_same_seq`), or None. Rows pair by the block a row writes its token into
+    and its position: a sequence writes only into a block it holds alone, so no two live
+    rows share both."""
+    def key(s: SeqInput) -> tuple[int, int]:
+        return s.num_computed, s.block_table[s.num_computed // block_size]
+
+    index = {key(s): j for j, s in enumerate(ahead)}
+    rows: list[int | None] = []
+    for s in seqs:
+        j = index.pop(key(s), None)  # popped: a row serves one sequence
+        rows.append(j if j is not None and _same_seq(ahead[j], s, block_size) else None)
+    return rows
 
 
 def build_runner(model: Any, params: Any, config: EngineConfig, *, max_model_len: int,
@@ -205,11 +239,15 @@ class ModelRunner:
             self.params = self.parallel.shard_params(params)
             pool_kv_heads = self.parallel.pool_kv_heads
             self._pool_sharding = self.parallel.pool_sharding
+            # a step's token ids on the device (a run-ahead step's come from the sampler):
+            # on every device of the mesh, as the jitted step takes host arrays
+            self._input_sharding = self.parallel.replicated
         else:
             if _packs_weights(model, devices[0], dtype):  # on the host, before the copy
                 params = model.pack_params(params)
             self.params = jax.device_put(params, devices[0])
             self._pool_sharding = jax.sharding.SingleDeviceSharding(devices[0])
+            self._input_sharding = self._pool_sharding
         if devices[0].platform == "cpu":
             huge_pages.advise(jax.tree.leaves(self.params))
         self.devices = devices
@@ -300,11 +338,17 @@ class ModelRunner:
         # A decode step of at most lookahead_rows sequences starts the next one before its
         # own draws are read (`_run_ahead`), the next tokens fed from the device: the host's
         # work of a step (reading the draws, the engine's update, the next step's arrays and
-        # dispatch, ~1 ms on CPU) overlaps the device's. 0: never. Not with tensor
-        # parallelism, several processes or sliding windows.
-        self.lookahead_rows = (config.decode_lookahead_rows if self.parallel is None
-                               and jax.process_count() == 1 and self.window is None else 0)
+        # dispatch, ~1 ms on CPU) overlaps the device's. 0: never. Not with several
+        # processes (their steps are replayed in step) or sliding windows.
+        rows = config.decode_lookahead_rows
+        if rows is None:  # a CPU step past a few rows is mostly the device's own work
+            cpu = self.devices[0].platform == "cpu"
+            rows = CPU_LOOKAHEAD_ROWS if cpu else config.max_num_seqs
+        self.lookahead_rows = rows if jax.process_count() == 1 and self.window is None else 0
         self.lookahead_hits = self.lookahead_misses = 0  # steps found run ahead, or not
+        # of the hits: steps whose rows the run-ahead step lacked ran in a call of their own
+        # beside it; rows run ahead that the next step did not take (their sequence ended)
+        self.lookahead_split = self.lookahead_dropped = 0
         self._ahead: _Ahead | None = None
         self.timer = StepTimer(RUNNER_PHASES)  # execute's phases (runner_api)
 
@@ -324,7 +368,9 @@ class ModelRunner:
         sampling = rows * 2 * 2 * 2 * (1 + len(self.len_buckets)) * (1 + len(self.ban_buckets))
         swaps = len(self.swap_out_buckets) + len(self.copy_buckets) if self.num_host_blocks else 0
         groups = sum(1 for layers in (self.full_layers, self.window_layers) if layers)
-        ahead = rows  # a run-ahead step's token ids, per decode bucket
+        # a run-ahead step's token ids, per decode bucket, and picked out of one or two
+        # steps' draws (out, first, second bucket)
+        ahead = rows + rows ** 2 + rows ** 3
         return (forward + sampling + 2 * len(self.copy_buckets) * groups  # copies, fills
                 + swaps + ahead)
 
@@ -455,6 +501,9 @@ class ModelRunner:
         prefill = [i for i, s in enumerate(seqs) if len(s.token_ids) > 1]
         if self.ragged and prefill and decode:  # one call reads the weights once
             prefill, decode = prefill + decode, []
+        if not decode and self._ahead is not None:  # run ahead, not taken: run anew
+            self.lookahead_misses += 1
+            self._ahead = None
         for group, is_decode in ((prefill, False), (decode, True)):
             if group:
                 for i, result in zip(group, self._run([seqs[i] for i in group], is_decode),
@@ -492,33 +541,51 @@ class ModelRunner:
         for num_seqs in {bucket_for(n, self.decode_buckets)
                          for n in range(1, min(self.lookahead_rows, self.decode_buckets[-1]) + 1)}:
             self._timed(("next_tokens", num_seqs), lambda n=num_seqs: _NEXT_TOKENS(
-                jax.device_put(np.zeros(n, np.int32), self.devices[0]), n))
+                jax.device_put(np.zeros(n, np.int32), self._input_sharding), n))
         return self.compiles - before, time.perf_counter() - start
 
     def _run(self, seqs: list[SeqInput], is_decode: bool) -> list[list[SeqResult]]:
-        """One call of the step function over `seqs` (or the step run ahead last time, when
-        it is this one), the next decode step started where it may run ahead, then this
-        step's draws read back."""
+        """One call of the step function over `seqs`, the next decode step started where it
+        may run ahead, then this step's draws read back. A decode step uses the step run
+        ahead last time for every row that is the same computation there (`_ahead_rows`):
+        rows of sequences that since ended or were preempted are dropped, and the rows it
+        lacks (a request that arrived, a row that changed) run in a call of their own, when
+        they are no more than the rows it serves (else the whole step runs anew)."""
+        if not is_decode:
+            step = self._dispatch(seqs, False)
+            return self._results(step)
         ahead, self._ahead = self._ahead, None
-        if (ahead is not None and is_decode
-                and _same_inputs(ahead.seqs, seqs, self.block_size)):
-            step = ahead.step  # run ahead last step, on the tokens it then drew
-            self.lookahead_hits += 1
-            self.timer.mark("prepare")
+        rows = [None] * len(seqs)
+        if ahead is not None:
+            rows = _ahead_rows(ahead.seqs, seqs, self.block_size)
+            if 2 * rows.count(None) > len(seqs):
+                rows = [None] * len(seqs)
+        missing = [i for i, row in enumerate(rows) if row is None]
+        if ahead is not None:
+            taken = len(seqs) - len(missing)
+            self.lookahead_misses += taken == 0
+            self.lookahead_hits += taken > 0
+            self.lookahead_split += 0 < taken < len(seqs)
+            self.lookahead_dropped += (ahead.step.num_seqs - taken) if taken else 0
+        if len(missing) == len(seqs):
+            served = _Served([self._dispatch(seqs, True)], [(0, i) for i in range(len(seqs))])
         else:
-            if ahead is not None:
-                self.lookahead_misses += 1
-            step = self._dispatch(seqs, is_decode)
+            served = _Served([ahead.step], [(0, row) for row in rows])
+            self.timer.mark("prepare")
+            if missing:
+                served.steps.append(self._dispatch([seqs[i] for i in missing], True))
+                for k, i in enumerate(missing):
+                    served.rows[i] = (1, k)
         try:
-            if is_decode:
-                self._ahead = self._run_ahead(seqs, step)
-            results = self._results(step)
+            self._ahead = self._run_ahead(seqs, served)
+            drawn = [self._results(step) for step in served.steps]
         except BaseException:
             self._ahead = None  # it would run on this step's pool and tokens
             raise
+        results = [drawn[which][row] for which, row in served.rows]
         if self._ahead is not None:  # its inputs, now that this step's tokens are known
-            for seq, result in zip(self._ahead.seqs, results, strict=True):
-                seq.token_ids = [result[0].token]
+            for seq, i in zip(self._ahead.seqs, self._ahead.sources, strict=True):
+                seq.token_ids = [results[i][0].token]
             self.timer.mark("readback")
         return results
 
@@ -561,7 +628,7 @@ class ModelRunner:
             token_ids = np.zeros(num_tokens, np.int32)
             token_ids[:total] = [t for s in seqs for t in s.token_ids]
             if self.lookahead_rows:  # on the device, as a run-ahead step's: one compilation
-                token_ids = jax.device_put(token_ids, self.devices[0])
+                token_ids = jax.device_put(token_ids, self._input_sharding)
 
         def forward():
             logits, self.kv_pool = _FORWARD(self.model, self.params, self.kv_pool, token_ids,
@@ -606,23 +673,42 @@ class ModelRunner:
         self.timer.mark("readback")
         return results
 
-    def _run_ahead(self, seqs: list[SeqInput], step: _Step) -> _Ahead | None:
+    def _run_ahead(self, seqs: list[SeqInput], served: _Served) -> _Ahead | None:
         """Start the decode step after `seqs` (None where it may not run ahead): each sequence
-        one position on, its new token the one `step` draws, taken on the device (the host
-        reads it meanwhile). Only a small step (the host's share of a step is largest there)
-        whose every sequence the scheduler marked as going on (`SeqInput.may_run_ahead`: a
-        decode of one draw), its next slot in a block it holds."""
-        if not 0 < len(seqs) <= self.lookahead_rows or not all(
-                s.may_run_ahead and (s.num_computed + 1) // self.block_size < len(s.block_table)
-                for s in seqs):
+        that goes on one position further, its new token the one `served` draws for it,
+        taken on the device (the host reads it meanwhile). Only a step of at most
+        lookahead_rows sequences, each of which the scheduler marked as going on
+        (`SeqInput.may_run_ahead`: a decode of one draw, its next slot in a block it holds)
+        or as ending with this draw (`SeqInput.ends`: it is left out), one going on."""
+        if not 0 < len(seqs) <= self.lookahead_rows:
+            return None
+        going = []
+        for i, s in enumerate(seqs):
+            if s.may_run_ahead and (s.num_computed + 1) // self.block_size < len(s.block_table):
+                going.append(i)
+            elif not s.ends:
+                return None
+        if not going:
             return None
         nxt = [SeqInput(s.block_table, s.num_computed + 1, [0], [
             dataclasses.replace(s.sampling[0], step=s.sampling[0].step + 1)],
-            s.window_block_table, True) for s in seqs]
+            s.window_block_table, True) for s in (seqs[i] for i in going)]
         self.timer.mark("prepare")
-        tokens = self._timed(("next_tokens", step.num_rows),
-                             lambda: _NEXT_TOKENS(step.drawn["tokens"], len(seqs)), self.timer)
-        return _Ahead(nxt, self._dispatch(nxt, True, token_ids=tokens))
+        steps, picks = served.steps, [served.rows[i] for i in going]
+        if len(steps) == 1 and steps[0].num_seqs == len(picks) and all(
+                row == k for k, (_, row) in enumerate(picks)):  # one step, all of it
+            tokens = self._timed(("next_tokens", steps[0].num_rows), lambda: _NEXT_TOKENS(
+                steps[0].drawn["tokens"], len(picks)), self.timer)
+        else:  # rows left out, or drawn by two steps: picked out of both on the device
+            offsets = [0, steps[0].num_rows]
+            picked = np.zeros(bucket_for(len(picks), self.decode_buckets), np.int32)
+            picked[:len(picks)] = [offsets[which] + row for which, row in picks]
+            picked = jax.device_put(picked, self._input_sharding)
+            drawn = [step.drawn["tokens"] for step in steps]
+            tokens = self._timed(("pick_tokens", picked.shape[0],
+                                  *(d.shape[0] for d in drawn)),
+                                 lambda: _PICK_TOKENS(picked, len(picks), *drawn), self.timer)
+        return _Ahead(nxt, self._dispatch(nxt, True, token_ids=tokens), going)
 
     def _timed(self, key: tuple, fn, timer: StepTimer | None = None):
         """Run fn; the first call of a shape key is a compilation, timed (to completion) as

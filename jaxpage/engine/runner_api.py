@@ -82,6 +82,8 @@ class Runner(Protocol):
     swap_out_seconds_timed: float
     lookahead_hits: int
     lookahead_misses: int
+    lookahead_split: int  # hits whose other rows ran in a call of their own
+    lookahead_dropped: int  # rows run ahead that the next step did not take
     timer: StepTimer  # RUNNER_PHASES, inside execute
 
     @property

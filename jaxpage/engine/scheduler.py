@@ -120,8 +120,8 @@ class Scheduler:
         self.enable_prefix_caching = enable_prefix_caching
         self.eos_token_ids = frozenset(eos_token_ids)
         # the runner may start a decode step of at most this many sequences before it reads
-        # the one before (ModelRunner.lookahead_rows; 0: never, as for sliding windows, tensor
-        # parallelism or several processes): see `_goes_on`
+        # the one before (ModelRunner.lookahead_rows; 0: never, as for sliding windows or
+        # several processes): see `_ahead_marks`
         self.lookahead_rows = lookahead_rows
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -175,17 +175,18 @@ class Scheduler:
             return pending_copies
 
         # 1. running requests, oldest first; preempt the newest when the pool runs dry
+        grow = self.allocator.grow
         for request in list(self.running):
             if budget <= 0:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted with a sibling
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(len(request.token_ids) - request.num_computed_tokens, budget)
             if num_new == 0:  # a beam waiting for its siblings' log-probs
                 continue
             try:
-                while (copies := self.allocator.grow(
-                        request.seq_id, request.num_computed_tokens + num_new)) is None:
+                while (copies := grow(request.seq_id,
+                                      request.num_computed_tokens + num_new)) is None:
                     victims = self._newest_group()
                     self._preempt(victims, drop(victims))
                     preempted += victims
@@ -248,13 +249,14 @@ class Scheduler:
             scheduled[request] = self._chunk(request, num_new, [])
             budget -= num_new
 
-        # 3. a decode that may run ahead (`_goes_on`) and whose next token starts a block takes
+        # 3. a decode that may run ahead (`_ahead_marks`) and whose next token starts a block takes
         # that block now, a step early, from what this step left free: the step after it can
         # then run ahead too (its next slot must be in a block the sequence holds)
-        goes_on = {request: self._goes_on(request, chunk.num_new_tokens)
-                   for request, chunk in scheduled.items()}
-        for request, chunk in scheduled.items():
-            if (goes_on[request]
+        lookahead = 0 < len(self.running) <= self.lookahead_rows
+        marks = {request: self._ahead_marks(request, chunk.num_new_tokens) if lookahead
+                 else (False, False) for request, chunk in scheduled.items()}
+        for request, chunk in scheduled.items() if lookahead else ():
+            if (marks[request][0]
                     and (chunk.num_computed_tokens + 1) % self.allocator.block_size == 0):
                 extra = self.allocator.grow(request.seq_id, chunk.num_computed_tokens + 2)
                 if extra is not None:  # None: the pool is short, nothing taken
@@ -266,7 +268,7 @@ class Scheduler:
         swap_out, swap_in = self.allocator.take_swaps()
         # a preempted chunk's window copies go too: they only write blocks it freed
         window_copies = self.allocator.take_window_copies() if self.windowed else []
-        return SchedulerOutput(chunks, [self._seq_input(chunk, goes_on[chunk.request])
+        return SchedulerOutput(chunks, [self._seq_input(chunk, *marks[chunk.request])
                                         for chunk in chunks], copies,
                                self.max_num_batched_tokens - budget, swap_out, swap_in,
                                window_copies)
@@ -353,51 +355,54 @@ class Scheduler:
                copies: list[tuple[int, int]]) -> ScheduledChunk:
         start = request.num_computed_tokens
         return ScheduledChunk(
-            request=request,
-            num_computed_tokens=start,
-            num_new_tokens=num_new,
-            block_table=self.allocator.block_table(request.seq_id),
-            sample=start + num_new == request.num_tokens,
-            block_copies=copies,
-            window_block_table=(self.allocator.window_table(request.seq_id)
-                                if self.windowed else None),
-        )
+            request, start, num_new, self.allocator.block_table(request.seq_id),
+            start + num_new == len(request.token_ids), copies,
+            self.allocator.window_table(request.seq_id) if self.windowed else None)
 
-    def _seq_input(self, chunk: ScheduledChunk, goes_on: bool) -> SeqInput:
+    def _seq_input(self, chunk: ScheduledChunk, goes_on: bool, ends: bool) -> SeqInput:
         """The runner's view of a chunk: block table, tokens and, when it ends the known
         tokens, a sampling row per token to draw (n when the prompt's samples fork);
-        `goes_on`: whether the next step may run ahead of it (`_goes_on`)."""
+        `goes_on`: whether the next step may run ahead of it, `ends`: whether its draw is
+        its last (`_ahead_marks`)."""
         request = chunk.request
         start = chunk.num_computed_tokens
+        tokens = request.token_ids
         rows = []
         if chunk.sample:
             p = request.params
+            num_out = len(tokens) - len(request.prompt_token_ids)
             banned: tuple[int, ...] = ()
-            if request.num_output_tokens < p.min_tokens:
+            if num_out < p.min_tokens:
                 banned = tuple(sorted(set(p.stop_token_ids) | (
                     set() if p.ignore_eos else self.eos_token_ids)))
-            history = p.uses_penalties
-            rows = [SamplingRow(p, sample_seed(request.seed, i),
-                                step=request.num_output_tokens,
-                                prompt_token_ids=request.prompt_token_ids if history else None,
-                                output_token_ids=request.output_token_ids if history else None,
-                                banned_token_ids=banned)
-                    for i in range(request.num_draws)]
+            if p.uses_penalties:
+                rows = [SamplingRow(p, sample_seed(request.seed, i), num_out,
+                                    request.prompt_token_ids, request.output_token_ids, banned)
+                        for i in range(request.num_draws)]
+            elif (group := request.group) is None or group.forked:  # one draw, the usual
+                rows = [SamplingRow(p, request.seed, num_out, None, None, banned)]
+            else:
+                rows = [SamplingRow(p, sample_seed(request.seed, i), num_out, None, None,
+                                    banned) for i in range(request.num_draws)]
+        num_new = chunk.num_new_tokens
         return SeqInput(chunk.block_table, start,
-                        request.token_ids[start : start + chunk.num_new_tokens], rows,
-                        chunk.window_block_table, goes_on)
+                        [tokens[start]] if num_new == 1 else tokens[start : start + num_new],
+                        rows, chunk.window_block_table, goes_on, ends)
 
-    def _goes_on(self, request: Request, num_new: int) -> bool:
-        """Whether computing `num_new` tokens of `request` is a decode that, unless its draw
-        ends it, goes on as it is to the next position, so that the runner may start that
-        step before it reads this one's draw (SeqInput.may_run_ahead): one draw, no
-        penalties (their token history would lack it), no beam, and not its last by length;
-        only while few enough run for the runner to do so."""
-        return (0 < len(self.running) <= self.lookahead_rows and num_new == 1
-                and request.num_computed_tokens + 1 == request.num_tokens
-                and request.num_draws == 1 and not request.params.uses_penalties
-                and not isinstance(request.group, BeamGroup)
-                and request.num_tokens + 1 < min(request.max_num_tokens, self.max_model_len))
+    def _ahead_marks(self, request: Request, num_new: int) -> tuple[bool, bool]:
+        """(goes on, ends) of computing `num_new` tokens of `request`, while few enough run
+        for the runner to run decode steps ahead (`lookahead_rows`). Goes on
+        (SeqInput.may_run_ahead): a decode that, unless its draw ends it, goes on as it is to
+        the next position, so that the runner may start that step before it reads this one's
+        draw: one draw, no penalties (their token history would lack it), no beam, and not
+        its last by length. Ends (SeqInput.ends): such a decode (penalties or not) whose draw
+        is its last by length, so that no step follows it."""
+        if not (num_new == 1 and request.num_computed_tokens + 1 == request.num_tokens
+                and request.num_draws == 1 and not isinstance(request.group, BeamGroup)):
+            return False, False
+        if request.num_tokens + 1 >= min(request.max_num_tokens, self.max_model_len):
+            return False, True
+        return not request.params.uses_penalties, False
 
     def update(self, output: SchedulerOutput, results: list[list[SeqResult]]) -> StepUpdate:
         """Apply an executed step: record its K/V as written (hashing newly full blocks for
@@ -405,38 +410,43 @@ class Scheduler:
         of its prefill, apply the plans of beam groups whose beams have all drawn, and
         finish sequences that drew EOS or a stop token or reached a length limit. Stop
         strings are the engine's (it detokenizes): it ends those sequences with `finish`."""
+        commit, finished = self.allocator.commit, RequestStatus.FINISHED
         for chunk in output.chunks:  # before the new tokens are appended: no K/V for them
             request = chunk.request
-            if request.finished:
+            if request.status is finished:
                 continue
             try:
                 computed = chunk.num_computed_tokens + chunk.num_new_tokens
                 tokens = request.token_ids
-                self.allocator.commit(request.seq_id,
-                                      tokens if computed == len(tokens) else tokens[:computed])
+                commit(request.seq_id, tokens if computed == len(tokens) else tokens[:computed])
                 request.num_computed_tokens = computed
             except Exception as exc:
                 self.fail(request.group, exc)
         now = time.perf_counter()
         update = StepUpdate()
         beam_groups: dict[BeamGroup, None] = {}
+        new_tokens, append = update.new_tokens, self._append_token
         for chunk, draws in zip(output.chunks, results, strict=True):
             request = chunk.request
             group = request.group
-            if not draws or request.finished:  # nothing drawn, or failed above
+            if not draws or request.status is finished:  # nothing drawn, or failed above
                 continue
             if isinstance(group, BeamGroup):
                 group.pending[request] = draws[0]
                 beam_groups[group] = None
                 continue
-            starts = update.new_tokens.setdefault(group, {})
             try:
-                samples = [request]
-                if len(draws) > 1:  # end of the prompt's prefill: fork the other samples
-                    samples += self._fork_samples(request, len(draws) - 1)
+                if len(draws) == 1:  # the usual: one sample, one token
+                    new_tokens[group] = starts = new_tokens.get(group) or {}
+                    starts[request] = len(request.token_ids) - len(request.prompt_token_ids)
+                    append(request, draws[0], now)
+                    continue
+                starts = new_tokens.setdefault(group, {})
+                # end of the prompt's prefill: fork the other samples
+                samples = [request, *self._fork_samples(request, len(draws) - 1)]
                 for sample, draw in zip(samples, draws, strict=True):
                     starts[sample] = sample.num_output_tokens
-                    self._append_token(sample, draw, now)
+                    append(sample, draw, now)
             except Exception as exc:
                 self.fail(group, exc)
         for group in beam_groups:
@@ -453,7 +463,8 @@ class Scheduler:
     def _append_token(self, request: Request, draw: SeqResult, now: float) -> None:
         p = request.params
         token = draw.token
-        request.token_ids.append(token)
+        tokens = request.token_ids
+        tokens.append(token)
         request.cumulative_logprob += draw.logprob
         if request.logprobs is not None:
             entry = dict(list((draw.top_logprobs or {}).items())[: p.logprobs])
@@ -461,13 +472,13 @@ class Scheduler:
             request.logprobs.append(entry)
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
-        num_out = request.num_output_tokens
+        num_out = len(tokens) - len(request.prompt_token_ids)
         if num_out >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 return self.finish(request, "stop")
             if token in p.stop_token_ids:
                 return self.finish(request, "stop", token)
-        if num_out >= p.max_tokens or request.num_tokens >= self.max_model_len:
+        if num_out >= p.max_tokens or len(tokens) >= self.max_model_len:
             self.finish(request, "length")
 
     def _fork_samples(self, parent: Request, count: int) -> list[Request]:

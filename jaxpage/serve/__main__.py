@@ -64,6 +64,7 @@ def load(args: argparse.Namespace):
     """Load the model, warm the compiled steps up and build the app (None on a follower
     process, after process 0 has stopped)."""
     from jaxpage import LLM
+    from jaxpage.engine import gc_tuning
     from jaxpage.engine_args import enable_compile_cache, engine_config
     from jaxpage.serve import build_app
 
@@ -87,6 +88,7 @@ def load(args: argparse.Namespace):
     if not args.no_warmup:
         compiles, seconds = engine.warmup()
         logger.info("warm-up: %d step shapes compiled in %.1f s", compiles, seconds)
+    gc_tuning.freeze_heap()  # the engine lives as long as the process: see gc_tuning
     name = args.served_model_name or config.model
 
     def ready() -> None:

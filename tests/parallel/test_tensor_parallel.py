@@ -25,6 +25,9 @@ def assert_same_tokens(results: dict) -> None:
     assert single["preemptions"] > 0 and single["hits"] > 0, "the workload must preempt and hit"
     for tp, result in results.items():
         assert result["tokens"] == single["tokens"], f"tp {tp} differs from one device"
+        # decode steps ran ahead on the mesh as on one device (the token ids fed on every
+        # device; a model with sliding windows never runs ahead)
+        assert (result["run_ahead"] > 0) == (single["run_ahead"] > 0), (tp, result["run_ahead"])
         assert (result["preemptions"], result["hits"]) == (single["preemptions"],
                                                            single["hits"])
 
@@ -51,7 +54,8 @@ def assert_same_tokens(results: dict) -> None:
 def test_tokens_equal_one_device(model, backend, sizes, preemption):
     """A mixed workload (chunked prefill, preemption, n=2 seeded samples, a prefix-cache
     hit, beam search) gives every token one device gives, with the same preemptions and
-    hits (one block table serves every shard). "MODE:KV" also sets kv_cache_dtype."""
+    hits (one block table serves every shard), decode steps running ahead on the mesh as on
+    one device. "MODE:KV" also sets kv_cache_dtype."""
     results = run_worker("tokens", model, backend, sizes, *preemption.split(":"))
     if preemption == "swap":
         assert all(r["swapped"] > 0 for r in results.values())
@@ -105,6 +109,12 @@ def test_data_parallel_replicas_serve_the_same_tokens_and_route_by_prefix():
     assert sum(result["replica_hits"]) == replicated["hits"]
     assert all(steps > 0 for steps in result["replica_steps"])
     assert result["replica_devices"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # the totals' step phases: each replica's summed, adding up to the replicas' step seconds
+    phases, per = result["phases"], result["replica_phases"]
+    assert set(phases) == set(per[0]) and all(sum(p.values()) > 0 for p in per)
+    for phase, seconds in phases.items():
+        assert seconds == pytest.approx(sum(p[phase] for p in per), abs=1e-12)
+    assert 0.99 * result["step_seconds"] <= sum(phases.values()) <= result["step_seconds"]
 
 
 def test_bad_sizes_are_refused_naming_the_numbers():

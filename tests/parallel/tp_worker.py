@@ -67,7 +67,8 @@ def workload(llm: LLM) -> dict:
     stats = llm.stats()
     return {"tokens": [[c.token_ids for c in o.outputs] for o in first + again + beams],
             "preemptions": stats["num_preemptions"], "hits": stats["prefix_cache_hits"],
-            "again_cached": again[0].metrics.num_cached_tokens}
+            "again_cached": again[0].metrics.num_cached_tokens,
+            "run_ahead": stats["lookahead_hits"]}
 
 
 # a pool small enough that the workload preempts, a token budget that chunks its long prompt
@@ -151,6 +152,8 @@ def data_parallel(kind: str, backend: str, dp: str, tp: str) -> dict:
     return {"single": single, "replicated": replicated,
             "replica_hits": [s["prefix_cache_hits"] for s in stats["replicas"]],
             "replica_steps": [s["num_steps"] for s in stats["replicas"]],
+            "phases": stats["step_phases"], "step_seconds": stats["step_seconds"],
+            "replica_phases": [s["step_phases"] for s in stats["replicas"]],
             "replica_devices": [[d.id for d in r.runner.devices]
                                 for r in llm.engine.replicas]}
 

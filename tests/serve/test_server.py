@@ -334,8 +334,9 @@ def test_concurrent_streams_with_disconnects(server):
     """200 streaming requests at once from one asyncio client, random lengths, 20% closing
     their stream after the first chunk: every finished stream is well-formed and ends with
     [DONE], every closed one is aborted, the pool empties, and the server still answers.
-    A closing request asks for 480 tokens, so that it is still running when its client
-    goes (the server does not wait for a slow client: it could otherwise finish first)."""
+    A closing request asks for 480 tokens, so that it is usually still running when its
+    client goes; the server does not wait for a slow client, so one may end first (by
+    length): every closed request is aborted or ended so, and most are aborted."""
     rng = random.Random(0)
     plans = [(rng.choice(PROMPTS) + f" {i}", rng.randint(1, 24), i % 5 == 0)
              for i in range(200)]
@@ -372,14 +373,16 @@ def test_concurrent_streams_with_disconnects(server):
     assert sum(r is None for r in results) == left == 40
     # the closed streams' requests are aborted
     key = ("vllm:request_success_total", (("finished_reason", "abort"),))
+    length = ("vllm:request_success_total", (("finished_reason", "length"),))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         after = metrics(server)
         aborted = after.get(key, 0) - before.get(key, 0)
-        if aborted >= left and after["vllm:num_requests_running", ()] == 0:
+        ended = after.get(length, 0) - before.get(length, 0)
+        if aborted + ended >= len(plans) and after["vllm:num_requests_running", ()] == 0:
             break
         time.sleep(0.2)
-    assert aborted == left
+    assert aborted + ended == len(plans) and aborted >= left * 3 // 4, (aborted, ended)
     assert after["vllm:kv_cache_usage_perc", ()] == 0.0, "blocks are still held"
     r = httpx.post(f"{server}/v1/completions", headers=auth(), timeout=60,
                    json={"prompt": "still there?", "max_tokens": 3})
