@@ -178,3 +178,43 @@ def test_stop_strings_are_searched_only_in_text_after_check_stop_starts(tokenize
         assert detok.update(ids[:k], check_stop=k > first_done) is None, k
     assert detok.update(ids[:second_done], check_stop=True) == stop
     assert detok.text == TEXT[:second]
+
+
+def test_text_decoder_is_the_tokenizers_decode(tokenizer):
+    """TextDecoder calls the Rust tokenizer itself only where transformers' decode adds
+    nothing to it: for the plain fast tokenizer every window of the text's tokens (special
+    ones among them) decodes as `tokenizer.decode(..., skip_special_tokens=True)` does, and
+    `one(t)` is decode([t]). A tokenizer that cleans up spaces, a subclass overriding decode
+    and an object with only a decode method keep their own decode."""
+    import copy
+
+    from jaxpage.engine.detokenizer import TextDecoder
+
+    ids = tokenizer.encode(TEXT)
+    ids[5:5] = [tokenizer.eos_token_id or 0]
+    fast = TextDecoder(tokenizer)
+    assert fast.decode.func == tokenizer.backend_tokenizer.decode
+    for i in range(0, len(ids), 3):
+        for j in range(i, min(i + 6, len(ids)) + 1):
+            assert fast.decode(ids[i:j]) == tokenizer.decode(ids[i:j], skip_special_tokens=True)
+    assert all(fast.one(t) == tokenizer.decode([t], skip_special_tokens=True) for t in ids)
+
+    cleaning = copy.deepcopy(tokenizer)
+    cleaning.clean_up_tokenization_spaces = True
+
+    class Shouting(type(tokenizer)):
+        def decode(self, token_ids, **kwargs):
+            return super().decode(token_ids, **kwargs).upper()
+
+    shouting = copy.deepcopy(tokenizer)
+    shouting.__class__ = Shouting
+
+    class Plain:
+        def decode(self, token_ids, skip_special_tokens=False):
+            return "-".join(map(str, token_ids))
+
+    for other in (cleaning, shouting, Plain()):
+        assert TextDecoder(other).decode.func == other.decode
+    assert TextDecoder(shouting).decode(ids[:8]) == tokenizer.decode(
+        ids[:8], skip_special_tokens=True).upper()
+    assert TextDecoder(Plain()).one(7) == "7"
