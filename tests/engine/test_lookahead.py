@@ -1,11 +1,14 @@
 """Decode steps run ahead (`EngineConfig.decode_lookahead_rows`, ModelRunner._run_ahead): the
 runner starts the next decode step, its tokens taken from the device, before it reads the
-draws of the step it follows. The engine must not be able to tell: every request's tokens,
-log-probabilities and finish reasons are those of the engine stepping one step at a time, and
-greedy ones HF transformers'. The next step takes each row of the run-ahead step that is the
-same computation; rows of sequences that ended (a stop, an abort, a preemption) are dropped,
-rows it lacks (a request that arrived) run in a call of their own beside it, and a step it
-serves less than half of is run anew. The K/V that unused rows wrote harms nobody: the pool
+draws of the step it follows. The engine must not be able to tell: every request's tokens and
+finish reasons are those of the engine stepping one step at a time, and greedy ones HF
+transformers'; so are the log-probabilities, bit for bit on the cpp backend (the C++ library
+computes each row alone) and to float32 rounding on the jnp and Pallas ones (a row dropped or
+run beside changes the batch the others are computed in, and XLA's matmuls round by shape).
+The next step takes each row of the run-ahead step that is the same computation; rows of
+sequences that ended (a stop, an abort, a preemption) are dropped, rows it lacks (a request
+that arrived) run in a call of their own beside it, and a step it serves less than half of is
+run anew. The K/V that unused rows wrote harms nobody: the pool
 starts as NaN and every released block is refilled with NaN (`debug_nan_pool`), so a read of
 a slot nobody wrote would turn tokens to garbage."""
 
@@ -78,6 +81,17 @@ def outcome(out):
     return [(c.token_ids, c.cumulative_logprob, c.finish_reason) for c in out.outputs]
 
 
+def same_up_to_rounding(a, b) -> None:
+    """The same tokens and finish reasons; log-probabilities within float32 rounding."""
+    assert [(c.token_ids, c.finish_reason) for c in a.outputs] == [
+        (c.token_ids, c.finish_reason) for c in b.outputs], a.request_id
+    for x, y in zip(a.outputs, b.outputs, strict=True):
+        assert x.cumulative_logprob == pytest.approx(y.cumulative_logprob, rel=1e-5, abs=1e-5)
+        for lx, ly in zip(x.logprobs or (), y.logprobs or (), strict=True):
+            assert lx.keys() == ly.keys() and all(
+                lx[t] == pytest.approx(ly[t], rel=1e-5, abs=1e-5) for t in lx)
+
+
 PALLAS = [pytest.param(b, marks=[pytest.mark.slow, pytest.mark.kernels])
           for b in ("pallas_gpu", "pallas_tpu")]
 
@@ -90,6 +104,8 @@ PALLAS = [pytest.param(b, marks=[pytest.mark.slow, pytest.mark.kernels])
 def test_run_ahead_changes_no_request(tiny, stop_case, backend, block_size, num_blocks, swap):
     path, model = tiny
     items = workload(stop_case)
+    if backend == "pallas_tpu" and block_size < 8:  # Mosaic: blocks of whole sublanes
+        num_blocks, swap, block_size = num_blocks // 2, swap // 2, 8
     runs = {}
     for rows in (8, 0):
         llm = LLM(path, block_size=block_size, num_blocks=num_blocks,
@@ -103,9 +119,11 @@ def test_run_ahead_changes_no_request(tiny, stop_case, backend, block_size, num_
     assert raised == 0
     assert apart_stats["lookahead_hits"] == apart_stats["lookahead_misses"] == 0
     # every path taken: steps found run ahead, some with rows of ended sequences dropped and
-    # some with arrivals' rows run beside them, and steps run anew (a prompt chunk beside
-    # the decodes: the ragged call that reads the weights once takes them all)
-    assert stats["lookahead_hits"] >= 15 and stats["lookahead_misses"] >= 1, stats
+    # some with arrivals' rows run beside them, and on the ragged backends steps run anew (a
+    # prompt chunk beside the decodes: the call that reads the weights once takes them all;
+    # on jnp a prompt chunk is a call of its own)
+    assert stats["lookahead_hits"] >= 15, stats
+    assert (stats["lookahead_misses"] >= 1) == (backend != "jnp"), stats
     assert stats["lookahead_dropped"] >= 2 and stats["lookahead_split"] >= 1, stats
     if num_blocks == 20:
         assert stats["num_preemptions"] > 0
@@ -113,8 +131,12 @@ def test_run_ahead_changes_no_request(tiny, stop_case, backend, block_size, num_
         assert stats["num_swapped_preemptions"] > 0
     assert set(ahead) == set(apart) == {item[0] for item in items}
     for request_id in apart:
-        assert outcome(ahead[request_id]) == outcome(apart[request_id]), request_id
-        assert ahead[request_id].outputs[0].logprobs == apart[request_id].outputs[0].logprobs
+        if backend == "cpp":  # each row computed alone: bit for bit whatever the batch
+            assert outcome(ahead[request_id]) == outcome(apart[request_id]), request_id
+            assert (ahead[request_id].outputs[0].logprobs
+                    == apart[request_id].outputs[0].logprobs), request_id
+        else:  # XLA's matmuls round by the batch's shape: a row in another batch differs
+            same_up_to_rounding(ahead[request_id], apart[request_id])
     # the independent oracle: HF transformers' greedy tokens
     for request_id, prompt, params, _ in items:
         if request_id in ("g0", "late"):
@@ -172,14 +194,20 @@ def test_a_step_run_ahead_serves_what_it_can(tiny, backend, split, misses):
                   decode_lookahead_rows=rows, attention_backend=backend)
         final, stats, raised = serve(llm, items, abort_at=None)
         assert raised == 0
-        runs[rows] = ({r: outcome(out) for r, out in final.items()}, stats)
+        runs[rows] = (final, stats)
     (ahead, stats), (apart, _) = runs[8], runs[0]
-    assert ahead == apart
-    assert ahead["b"][0][0] == b_tokens[:b_tokens.index(stop) + 1]
-    assert ahead["b"][0][2] == "stop"
+    assert set(ahead) == set(apart) == {item[0] for item in items}
+    for request_id in ahead:
+        if backend == "cpp":
+            assert outcome(ahead[request_id]) == outcome(apart[request_id])
+        else:
+            same_up_to_rounding(ahead[request_id], apart[request_id])
+    b = ahead["b"].outputs[0]
+    assert b.token_ids == b_tokens[:b_tokens.index(stop) + 1] and b.finish_reason == "stop"
     for request_id, prompt, params, _ in items:
         if request_id != "b":
-            assert ahead[request_id][0][0] == hf_greedy(model, prompt, params.max_tokens)
+            assert ahead[request_id].outputs[0].token_ids == hf_greedy(model, prompt,
+                                                                       params.max_tokens)
     assert stats["lookahead_split"] == split and stats["lookahead_dropped"] == 1, stats
     assert stats["lookahead_misses"] == misses and stats["lookahead_hits"] >= 15, stats
 
@@ -199,9 +227,11 @@ def test_a_step_run_ahead_serves_less_than_half_of_runs_anew(tiny):
         llm = LLM(path, block_size=4, num_blocks=64, max_num_seqs=8, debug_nan_pool=True,
                   decode_lookahead_rows=rows, attention_backend="jnp")
         final, stats, _ = serve(llm, items, abort_at=None)
-        runs[rows] = ({r: outcome(out) for r, out in final.items()}, stats)
+        runs[rows] = (final, stats)
     (ahead, stats), (apart, _) = runs[8], runs[0]
-    assert ahead == apart
+    assert set(ahead) == set(apart) == {"a", "b", "c"}
+    for request_id in ahead:
+        same_up_to_rounding(ahead[request_id], apart[request_id])
     assert stats["lookahead_misses"] == 1 and stats["lookahead_split"] == 0, stats
 
 
