@@ -59,6 +59,7 @@ import time
 import numpy as np
 from bench_common import (
     NullRunner,
+    cores,
     decode_rounds,
     run_vllm_peer,
     write_hf_llama,
@@ -423,8 +424,7 @@ def cpu_name() -> str:
                         if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{name}, {cores} cores"
+    return f"{name}, {cores()} cores"
 
 
 if __name__ == "__main__":

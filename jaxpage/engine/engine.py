@@ -434,9 +434,7 @@ class LLMEngine:
         if detok is None:
             detok = self._detokenizers[sample.seq_id] = IncrementalDetokenizer(
                 self.tokenizer, sample.num_prompt_tokens, p.stop, self._text_decoder)
-        tokens = sample.token_ids
-        stop = detok.update(tokens,
-                            check_stop=len(tokens) - len(sample.prompt_token_ids) >= p.min_tokens,
+        stop = detok.update(sample.token_ids, check_stop=sample.num_output_tokens >= p.min_tokens,
                             final=sample.finished)
         sample.text = detok.text
         if stop is not None and sample.finish_reason in (None, "length"):

@@ -20,7 +20,7 @@ def sample_deltas(group: RequestGroup, starts: dict[Request, int],
     items = starts.items()
     for sample, first in sorted(items, key=_by_index) if len(starts) > 1 else items:
         detok = detokenizers.get(sample.seq_id)
-        text = (sample.text if detok is None else detok.text if not detok.hold_back
+        text = (sample.text if detok is None
                 else detok.streamable_text(sample.status is RequestStatus.FINISHED))
         start_char = sample.num_text_emitted
         sample.num_text_emitted = max(len(text), start_char)

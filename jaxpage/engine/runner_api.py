@@ -142,46 +142,42 @@ class DeviceWork:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class SwapOut(DeviceWork):
-    """Start copying `(device, host)` blocks to the host pool."""
+class _BlockPairs(DeviceWork):
+    """Device work on pairs of blocks, `(from, to)`."""
 
     copies: list[tuple[int, int]]
-    kind: ClassVar[str] = "swap_out"
 
     @property
     def blocks(self) -> list:
         return self.copies
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SwapOut(_BlockPairs):
+    """Start copying `(device, host)` blocks to the host pool."""
+
+    kind: ClassVar[str] = "swap_out"
 
     def run(self, runner: Runner) -> None:
         runner.swap_out(self.copies)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class SwapIn(DeviceWork):
+class SwapIn(_BlockPairs):
     """Copy `(host, device)` blocks into the device pool."""
 
-    copies: list[tuple[int, int]]
     kind: ClassVar[str] = "swap_in"
-
-    @property
-    def blocks(self) -> list:
-        return self.copies
 
     def run(self, runner: Runner) -> None:
         runner.swap_in(self.copies)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class CopyBlocks(DeviceWork):
+class CopyBlocks(_BlockPairs):
     """Copy-on-write `(src, dst)` copies, in the full group's layers or the window group's."""
 
-    copies: list[tuple[int, int]]
     window: bool = False
     kind: ClassVar[str] = "copy_blocks"
-
-    @property
-    def blocks(self) -> list:
-        return self.copies
 
     def run(self, runner: Runner) -> None:
         if self.window:

@@ -370,20 +370,16 @@ class Scheduler:
         rows = []
         if chunk.sample:
             p = request.params
-            num_out = len(tokens) - len(request.prompt_token_ids)
+            num_out = request.num_output_tokens
             banned: tuple[int, ...] = ()
             if num_out < p.min_tokens:
                 banned = tuple(sorted(set(p.stop_token_ids) | (
                     set() if p.ignore_eos else self.eos_token_ids)))
-            if p.uses_penalties:
-                rows = [SamplingRow(p, sample_seed(request.seed, i), num_out,
-                                    request.prompt_token_ids, request.output_token_ids, banned)
-                        for i in range(request.num_draws)]
-            elif (group := request.group) is None or group.forked:  # one draw, the usual
-                rows = [SamplingRow(p, request.seed, num_out, None, None, banned)]
-            else:
-                rows = [SamplingRow(p, sample_seed(request.seed, i), num_out, None, None,
-                                    banned) for i in range(request.num_draws)]
+            history = p.uses_penalties
+            rows = [SamplingRow(p, sample_seed(request.seed, i), num_out,
+                                request.prompt_token_ids if history else None,
+                                request.output_token_ids if history else None, banned)
+                    for i in range(request.num_draws)]
         num_new = chunk.num_new_tokens
         return SeqInput(chunk.block_table, start,
                         [tokens[start]] if num_new == 1 else tokens[start : start + num_new],
@@ -438,7 +434,7 @@ class Scheduler:
             try:
                 if len(draws) == 1:  # the usual: one sample, one token
                     new_tokens[group] = starts = new_tokens.get(group) or {}
-                    starts[request] = len(request.token_ids) - len(request.prompt_token_ids)
+                    starts[request] = request.num_output_tokens
                     append(request, draws[0], now)
                     continue
                 starts = new_tokens.setdefault(group, {})
@@ -472,7 +468,7 @@ class Scheduler:
             request.logprobs.append(entry)
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
-        num_out = len(tokens) - len(request.prompt_token_ids)
+        num_out = request.num_output_tokens
         if num_out >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 return self.finish(request, "stop")
