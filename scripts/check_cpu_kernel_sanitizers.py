@@ -34,10 +34,13 @@ the threads) against float64 NumPy, and `decoder_layer` (a decode step of three 
 a padding row, and a lone long sequence, float32 and bfloat16) against the unfused calls it
 stands for, bit for bit.
 
-Prints a one-line summary. Exit status: 0 clean; 1 a sanitizer finding (its report is printed)
-or a wrong result; 2 this machine cannot run the check (no C++ compiler or sanitizer runtime).
+Prints a one-line summary. Exit status: 0 clean; 1 a sanitizer finding (its report is printed),
+a wrong result, or a child that ran past --timeout (then the stages it reached, with their
+times, and every Python thread's stack, dumped a minute before the deadline, are printed);
+2 this machine cannot run the check (no C++ compiler or sanitizer runtime).
 
     python scripts/check_cpu_kernel_sanitizers.py [--seeds N] [--cxx g++] [--source DIR]
+                                                  [--timeout SECONDS]
 """
 
 from __future__ import annotations
@@ -651,8 +654,23 @@ def check_decoder_layer(rng) -> int:
     return calls
 
 
-def child(seeds: int) -> int:
+_STARTED = time.perf_counter()
+
+
+def progress(stage: str) -> None:
+    """One line on stderr as the child enters a stage: when it runs past its deadline, the
+    parent prints these, so the report says where the time went."""
+    print(f"[sanitizers +{time.perf_counter() - _STARTED:.1f} s] {stage}", file=sys.stderr,
+          flush=True)
+
+
+def child(seeds: int, deadline: float) -> int:
+    import faulthandler
     import warnings
+
+    # a minute before the parent gives up: every thread's Python stack, on stderr
+    faulthandler.dump_traceback_later(max(deadline - 60.0, 1.0), exit=False)
+    progress("importing JAX and registering the sanitized library")
 
     import jax
     import numpy as np
@@ -678,6 +696,7 @@ def child(seeds: int) -> int:
     quantized_counts = dict.fromkeys(QUANTIZED_FORMATS, 0)
     for seed in range(seeds):
         for shape_index, (num_heads, num_kv_heads, head_dim, block_size) in enumerate(SHAPES):
+            progress(f"attention: seed {seed}, shape {SHAPES[shape_index]}")
             for decode in (True, False):
                 fill = FILLS[(seed + shape_index + decode) % len(FILLS)]
                 query_tile = (1, 3, 32)[(seed + shape_index) % 3]
@@ -733,12 +752,19 @@ def child(seeds: int) -> int:
                     raise AssertionError(f"{where}: max |error| {error} vs float64")
                 worst_quantized = max(worst_quantized, error)
                 quantized_counts[fmt] += 1
+    progress("set_rows")
     set_rows_calls = check_set_rows(rng)
+    progress("small_matmul")
     small_matmul_calls = check_small_matmul(rng)
+    progress("packed_matmul")
     packed_matmul_calls = check_packed_matmul(rng)
+    progress("greedy_draw")
     greedy_draw_calls = check_greedy_draw(rng)
+    progress("layer glue")
     layer_glue_calls = check_layer_glue(rng)
+    progress("decoder_layer")
     decoder_layer_calls = check_decoder_layer(rng)
+    progress("bad inputs")
     rejected = 0
     for name, call, message in bad_inputs():
         try:
@@ -788,10 +814,13 @@ def main() -> int:
                         help="build the library from this directory (a copy of "
                              "pallas_kernels/cpu/: its ffi.cc and headers) instead, e.g. an "
                              "older version, to see what the check finds in it")
+    parser.add_argument("--timeout", type=float, default=1500.0,
+                        help="seconds the sanitized child may run before it is stopped and "
+                             "reported (default 1500)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return child(args.seeds)
+        return child(args.seeds, args.timeout)
 
     if not args.cxx:
         print("cpu kernel sanitizers: cannot run (no C++ compiler)")
@@ -816,9 +845,18 @@ def main() -> int:
             JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
                 [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
         env.pop("JAXPAGE_NO_CPU_KERNEL", None)
-        result = subprocess.run(
-            [sys.executable, str(Path(__file__).resolve()), "--child", "--seeds",
-             str(args.seeds)], env=env, capture_output=True, text=True, timeout=1800)
+        try:
+            result = subprocess.run(
+                [sys.executable, str(Path(__file__).resolve()), "--child", "--seeds",
+                 str(args.seeds), "--timeout", str(args.timeout)], env=env,
+                capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired as e:  # run() has killed the child
+            stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (
+                e.stderr or "")
+            print(report(stderr, False), file=sys.stderr)
+            print(f"cpu kernel sanitizers: FAILED (the child ran past {args.timeout:.0f} s; "
+                  f"its stages and stacks above; build {built - started:.1f} s)")
+            return 1
         ran = time.perf_counter()
     timing = f"build {built - started:.1f} s, run {ran - built:.1f} s"
     finding = FINDING.search(result.stderr + result.stdout)
