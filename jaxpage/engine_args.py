@@ -69,8 +69,18 @@ def enable_compile_cache(path: str, min_compile_seconds: float = 0.0) -> None:
     least `min_compile_seconds`, and most of a warm-up's step shapes compile in less than
     half a second each yet add up to most of it (the server's warm-up of SmolLM2 in
     bfloat16, 146 shapes on a 2-core Xeon: 19 entries kept at a 0.5 s minimum, 148 at 0).
-    Tracing and lowering are redone on every start whatever the cache holds."""
+
+    JAX's cache still traces and lowers every step on every start (its key is the lowered
+    program), so engines built afterwards (on one device, in one process) also keep their
+    compiled steps under `path/jaxpage-steps`, keyed by the code, versions, devices and shapes
+    that made them, and a restart loads them without tracing
+    (`jaxpage.engine.executables`)."""
     import jax
+
+    from jaxpage.engine import executables
 
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)
+    local = "://" not in path  # JAX's cache may be remote (gs://...); the steps' store not
+    executables.keep_in(os.path.join(os.path.expanduser(path), "jaxpage-steps") if local
+                        else None)

@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxpage.buckets import bucket_for
 from jaxpage.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingRow
-from pallas_kernels import cpu_ops
+from pallas_kernels import cpu_ops, lowering
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,8 +238,7 @@ def _greedy_outputs(logits: jax.Array) -> dict[str, jax.Array]:
     the same tokens, the log-probability to float32 rounding), which reads each row once where
     XLA:CPU makes three passes over it (`scripts/bench_sampler.py`)."""
     if cpu_ops.available():
-        tokens, logprob = jax.lax.platform_dependent(logits, cpu=cpu_ops.greedy_draw,
-                                                     default=greedy_xla)
+        tokens, logprob = lowering.choose(logits, cpu=cpu_ops.greedy_draw, default=greedy_xla)
     else:
         tokens, logprob = greedy_xla(logits)
     return {"tokens": tokens, "logprob": logprob}

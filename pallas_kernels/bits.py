@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import cpu_ops, quantized
+from pallas_kernels import cpu_ops, lowering, quantized
 
 _BITS = {1: jnp.uint8, 2: jnp.uint16}
 
@@ -74,7 +74,7 @@ def set_rows(pool: jax.Array, index: jax.Array, values, *, token_major: bool = F
     # only XLA:CPU lacks narrow-float scatters; accelerators scatter them as they are
     cpu = (functools.partial(cpu_ops.set_rows, token_major=token_major)
            if cpu_ops.available() else lambda p, i, v: scatter(p, i, v, as_bits=True))
-    return jax.lax.platform_dependent(pool, index, values, cpu=cpu, default=scatter)
+    return lowering.choose(pool, index, values, cpu=cpu, default=scatter)
 
 
 def _set_as_bits(array: jax.Array, index, values: jax.Array) -> jax.Array:

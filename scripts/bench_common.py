@@ -223,8 +223,9 @@ def step_and_read(llm, batch: int, context: int, stream=None,
 
 
 def forward_args(runner, seqs) -> tuple:
-    """The arguments the runner's step over `seqs` hands its jitted forward (model, params,
-    pool, token ids, positions, attention metadata), caught as it runs the step once."""
+    """The arguments the runner's step over `seqs` hands its jitted forward (model, platform,
+    params, pool, token ids, positions, attention metadata), caught as it runs the step
+    once."""
     from jaxpage.engine import runner as runner_module
 
     forward, captured = runner_module._FORWARD, []

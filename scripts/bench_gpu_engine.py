@@ -548,7 +548,7 @@ def forward_alone(llm, batch: int, context: int, runs: int) -> dict:
         args = list(forward_args(runner, decode_seqs(runner, batch, context)))
         times = []
         for _ in range(runs + 1):
-            args[2] = runner.kv_pool
+            args[3] = runner.kv_pool
             begin = time.perf_counter()
             logits, runner.kv_pool = runner_module._FORWARD(*args)
             jax.block_until_ready(logits)

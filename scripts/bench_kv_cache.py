@@ -75,7 +75,8 @@ def score_text(llm, token_ids: list[int], kv_dtype: str, *, chunk: int = 128,
         positions, md = build_metadata([table], [start], [new], block_size,
                                        logits_indices=list(range(new)), backend="jnp")
         ids = jnp.asarray(token_ids[start:start + new], jnp.int32)
-        logits, pool = _FORWARD(runner.model, runner.params, pool, ids, jnp.asarray(positions),
+        logits, pool = _FORWARD(runner.model, None, runner.params, pool, ids,
+                                jnp.asarray(positions),
                                 jax.tree.map(jnp.asarray, md))
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         logprobs.append(np.asarray(logp))

@@ -97,8 +97,9 @@ def abstract_step(config: ModelConfig, platform: str, step: str, *, block_size: 
         slot_mapping=i32(num_tokens), block_tables=i32(num_seqs, width), seq_lens=i32(num_seqs),
         query_start_loc=i32(num_seqs + 1), logits_indices=i32(num_seqs),
         max_query_len=max_query_len, backend=backend)
-    fn = jax.jit(_forward_fn, static_argnums=0, donate_argnums=2)
-    return fn, (LlamaModel(config), params, pool, i32(num_tokens), i32(num_tokens), md), pool_shape
+    fn = jax.jit(_forward_fn, static_argnums=(0, 1), donate_argnums=3)
+    return fn, (LlamaModel(config), platform, params, pool, i32(num_tokens), i32(num_tokens),
+                md), pool_shape
 
 
 def export(fn, args, platform: str) -> jax.export.Exported:

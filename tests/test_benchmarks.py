@@ -188,7 +188,7 @@ def test_decode_step_plumbing(tiny):
     own, other = bench_common.alternating_step_seconds(llm, 3, 20, "decode_buckets",
                                                        (buckets, [max(buckets)]), rounds=2)
     assert own > 0 and other > 0 and runner.decode_buckets == buckets
-    assert len(bench_common.forward_args(runner, seqs)) == 6
+    assert len(bench_common.forward_args(runner, seqs)) == 7
     prompts, outs = bench_common.make_trace(10, 0, 512)
     assert (prompts, outs) == bench_common.make_trace(10, 0, 512)
     assert all(8 <= len(p) <= 512 and 8 <= o <= 256 for p, o in zip(prompts, outs, strict=True))

@@ -33,7 +33,7 @@ from jaxpage.attention import (
     select_backend,
 )
 from jaxpage.buckets import bucket_for, power_of_two_buckets
-from jaxpage.engine import huge_pages
+from jaxpage.engine import executables, huge_pages
 from jaxpage.engine.batch import SeqInput, SeqResult
 from jaxpage.engine.kv_groups import window_blocks_per_seq
 from jaxpage.engine.runner_api import RUNNER_PHASES, StepTimer
@@ -41,7 +41,7 @@ from jaxpage.models.config import layer_windows
 from jaxpage.parallel import TensorParallel, TensorParallelModel
 from jaxpage.sampling import SamplingMetadata, sample
 from jaxpage.sampling_params import SamplingParams, SamplingRow
-from pallas_kernels import bits, cpu_ops, quantized
+from pallas_kernels import bits, cpu_ops, lowering, quantized
 
 if TYPE_CHECKING:
     from jaxpage.config import EngineConfig
@@ -96,8 +96,11 @@ def _counted(logits: jax.Array) -> jax.Array:
     return jnp.maximum(logits, jax.lax.optimization_barrier(jnp.array(-jnp.inf, logits.dtype)))
 
 
-def _forward_fn(model, params, kv_pool, token_ids, positions, attn_md):
-    logits, kv_pool = model.forward(params, token_ids, positions, kv_pool, attn_md)
+def _forward_fn(model, platform, params, kv_pool, token_ids, positions, attn_md):
+    # traced for the runner's platform alone (pallas_kernels.lowering: the kernel library's
+    # ops or the jnp ones, not both)
+    with lowering.for_platform(platform):
+        logits, kv_pool = model.forward(params, token_ids, positions, kv_pool, attn_md)
     return _counted(logits), kv_pool
 
 
@@ -109,7 +112,7 @@ CPU_LOOKAHEAD_ROWS = 8
 # Module-level so that every runner of the same model shares compiled executables. The
 # forward and the sampler are separate executables: the compile count is then the number of
 # batch shapes plus the number of sampling variants, not their product.
-_FORWARD = jax.jit(_forward_fn, static_argnums=0, donate_argnums=2)
+_FORWARD = jax.jit(_forward_fn, static_argnums=(0, 1), donate_argnums=3)
 _SAMPLE = jax.jit(sample)
 # a decode step's drawn tokens as the next step's token ids (padding rows: 0)
 _NEXT_TOKENS = jax.jit(lambda drawn, n: jnp.where(jnp.arange(drawn.shape[0]) < n, drawn,
@@ -350,7 +353,12 @@ class ModelRunner:
         # beside it; rows run ahead that the next step did not take (their sequence ended)
         self.lookahead_split = self.lookahead_dropped = 0
         self._ahead: _Ahead | None = None
+        self._min_width = 0  # a step's least block-table width (warm-up's, else 0)
         self.timer = StepTimer(RUNNER_PHASES)  # execute's phases (runner_api)
+        # compiled steps kept on disk beside JAX's persistent cache, so a restart loads them
+        # without tracing (jaxpage.engine.executables); one process on one device only
+        self.executable_store = _executable_store(self.model, devices)
+        self._executables: dict[tuple, Any] = {}  # the store's executables by shape key
 
     @property
     def compiles(self) -> int:
@@ -383,8 +391,7 @@ class ModelRunner:
         src = np.zeros(size, np.int32)
         dst = np.zeros(size, np.int32)
         src[: len(copies)], dst[: len(copies)] = zip(*copies, strict=True)
-        self._update_group(window, ("copy", size, window),
-                           lambda pool: _COPY_BLOCKS(pool, src, dst))
+        self._update_group(window, ("copy", size, window), _COPY_BLOCKS, src, dst)
 
     def fill_blocks(self, block_ids: list[int], value: float, window: bool = False) -> None:
         """Set every slot of `block_ids` (in every layer of the full group, or of the window
@@ -394,15 +401,15 @@ class ModelRunner:
         size = bucket_for(len(block_ids), self.copy_buckets)
         ids = np.full(size, block_ids[0], np.int32)
         ids[: len(block_ids)] = block_ids
-        self._update_group(window, ("fill", size, window),
-                           lambda pool: _FILL_BLOCKS(pool, ids, np.float32(value)))
+        self._update_group(window, ("fill", size, window), _FILL_BLOCKS, ids,
+                           np.float32(value))
 
-    def _update_group(self, window: bool, key: tuple, fn) -> None:
-        """Replace one group's layers of the pool by `fn` of them (a donating jitted call)."""
+    def _update_group(self, window: bool, key: tuple, jitted, *args) -> None:
+        """Replace one group's layers of the pool by `jitted(layers, *args)` (donating)."""
         layers = self.window_layers if window else self.full_layers
         if not layers:
             return
-        pool = self._timed(key, lambda: fn([self.kv_pool[i] for i in layers]))
+        pool = self._call(key, jitted, ([self.kv_pool[i] for i in layers], *args))
         kv_pool = list(self.kv_pool)
         for i, layer_kv in zip(layers, pool, strict=True):
             kv_pool[i] = layer_kv
@@ -420,7 +427,7 @@ class ModelRunner:
         device_ids[: len(copies)] = [device_id for device_id, _ in copies]
         key = ("swap_out", size)
         measured, start = key in self.compiled, time.perf_counter()
-        blocks = self._timed(key, lambda: _GATHER_BLOCKS(self.kv_pool, device_ids))
+        blocks = self._call(key, _GATHER_BLOCKS, (self.kv_pool, device_ids))
         blocks.copy_to_host_async()
         self._swaps_in_flight.append((copies, blocks,
                                       time.perf_counter() - start if measured else None))
@@ -461,8 +468,8 @@ class ModelRunner:
         device_ids = np.zeros(size, np.int32)
         host_ids[: len(copies)], device_ids[: len(copies)] = zip(*copies, strict=True)
         blocks = jax.device_put(self.host_kv[host_ids])
-        self.kv_pool = self._timed(("swap_in", size), lambda: _SCATTER_BLOCKS(
-            self.kv_pool, device_ids, blocks))
+        self.kv_pool = self._call(("swap_in", size), _SCATTER_BLOCKS,
+                                  (self.kv_pool, device_ids, blocks))
         self.swap_in_blocks += len(copies)
 
     def pool_lost(self) -> bool:
@@ -515,33 +522,39 @@ class ModelRunner:
     def warmup(self) -> tuple[int, float]:
         """Compile the shapes a server meets first, before it serves: a decode step at every
         decode-batch bucket and block-table width bucket, and a one-prompt chunk at every
-        token bucket and width bucket (after cached blocks or earlier chunks), each greedy
-        and sampled, and the run-ahead steps' token ids. Steps mixing several prompts, or
-        prompts and decodes, compile on first use (and come from JAX's persistent cache when
-        it is on). The steps write only into the reserved block 0. Returns (new compilations,
-        seconds)."""
+        token bucket and width bucket, greedy, the sampler's sampled variant at every decode
+        bucket, and the run-ahead steps' token ids. Steps mixing several prompts, or prompts
+        and decodes, compile on first use (and come from JAX's persistent cache when it is
+        on). The steps write only into the reserved block 0, and each reads one token of
+        context, its table padded to the width (`_min_width`): a step's cost is the shape's
+        compilation, not its run (run at full context, running them took about as long as
+        compiling them, 137 of 277 s for SmolLM2). Returns (new compilations, seconds)."""
         before, start = self.compiles, time.perf_counter()
-        bs = self.block_size
-        rows = {"greedy": SamplingParams(temperature=0.0), "sampled": SamplingParams()}
-        for params in rows.values():
-            row = SamplingRow(params, seed=0, step=0)
-            for num_seqs in self.decode_buckets:
-                for width in self.width_buckets:
-                    context = min(width * bs, self.max_model_len)
-                    self.execute([SeqInput([0] * width, context - 1, [0], [row],
-                                           [0] * width)] * num_seqs)
-            for num_tokens in self.token_buckets:  # a chunk after cached (or earlier) blocks
-                tokens = min(num_tokens, self.max_model_len)
-                for width in self.width_buckets:
-                    context = min(width * bs, self.max_model_len)
-                    if context >= tokens:
-                        self.execute([SeqInput([0] * width, context - tokens, [0] * tokens,
-                                               [row], [0] * width)])
+        greedy = SamplingRow(SamplingParams(temperature=0.0), seed=0, step=0)
+        sampled = SamplingRow(SamplingParams(), seed=0, step=0)
+
+        def step(width: int, num_seqs: int, num_tokens: int, row: SamplingRow) -> None:
+            self._min_width = width
+            try:
+                self.execute([SeqInput([0] * width, 0, [0] * num_tokens, [row],
+                                       [0] * width)] * num_seqs)
+            finally:
+                self._min_width = 0
+
+        for num_seqs in self.decode_buckets:
+            for width in self.width_buckets:
+                step(width, num_seqs, 1, greedy)
+            step(self.width_buckets[0], num_seqs, 1, sampled)  # the forward is compiled
+        for num_tokens in self.token_buckets:  # a prompt chunk (its one draw: a decode row's)
+            tokens = min(num_tokens, self.max_model_len)
+            for width in self.width_buckets:
+                if min(width * self.block_size, self.max_model_len) >= tokens:
+                    step(width, 1, tokens, greedy)
         # a run-ahead step's token ids, at each decode bucket it may take
         for num_seqs in {bucket_for(n, self.decode_buckets)
                          for n in range(1, min(self.lookahead_rows, self.decode_buckets[-1]) + 1)}:
-            self._timed(("next_tokens", num_seqs), lambda n=num_seqs: _NEXT_TOKENS(
-                jax.device_put(np.zeros(n, np.int32), self._input_sharding), n))
+            self._call(("next_tokens", num_seqs), _NEXT_TOKENS, (
+                jax.device_put(np.zeros(num_seqs, np.int32), self._input_sharding), num_seqs))
         return self.compiles - before, time.perf_counter() - start
 
     def _run(self, seqs: list[SeqInput], is_decode: bool) -> list[list[SeqResult]]:
@@ -597,8 +610,9 @@ class ModelRunner:
                               self.decode_buckets if is_decode else self.prefill_seq_buckets)
         total = sum(len(s.token_ids) for s in seqs)
         num_tokens = num_seqs if is_decode else bucket_for(total, self.token_buckets)
-        width = bucket_for(max(-(-(s.num_computed + len(s.token_ids)) // self.block_size)
-                               for s in seqs), self.width_buckets)
+        width = max(self._min_width, bucket_for(
+            max(-(-(s.num_computed + len(s.token_ids)) // self.block_size) for s in seqs),
+            self.width_buckets))
         # The jnp paths pad every sequence's queries to max_query_len, so it is bucketed from
         # the longest chunk, not from the whole token count. A ragged backend walks each
         # sequence's own queries: one value per token bucket compiles fewer shapes.
@@ -630,15 +644,12 @@ class ModelRunner:
             if self.lookahead_rows:  # on the device, as a run-ahead step's: one compilation
                 token_ids = jax.device_put(token_ids, self._input_sharding)
 
-        def forward():
-            logits, self.kv_pool = _FORWARD(self.model, self.params, self.kv_pool, token_ids,
-                                            positions, attn_md)
-            return logits
-
         timer = self.timer
         timer.mark("prepare")
-        logits = self._timed(("forward", num_tokens, max_query_len, num_seqs, width, num_rows),
-                             forward, timer)
+        logits, self.kv_pool = self._call(
+            ("forward", num_tokens, max_query_len, num_seqs, width, num_rows), _FORWARD,
+            (self.params, self.kv_pool, token_ids, positions, attn_md), timer,
+            static=(self.model, self.devices[0].platform))
         step = _Step(len(seqs), rows, num_rows)
         if not rows:  # only non-final prompt chunks: nothing to draw
             return step
@@ -650,7 +661,7 @@ class ModelRunner:
                         *(None if a is None else a.shape[1] for a in (
                             sampling_md.prompt_token_ids, sampling_md.banned_token_ids)))
         timer.mark("prepare")
-        step.drawn = self._timed(sampling_key, lambda: _SAMPLE(logits, sampling_md), timer)
+        step.drawn = self._call(sampling_key, _SAMPLE, (logits, sampling_md), timer)
         return step
 
     def _results(self, step: _Step) -> list[list[SeqResult]]:
@@ -697,38 +708,57 @@ class ModelRunner:
         steps, picks = served.steps, [served.rows[i] for i in going]
         if len(steps) == 1 and steps[0].num_seqs == len(picks) and all(
                 row == k for k, (_, row) in enumerate(picks)):  # one step, all of it
-            tokens = self._timed(("next_tokens", steps[0].num_rows), lambda: _NEXT_TOKENS(
-                steps[0].drawn["tokens"], len(picks)), self.timer)
+            tokens = self._call(("next_tokens", steps[0].num_rows), _NEXT_TOKENS,
+                                (steps[0].drawn["tokens"], len(picks)), self.timer)
         else:  # rows left out, or drawn by two steps: picked out of both on the device
             offsets = [0, steps[0].num_rows]
             picked = np.zeros(bucket_for(len(picks), self.decode_buckets), np.int32)
             picked[:len(picks)] = [offsets[which] + row for which, row in picks]
             picked = jax.device_put(picked, self._input_sharding)
             drawn = [step.drawn["tokens"] for step in steps]
-            tokens = self._timed(("pick_tokens", picked.shape[0],
-                                  *(d.shape[0] for d in drawn)),
-                                 lambda: _PICK_TOKENS(picked, len(picks), *drawn), self.timer)
+            tokens = self._call(("pick_tokens", picked.shape[0], *(d.shape[0] for d in drawn)),
+                                _PICK_TOKENS, (picked, len(picks), *drawn), self.timer)
         return _Ahead(nxt, self._dispatch(nxt, True, token_ids=tokens), going)
 
-    def _timed(self, key: tuple, fn, timer: StepTimer | None = None):
-        """Run fn; the first call of a shape key is a compilation, timed (to completion) as
-        such. Later calls are not synchronized here, so the forward's execution overlaps the
-        sampler's dispatch; its time lands in the wait for the sampler's draws. With
-        `timer`, the call ends its "dispatch" phase (or "compile")."""
+    def _call(self, key: tuple, jitted, args: tuple, timer: StepTimer | None = None, *,
+              static: tuple = ()):
+        """`jitted(*static, *args)`, or its executable from the store where there is one
+        (`executables`), for the shape `key`. The first call of a key is a compilation (or a
+        load), timed (to completion) as such. Later calls are not synchronized here, so the
+        forward's execution overlaps the sampler's dispatch; its time lands in the wait for
+        the sampler's draws. With `timer`, the call ends its "dispatch" phase (or
+        "compile")."""
         start = time.perf_counter()
         if key in self.compiled:
-            result = fn()
+            executable = self._executables.get(key)
+            result = jitted(*static, *args) if executable is None else executable(*args)
             self.device_seconds += time.perf_counter() - start
             if timer is not None:
                 timer.mark("dispatch")
             return result
-        result = jax.block_until_ready(fn())
+        if self.executable_store is None:
+            result = jax.block_until_ready(jitted(*static, *args))
+        else:
+            executable = self.executable_store.get(key, jitted, static, args)
+            self._executables[key] = executable
+            result = jax.block_until_ready(executable(*args))
         self.compile_seconds += time.perf_counter() - start
         self.compiled.add(key)
         if timer is not None:
             timer.mark("compile")
         return result
 
+
+
+def _executable_store(model: Any, devices: list) -> executables.ExecutableStore | None:
+    """The store of compiled steps where they are kept (`executables.keep_in`, which
+    `jaxpage.engine_args.enable_compile_cache` calls), for a runner of one device in one
+    process; else None."""
+    directory = executables.kept_in()
+    if not directory or len(devices) != 1 or jax.process_count() != 1:
+        return None
+    return executables.ExecutableStore(directory, executables.context_digest(model, devices),
+                                       devices[0])
 
 
 def _pool_blocks(config: EngineConfig, full_block: int, window_block: int, window: int | None,

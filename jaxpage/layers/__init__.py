@@ -3,9 +3,10 @@
 A model (`jaxpage.models`) says what it computes: a matmul, a norm, an activation, a rotary
 embedding, an embedding lookup, a whole decoder layer. The modules here decide how, by
 platform, dtype and weight layout: XLA's ops, or a call into the CPU kernel library
-(`pallas_kernels.cpu_ops`) where it is built, through `jax.lax.platform_dependent` so that
-accelerators lower the jnp form; packed or plain weights. A family is written once against
-them and imports no kernel itself.
+(`pallas_kernels.cpu_ops`) where it is built, through `pallas_kernels.lowering.choose` so
+that accelerators lower the jnp form (decided as the model is traced where the caller names its
+platform, as the runner does, else by `jax.lax.platform_dependent`); packed or plain
+weights. A family is written once against them and imports no kernel itself.
 
     linear      matmuls and the packed weight layout (`matmul_f32`, `linear`, `pack_weight`)
     norm        RMSNorm, alone and fused with the residual add before it

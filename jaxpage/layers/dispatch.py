@@ -3,16 +3,16 @@
 A layer's glue (a residual add and the norm after it, the MLP's activation, q/k's rotation)
 is a few KB of elementwise work that XLA:CPU runs as several loop fusions, split over its
 threads from 8 rows on, ~5-20 us each; the kernel library runs each as one call. The choice
-is made at trace time where the library is built, and by `jax.lax.platform_dependent` at
-lowering: only XLA:CPU takes the kernel, every other platform lowers the jnp form.
+is made at trace time where the library is built, and by `pallas_kernels.lowering.choose`
+(at trace time where the caller names its platform, else at lowering): only XLA:CPU takes the
+kernel, every other platform lowers the jnp form.
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-from pallas_kernels import cpu_ops
+from pallas_kernels import cpu_ops, lowering
 
 
 def cpu_glue(cpu, default, *args):
@@ -20,7 +20,7 @@ def cpu_glue(cpu, default, *args):
     built."""
     if not cpu_ops.available():
         return default(*args)
-    return jax.lax.platform_dependent(*args, cpu=cpu, default=default)
+    return lowering.choose(*args, cpu=cpu, default=default)
 
 
 def glue_dtype(dtype) -> bool:

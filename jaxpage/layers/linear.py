@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import cpu_ops
+from pallas_kernels import cpu_ops, lowering
 
 # rows up to which a CPU matmul takes the kernel library's small_matmul (decode steps and
 # short chunks), by dtype and weight layout ([K, N]: the projections; [N, K]: a tied LM head):
@@ -79,4 +79,4 @@ def matmul_f32(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
         return cpu_ops.small_matmul(x, w, transpose_w=transpose_w)
 
     # only XLA:CPU takes the kernel; accelerators lower the dot as before
-    return jax.lax.platform_dependent(x, w, cpu=kernel, default=dot)
+    return lowering.choose(x, w, cpu=kernel, default=dot)

@@ -87,7 +87,9 @@ def load(args: argparse.Namespace):
                 config.block_size)
     if not args.no_warmup:
         compiles, seconds = engine.warmup()
-        logger.info("warm-up: %d step shapes compiled in %.1f s", compiles, seconds)
+        store = getattr(getattr(engine, "runner", None), "executable_store", None)
+        logger.info("warm-up: %d step shapes compiled in %.1f s%s", compiles, seconds,
+                    f" ({store.loaded} loaded from {store.directory})" if store else "")
     gc_tuning.freeze_heap()  # the engine lives as long as the process: see gc_tuning
     name = args.served_model_name or config.model
 

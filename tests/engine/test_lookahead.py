@@ -321,6 +321,8 @@ def test_a_decode_step_is_not_run_inline_by_the_host(tiny, monkeypatch):
     import jax.numpy as jnp
     import numpy as np
 
+    from pallas_kernels import lowering
+
     path, _ = tiny
     llm = LLM(path, block_size=4, num_blocks=64, max_num_seqs=8)
     runner = llm.engine.runner
@@ -333,7 +335,7 @@ def test_a_decode_step_is_not_run_inline_by_the_host(tiny, monkeypatch):
 
     monkeypatch.setattr(runner_module, "_FORWARD", spy)
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)
-    model, params, _, token_ids, positions, attn_md = calls[-1]  # a 1-row decode step
+    model, platform, params, _, token_ids, positions, attn_md = calls[-1]  # a 1-row decode
     args = (params, runner.kv_pool, token_ids, positions, attn_md)
 
     def flops(fn):
@@ -343,10 +345,15 @@ def test_a_decode_step_is_not_run_inline_by_the_host(tiny, monkeypatch):
     logits, _ = model.forward(params, token_ids, positions, runner.kv_pool, attn_md)
     # one counted FLOP per logit: past 1,000 for any vocabulary of 1,000 tokens or more (the
     # tiny model's has 97)
-    alone = flops(lambda m, p, kv, t, pos, md: m.forward(p, t, pos, kv, md))
-    assert flops(runner_module._forward_fn) >= alone + logits.size
-    ours, _ = runner_module._forward_fn(model, params, runner.kv_pool, token_ids, positions,
-                                        attn_md)
+    def alone_fn(m, p, kv, t, pos, md):
+        with lowering.for_platform(platform):  # as the runner traces it
+            return m.forward(p, t, pos, kv, md)
+
+    alone = flops(alone_fn)
+    assert flops(lambda m, *a: runner_module._forward_fn(m, platform, *a)
+                 ) >= alone + logits.size
+    ours, _ = runner_module._forward_fn(model, platform, params, runner.kv_pool, token_ids,
+                                        positions, attn_md)
     assert np.array_equal(np.asarray(ours).view(np.uint32), np.asarray(logits).view(np.uint32))
     special = jnp.array([np.nan, -np.nan, -np.inf, -0.0, 0.0, 1e-45, 1.5, np.inf])
     for dtype, bits in ((jnp.float32, np.uint32), (jnp.bfloat16, np.uint16)):

@@ -123,8 +123,8 @@ def collectives(kind: str, tp: str) -> dict:
         positions, md = build_metadata([[1, 2, 3], [4, 5, 6]], [2, 0], num_new, 4,
                                        num_tokens=16, num_seqs=4, backend=runner.backend)
         token_ids = np.zeros(16, np.int32)
-        hlo = _FORWARD.lower(runner.model, runner.params, runner.kv_pool, token_ids, positions,
-                             md).compile().as_text()
+        hlo = _FORWARD.lower(runner.model, "cpu", runner.params, runner.kv_pool, token_ids,
+                             positions, md).compile().as_text()
         ops = [line.split("=", 1)[1].split("(")[0].strip().split(" ")[-1]
                for line in hlo.splitlines() if "=" in line and "(" in line]
         result[name] = {op: ops.count(op) for op in ("all-reduce", "all-gather",

@@ -1,0 +1,157 @@
+"""Compiled step executables kept on disk, so a restart neither traces nor lowers its steps.
+
+JAX's persistent compilation cache skips XLA's compile on a restart, but its key is the lowered
+program: every step shape is still traced through the model's Python and lowered to StableHLO
+first. For SmolLM2's 146 warm-up shapes on a 2-core Xeon that was most of the warm-up (a
+restart with every executable in JAX's cache took 0.76x the first start). This store keys each
+executable by what produced it instead, so a restart deserializes it directly:
+
+- the context: the source of jaxpage and pallas_kernels (Python and C++) and of the model's
+  class, the versions of jax, jaxlib and numpy, the platform and its version, the devices, the
+  CPU (XLA:CPU compiles for the host's instruction set), `XLA_FLAGS` and JAX's configuration;
+- the call: the step function's name, the runner's shape key, the static arguments' repr, and
+  every argument's tree structure, shape, dtype, weak type and sharding.
+
+Any change to any of these is a different entry (a miss compiles as before). An entry is
+written whole (to a temporary file, then renamed) and one that cannot be read is compiled
+again and rewritten. The store serves one process on one device; tensor-parallel and
+multi-process runners do not use it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+import platform
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+# where engines built from now on keep their compiled steps (None: nowhere); `keep_in` sets it
+_directory: str | None = None
+
+_SOURCE_ROOTS = ("jaxpage", "pallas_kernels")
+_SOURCE_SUFFIXES = (".py", ".cc", ".h")
+# JAX settings that say where caches live or how much is logged, not what a program computes
+_UNRELATED_CONFIG = ("cache", "log", "debug_log", "explain", "profil")
+
+
+def keep_in(directory: str | os.PathLike | None) -> None:
+    """Keep the compiled steps of engines built from now on under `directory` (None: do not
+    keep them). `jaxpage.engine_args.enable_compile_cache` calls it, beside JAX's cache."""
+    global _directory
+    _directory = None if directory is None else os.fspath(directory)
+
+
+def kept_in() -> str | None:
+    """Where engines built now keep their compiled steps (`keep_in`), or None."""
+    return _directory
+
+
+def _source_digest(model: Any) -> str:
+    """sha256 of the engine's sources and of the file defining the model's class."""
+    repo = Path(__file__).resolve().parents[2]
+    files = sorted(p for root in _SOURCE_ROOTS for p in (repo / root).rglob("*")
+                   if p.suffix in _SOURCE_SUFFIXES and p.is_file())
+    model_file = getattr(sys.modules.get(type(model).__module__), "__file__", None)
+    if model_file:
+        files.append(Path(model_file).resolve())
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(str(path.relative_to(repo) if path.is_relative_to(repo) else path).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _cpu_identity() -> str:
+    """The CPU's model name and feature flags (Linux), else the machine's name."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [line for line in text.splitlines()
+            if line.split(":")[0].strip() in ("model name", "flags", "Features")]
+    return "\n".join(sorted(set(keep)))
+
+
+def context_digest(model: Any, devices: list) -> str:
+    """What every executable of a runner depends on besides its own arguments (module doc)."""
+    import jaxlib
+
+    config = sorted((name, repr(value)) for name, value in jax.config.values.items()
+                    if not any(word in name for word in _UNRELATED_CONFIG))
+    parts = [
+        _source_digest(model), jax.__version__, jaxlib.__version__, np.__version__,
+        *(f"{d.platform} {d.device_kind} {d.id} {d.client.platform_version}" for d in devices),
+        _cpu_identity(), os.environ.get("XLA_FLAGS", ""), repr(config),
+    ]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _describe(leaf: Any) -> str:
+    """A leaf's type as the executable sees it: shape, dtype, weak type (`~`), sharding."""
+    return f"{jax.typeof(leaf)} {getattr(leaf, 'sharding', None)}"
+
+
+class ExecutableStore:
+    """Compiled step functions on disk under `directory`, for the runner of one context
+    (`context_digest`) whose executables run on `device`."""
+
+    def __init__(self, directory: str | os.PathLike, context: str, device: Any) -> None:
+        self.directory = Path(directory)
+        self.context = context
+        self.device = device
+        self.loaded = 0  # executables read from disk
+        self.saved = 0  # executables compiled and written
+        self._warned = False
+
+    def _path(self, key: tuple, static: tuple, args: tuple) -> Path:
+        leaves, tree = jax.tree.flatten(args)
+        text = "\n".join([self.context, repr(key), *map(repr, static), str(tree),
+                          *map(_describe, leaves)])
+        return self.directory / f"{hashlib.sha256(text.encode()).hexdigest()}.jaxexe"
+
+    def get(self, key: tuple, jitted: Any, static: tuple, args: tuple) -> Any:
+        """The compiled `jitted(*static, *args)` for this shape, called with `*args`: read
+        from disk, else lowered, compiled and written."""
+        from jax.experimental import serialize_executable
+
+        path = self._path(key, static, args)
+        try:
+            blob = path.read_bytes()
+        except OSError:
+            pass
+        else:
+            try:
+                serialized, in_tree, out_tree = pickle.loads(blob)
+                executable = serialize_executable.deserialize_and_load(
+                    serialized, in_tree, out_tree, backend=self.device.client,
+                    execution_devices=[self.device])
+            except Exception as e:  # noqa: BLE001 - a damaged or foreign entry: compile anew
+                logger.warning("compiled step %s unreadable (%s: %s); compiling it again",
+                               path.name, type(e).__name__, e)
+            else:
+                self.loaded += 1
+                return executable
+        compiled = jitted.lower(*static, *args).compile()
+        try:
+            blob = pickle.dumps(serialize_executable.serialize(compiled))
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.directory, delete=False) as f:
+                f.write(blob)
+            os.replace(f.name, path)
+            self.saved += 1
+        except Exception as e:  # noqa: BLE001 - no entry kept: the next start compiles it
+            if not self._warned:
+                self._warned = True
+                logger.warning("compiled steps are not kept in %s (%s: %s)", self.directory,
+                               type(e).__name__, e)
+        return compiled

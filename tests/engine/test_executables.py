@@ -1,0 +1,137 @@
+"""Compiled steps kept on disk (`jaxpage.engine.executables`): a restart loads every step it
+compiled before without tracing the model, and serves exactly what the jit path serves.
+
+The oracle is the engine without the store (its jit path, which the rest of the suite holds
+to HF transformers): the same tokens and log-probabilities, bit for bit, in a process that
+compiled and wrote each step and in a later one that only read them. The store's key is
+checked directly: a shape, a static argument or the context changed is a miss, new values
+of the same shapes a hit; a damaged entry is compiled again."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpage.engine.executables import ExecutableStore, context_digest
+
+WORKER = Path(__file__).with_name("executable_worker.py")
+
+
+def start(model_dir: str, cache_dir: str) -> dict:
+    """One engine start in its own process (executable_worker.py)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    result = subprocess.run([sys.executable, str(WORKER), model_dir, cache_dir],
+                            capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_a_restart_loads_every_step_and_serves_what_the_jit_path_serves(hf_model_dir, tmp_path):
+    model_dir, _ = hf_model_dir("llama")
+    plain = start(model_dir, "")  # no store: the jit path
+    assert plain["loaded"] is None and plain["traces"] > 0
+    first = start(model_dir, str(tmp_path / "cache"))
+    assert first["tokens"] == plain["tokens"]
+    assert first["compiles"] == plain["compiles"] == first["saved"] > 10
+    assert first["loaded"] == 0
+    restart = start(model_dir, str(tmp_path / "cache"))
+    assert restart["tokens"] == plain["tokens"]
+    assert restart["loaded"] == restart["compiles"] == plain["compiles"]
+    assert restart["saved"] == 0
+    assert restart["traces"] == 0  # the model's Python never ran
+
+    # a damaged entry (cut short) is compiled again and rewritten; the rest still load
+    entries = sorted((tmp_path / "cache" / "jaxpage-steps").glob("*.jaxexe"))
+    assert len(entries) == plain["compiles"]
+    entries[0].write_bytes(entries[0].read_bytes()[:100])
+    mended = start(model_dir, str(tmp_path / "cache"))
+    assert mended["tokens"] == plain["tokens"]
+    assert (mended["loaded"], mended["saved"]) == (plain["compiles"] - 1, 1)
+
+
+def _scaled_sum(scale, x, w):
+    return x @ w * scale, w + 1  # w donated: the store's executables keep the donation
+
+
+_JITTED = jax.jit(_scaled_sum, static_argnums=0, donate_argnums=2)
+
+
+def test_store_key_hits_on_new_values_and_misses_on_any_change(tmp_path, caplog):
+    device = jax.devices()[0]
+    context = "context A"
+    x = jnp.arange(6.0).reshape(2, 3)
+
+    def call(store, scale=2.0, shape=(3, 4), key=("f",), seed=0):
+        w = jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+        expected = np.asarray(x @ w * scale)
+        out, new_w = store.get(key, _JITTED, (scale,), (x, w))(x, w)
+        np.testing.assert_array_equal(np.asarray(out), expected)
+        assert w.is_deleted()  # donated, as by the jitted function
+        np.testing.assert_array_equal(np.asarray(new_w), np.asarray(
+            np.random.default_rng(seed).standard_normal(shape), np.float32) + 1)
+
+    first = ExecutableStore(tmp_path, context, device)
+    call(first)
+    assert (first.loaded, first.saved) == (0, 1)
+    again = ExecutableStore(tmp_path, context, device)
+    call(again, seed=1)  # other values, same shapes: loaded
+    assert (again.loaded, again.saved) == (1, 0)
+    for change in (dict(scale=3.0), dict(shape=(3, 5)), dict(key=("g",))):
+        store = ExecutableStore(tmp_path, context, device)
+        call(store, **change)
+        assert (store.loaded, store.saved) == (0, 1), change
+    other = ExecutableStore(tmp_path, "context B", device)
+    call(other)
+    assert (other.loaded, other.saved) == (0, 1)
+
+    for entry in tmp_path.glob("*.jaxexe"):
+        entry.write_bytes(b"not an executable")
+    damaged = ExecutableStore(tmp_path, context, device)
+    with caplog.at_level(logging.WARNING, logger="jaxpage.engine.executables"):
+        call(damaged)
+    assert (damaged.loaded, damaged.saved) == (0, 1)
+    assert "unreadable" in caplog.text
+    call(ExecutableStore(tmp_path, context, device))  # rewritten whole: loads again
+
+
+def test_context_digest_covers_the_model_code_and_the_devices():
+    from jaxpage.models.llama import LlamaModel
+
+    class Model:
+        pass
+
+    devices = jax.devices()[:1]
+    base = context_digest(Model(), devices)
+    assert context_digest(Model(), devices) == base
+    # the model's class comes from another file: its source is part of the context
+    assert context_digest(LlamaModel.__new__(LlamaModel), devices) != base
+    if len(jax.devices()) > 1:
+        assert context_digest(Model(), jax.devices()[1:2]) != base
+
+
+def test_kept_only_where_enable_compile_cache_says(tmp_path):
+    from jaxpage.engine import executables, runner
+    from jaxpage.engine_args import enable_compile_cache
+
+    before = (jax.config.jax_compilation_cache_dir, executables.kept_in())
+    try:
+        executables.keep_in(None)
+        assert runner._executable_store(object(), jax.devices()[:1]) is None
+        enable_compile_cache(str(tmp_path))
+        store = runner._executable_store(object(), jax.devices()[:1])
+        assert store.directory == tmp_path / "jaxpage-steps"
+        enable_compile_cache("gs://bucket/cache")  # JAX's cache may be remote; this one not
+        assert runner._executable_store(object(), jax.devices()[:1]) is None
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        executables.keep_in(before[1])
