@@ -86,7 +86,8 @@ def context_digest(model: Any, devices: list) -> str:
     """What every executable of a runner depends on besides its own arguments (module doc)."""
     import jaxlib
 
-    config = sorted((name, repr(value)) for name, value in jax.config.values.items()
+    values = getattr(jax.config, "values", {})  # every jax_* option and its value
+    config = sorted((name, repr(value)) for name, value in values.items()
                     if not any(word in name for word in _UNRELATED_CONFIG))
     parts = [
         _source_digest(model), jax.__version__, jaxlib.__version__, np.__version__,
