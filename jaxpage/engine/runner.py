@@ -353,7 +353,9 @@ class ModelRunner:
         # beside it; rows run ahead that the next step did not take (their sequence ended)
         self.lookahead_split = self.lookahead_dropped = 0
         self._ahead: _Ahead | None = None
-        self._min_width = 0  # a step's least block-table width (warm-up's, else 0)
+        # a step's least (sequences, tokens, table width, draw rows): warm-up's bucket shape,
+        # few of whose rows hold a token (else 0: the batch's own buckets)
+        self._least_shape = (0, 0, 0, 0)
         self.timer = StepTimer(RUNNER_PHASES)  # execute's phases (runner_api)
         # compiled steps kept on disk beside JAX's persistent cache, so a restart loads them
         # without tracing (jaxpage.engine.executables); one process on one device only
@@ -525,31 +527,35 @@ class ModelRunner:
         token bucket and width bucket, greedy, the sampler's sampled variant at every decode
         bucket, and the run-ahead steps' token ids. Steps mixing several prompts, or prompts
         and decodes, compile on first use (and come from JAX's persistent cache when it is
-        on). The steps write only into the reserved block 0, and each reads one token of
-        context, its table padded to the width (`_min_width`): a step's cost is the shape's
-        compilation, not its run (run at full context, running them took about as long as
-        compiling them, 137 of 277 s for SmolLM2). Returns (new compilations, seconds)."""
+        on). The steps write only into the reserved block 0, and each is one short sequence
+        padded to its bucket's shape (`_least_shape`): the padding rows cost the CPU's
+        packed matmuls nothing, so a step costs its compilation, not its run (run full, at
+        full context, running them took 137 of 277 s for SmolLM2; with the compiled steps
+        loaded from disk, running them was 12.9 of a restart's 23.1 s of warm-up). Returns
+        (new compilations, seconds)."""
         before, start = self.compiles, time.perf_counter()
         greedy = SamplingRow(SamplingParams(temperature=0.0), seed=0, step=0)
         sampled = SamplingRow(SamplingParams(), seed=0, step=0)
 
-        def step(width: int, num_seqs: int, num_tokens: int, row: SamplingRow) -> None:
-            self._min_width = width
+        def step(shape: tuple[int, int, int, int], width: int, num_tokens: int,
+                 row: SamplingRow) -> None:
+            """A step of `shape` (`_least_shape`) whose one sequence has `num_tokens`."""
+            self._least_shape = shape
             try:
-                self.execute([SeqInput([0] * width, 0, [0] * num_tokens, [row],
-                                       [0] * width)] * num_seqs)
+                self.execute([SeqInput([0] * width, 0, [0] * num_tokens, [row], [0] * width)])
             finally:
-                self._min_width = 0
+                self._least_shape = (0, 0, 0, 0)
 
         for num_seqs in self.decode_buckets:
             for width in self.width_buckets:
-                step(width, num_seqs, 1, greedy)
-            step(self.width_buckets[0], num_seqs, 1, sampled)  # the forward is compiled
+                step((num_seqs, 0, width, num_seqs), width, 1, greedy)
+            step((num_seqs, 0, 0, num_seqs), self.width_buckets[0], 1, sampled)  # its sampler
         for num_tokens in self.token_buckets:  # a prompt chunk (its one draw: a decode row's)
             tokens = min(num_tokens, self.max_model_len)
             for width in self.width_buckets:
                 if min(width * self.block_size, self.max_model_len) >= tokens:
-                    step(width, 1, tokens, greedy)
+                    # a ragged step's shape is its token bucket: two of its tokens suffice
+                    step((0, tokens, width, 0), width, 2 if self.ragged else tokens, greedy)
         # a run-ahead step's token ids, at each decode bucket it may take
         for num_seqs in {bucket_for(n, self.decode_buckets)
                          for n in range(1, min(self.lookahead_rows, self.decode_buckets[-1]) + 1)}:
@@ -606,11 +612,13 @@ class ModelRunner:
                   token_ids: jax.Array | None = None) -> _Step:
         """Build a step's arrays and start its forward and sampler on the device (`token_ids`:
         the new tokens already on the device, in place of the seqs' own)."""
-        num_seqs = bucket_for(len(seqs),
-                              self.decode_buckets if is_decode else self.prefill_seq_buckets)
+        least_seqs, least_tokens, least_width, least_rows = self._least_shape
+        num_seqs = max(least_seqs, bucket_for(
+            len(seqs), self.decode_buckets if is_decode else self.prefill_seq_buckets))
         total = sum(len(s.token_ids) for s in seqs)
-        num_tokens = num_seqs if is_decode else bucket_for(total, self.token_buckets)
-        width = max(self._min_width, bucket_for(
+        num_tokens = num_seqs if is_decode else max(least_tokens,
+                                                    bucket_for(total, self.token_buckets))
+        width = max(least_width, bucket_for(
             max(-(-(s.num_computed + len(s.token_ids)) // self.block_size) for s in seqs),
             self.width_buckets))
         # The jnp paths pad every sequence's queries to max_query_len, so it is bucketed from
@@ -621,7 +629,7 @@ class ModelRunner:
         # one logits row per draw: a sequence's last token, repeated for forking samples
         last_token = np.cumsum([len(s.token_ids) for s in seqs]) - 1
         rows = [(i, row) for i, s in enumerate(seqs) for row in s.sampling]
-        num_rows = bucket_for(max(len(rows), 1), self.decode_buckets)
+        num_rows = max(least_rows, bucket_for(max(len(rows), 1), self.decode_buckets))
         positions, attn_md = build_metadata(
             [s.block_table[:width] for s in seqs],
             [s.num_computed for s in seqs],
