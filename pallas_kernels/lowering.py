@@ -9,9 +9,9 @@ knows its devices) says so with `for_platform`, and `choose` then traces that fo
 without it, `choose` is `platform_dependent`.
 
 JAX caches a function's trace by the function and its arguments' types, not by the platform
-named around it: a jitted function whose trace depends on `for_platform` must take the
-platform as a static argument (as the runner's forward step does), and no function jitted on
-its own may call `choose` inside.
+named around it: a jitted function traced inside `for_platform` must take the platform as a
+static argument (as the runner's forward step does); one traced outside it (the runner's block
+copies) lowers per platform as before.
 """
 
 from __future__ import annotations

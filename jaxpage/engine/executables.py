@@ -15,7 +15,8 @@ executable by what produced it instead, so a restart deserializes it directly:
 Any change to any of these is a different entry (a miss compiles as before). An entry is
 written whole (to a temporary file, then renamed) and one that cannot be read is compiled
 again and rewritten. The store serves one process on one device; tensor-parallel and
-multi-process runners do not use it.
+multi-process runners do not use it. Entries are pickles that load native code: the directory
+must be as trusted as the code itself (as JAX's own compilation cache must).
 """
 
 from __future__ import annotations
@@ -143,14 +144,18 @@ class ExecutableStore:
                 self.loaded += 1
                 return executable
         compiled = jitted.lower(*static, *args).compile()
+        temporary = None
         try:
             blob = pickle.dumps(serialize_executable.serialize(compiled))
             self.directory.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=self.directory, delete=False) as f:
+                temporary = f.name
                 f.write(blob)
-            os.replace(f.name, path)
+            os.replace(temporary, path)
             self.saved += 1
         except Exception as e:  # noqa: BLE001 - no entry kept: the next start compiles it
+            if temporary is not None:
+                Path(temporary).unlink(missing_ok=True)
             if not self._warned:
                 self._warned = True
                 logger.warning("compiled steps are not kept in %s (%s: %s)", self.directory,
