@@ -196,9 +196,9 @@ def export_tpu(num_layers: str) -> dict:
         query_start_loc=abstract((rows + 1,), replicated, i32),
         logits_indices=abstract((rows,), replicated, i32),
         max_query_len=1, backend="pallas_tpu")
-    step = jax.jit(_forward_fn, static_argnums=0, donate_argnums=2)
+    step = jax.jit(_forward_fn, static_argnums=(0, 1), donate_argnums=3)
     exported = jax.export.export(step, platforms=["tpu"])(
-        model, params, pool, abstract((rows,), replicated, i32),
+        model, "tpu", params, pool, abstract((rows,), replicated, i32),
         abstract((rows,), replicated, i32), md)
     text = exported.mlir_module()
     return {"platforms": list(exported.platforms), "nr_devices": exported.nr_devices,
