@@ -115,8 +115,9 @@ def test_cli_greedy_chat_matches_hf_transformers():
 
 
 def test_compile_cache_persists_compiled_steps(hf_model_dir, tmp_path):
-    """With the CLI's compile cache on, a first process writes executables and a second one
-    loads them (JAX logs the cache hits) and generates the same tokens."""
+    """With the CLI's compile cache on, a first process compiles its steps and writes them
+    (JAX's cache, and the runner's stored executables beside it), and a second one loads
+    every step from the store, compiling none, and generates the same tokens."""
     path, _ = hf_model_dir("llama")
     cache = tmp_path / "xla"
     code = ("import logging\n"
@@ -128,15 +129,22 @@ def test_compile_cache_persists_compiled_steps(hf_model_dir, tmp_path):
             f"llm = LLM({path!r}, num_blocks=32)\n"
             "out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=6, temperature=0),"
             " use_tqdm=False)\n"
-            "print(out[0].outputs[0].token_ids)\n")
+            "print(out[0].outputs[0].token_ids)\n"
+            "store = llm.engine.runner.executable_store\n"
+            "print(llm.engine.runner.compiles, store.loaded, store.saved)\n")
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            timeout=300, cwd=ROOT) for _ in range(2)]
     for run in runs:
         assert run.returncode == 0, run.stderr[-2000:]
-    assert runs[0].stdout == runs[1].stdout and runs[0].stdout.strip().startswith("[")
-    assert len(list(cache.rglob("*"))) >= 2, "no executables were written to the cache"
+    tokens, counts = zip(*(run.stdout.strip().splitlines()[-2:] for run in runs), strict=True)
+    assert tokens[0] == tokens[1] and tokens[0].startswith("[")
+    (compiles, loaded, saved), (compiles_again, loaded_again, saved_again) = (
+        map(int, line.split()) for line in counts)
+    assert compiles == saved > 0 and loaded == 0
+    assert compiles_again == loaded_again == compiles and saved_again == 0
     assert "Persistent compilation cache hit" not in runs[0].stderr
-    assert "Persistent compilation cache hit" in runs[1].stderr
+    assert len(list((cache / "jaxpage-steps").glob("*.jaxexe"))) == compiles
+    assert len([p for p in cache.iterdir() if p.is_file()]) >= 2, "JAX's cache is empty"
     from jaxpage.generate import parse_args
 
     assert parse_args(["--compile-cache", ""]).compile_cache == ""
