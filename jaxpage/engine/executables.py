@@ -143,7 +143,7 @@ class ExecutableStore:
             else:
                 self.loaded += 1
                 return executable
-        compiled = jitted.lower(*static, *args).compile()
+        compiled = _compile_fresh(jitted.lower(*static, *args))
         temporary = None
         try:
             blob = pickle.dumps(serialize_executable.serialize(compiled))
@@ -161,3 +161,22 @@ class ExecutableStore:
                 logger.warning("compiled steps are not kept in %s (%s: %s)", self.directory,
                                type(e).__name__, e)
         return compiled
+
+
+def _compile_fresh(lowered: Any) -> Any:
+    """`lowered.compile()` bypassing JAX's persistent cache: an executable JAX loaded from its
+    cache serializes without its compiled functions on XLA:CPU, and the entry made of it fails
+    when it runs ("Function broadcast_select_fusion not found")."""
+    try:
+        from jax._src.config import enable_compilation_cache  # a thread-local override
+    except ImportError:
+        enable_compilation_cache = None
+    if enable_compilation_cache is not None:
+        with enable_compilation_cache(False):
+            return lowered.compile()
+    previous = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        return lowered.compile()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", previous)

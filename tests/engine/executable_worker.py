@@ -1,7 +1,9 @@
-"""One engine start, as a separate process: `python executable_worker.py MODEL_DIR CACHE_DIR`
-(CACHE_DIR '' for none) builds an LLM on the tiny model, warms it up, serves a fixed workload
-and prints one JSON line: every token and log-probability, the compile count, what the
-executable store loaded and saved, and how many times the model's forward was traced."""
+"""One engine start, as a separate process:
+`python executable_worker.py MODEL_DIR CACHE_DIR [--jax-cache-only]` (CACHE_DIR '' for none;
+with the flag, JAX's cache there and no store) builds an LLM on the tiny model, warms it up,
+serves a fixed workload and prints one JSON line: every token and log-probability, the compile
+count, what the executable store loaded and saved, and how many times the model's forward was
+traced."""
 
 from __future__ import annotations
 
@@ -31,13 +33,17 @@ def workload(llm) -> list:
             for out in outputs for c in out.outputs]
 
 
-def main(model_dir: str, cache_dir: str) -> None:
+def main(model_dir: str, cache_dir: str, jax_cache_only: bool = False) -> None:
     from jaxpage import LLM
     from jaxpage.engine_args import enable_compile_cache
     from jaxpage.models import llama
 
     if cache_dir:
         enable_compile_cache(cache_dir)
+    if jax_cache_only:  # JAX's persistent cache alone, no store
+        from jaxpage.engine import executables
+
+        executables.keep_in(None)
     traces = []
     forward = llama.LlamaModel.forward
 
@@ -57,4 +63,4 @@ def main(model_dir: str, cache_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3:] == ["--jax-cache-only"])
