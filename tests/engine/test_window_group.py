@@ -113,9 +113,12 @@ def test_chunked_prefill_prefix_hits_and_preemption(hf_models, prompts, expected
     block = 8 if backend == "pallas_tpu" else BLOCK  # Mosaic: blocks of whole sublanes
     per_seq = window_blocks_per_seq(WINDOW, block, 12, 512)
     pallas = backend.startswith("pallas")
+    # interpreted, the Pallas kernels copy the full group's pool: the CPU's default 1 GiB pool
+    # took the TPU case to 16 GB; 512 blocks hold every request and its cached prefix
     llm = LLM(hf_models(name)[0], block_size=block, attention_backend=backend,
               kernel_interpret=pallas, max_num_batched_tokens=12,
-              max_num_seqs=6, num_window_blocks=3 * per_seq + 1, debug_nan_pool=True)
+              max_num_seqs=6, num_window_blocks=3 * per_seq + 1, debug_nan_pool=True,
+              **({"num_blocks": 512} if pallas else {}))
     chosen = PALLAS_PROMPTS if pallas else range(len(prompts))
     run, wanted = [prompts[i] for i in chosen], [expected(name)[i] for i in chosen]
     stats = check(llm, run * 2, wanted * 2)
