@@ -21,6 +21,7 @@ must be as trusted as the code itself (as JAX's own compilation cache must).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -59,10 +60,14 @@ def kept_in() -> str | None:
 
 def _source_digest(model: Any) -> str:
     """sha256 of the engine's sources and of the file defining the model's class."""
+    return _digest_files(getattr(sys.modules.get(type(model).__module__), "__file__", None))
+
+
+@functools.cache  # once a process per model file (~40 ms: every source read)
+def _digest_files(model_file: str | None) -> str:
     repo = Path(__file__).resolve().parents[2]
     files = sorted(p for root in _SOURCE_ROOTS for p in (repo / root).rglob("*")
                    if p.suffix in _SOURCE_SUFFIXES and p.is_file())
-    model_file = getattr(sys.modules.get(type(model).__module__), "__file__", None)
     if model_file:
         files.append(Path(model_file).resolve())
     digest = hashlib.sha256()
