@@ -14,13 +14,16 @@ executable by what produced it instead, so a restart deserializes it directly:
 
 Any change to any of these is a different entry (a miss compiles as before). An entry is
 written whole (to a temporary file, then renamed) and one that cannot be read is compiled
-again and rewritten. The store serves one process on one device; tensor-parallel and
-multi-process runners do not use it. Entries are pickles that load native code: the directory
-must be as trusted as the code itself (as JAX's own compilation cache must).
+again and rewritten. Only what XLA compiled in this process is written, never an executable
+JAX's persistent cache supplied (`_compile_fresh`). The store serves one process on one
+device; tensor-parallel and multi-process runners do not use it. Entries are pickles that
+load native code: the directory must be as trusted as the code itself (as JAX's own
+compilation cache must).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -29,11 +32,14 @@ import pickle
 import platform
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+from jax import monitoring
+from jax._src import config as jax_config  # thread-local settings (`_compile_fresh`)
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +124,7 @@ class ExecutableStore:
         self.device = device
         self.loaded = 0  # executables read from disk
         self.saved = 0  # executables compiled and written
+        self.unkept = 0  # executables JAX's cache supplied, which cannot be kept (`_compile_fresh`)
         self._warned = False
 
     def _path(self, key: tuple, static: tuple, args: tuple) -> Path:
@@ -148,7 +155,13 @@ class ExecutableStore:
             else:
                 self.loaded += 1
                 return executable
-        compiled = _compile_fresh(jitted.lower(*static, *args))
+        compiled, fresh = _compile_fresh(jitted.lower(*static, *args))
+        if not fresh:
+            self.unkept += 1
+            if self.unkept == 1:
+                logger.info("compiled step %s came from JAX's persistent cache and is not "
+                            "kept (it would not run once serialized)", path.name)
+            return compiled
         temporary = None
         try:
             blob = pickle.dumps(serialize_executable.serialize(compiled))
@@ -168,20 +181,43 @@ class ExecutableStore:
         return compiled
 
 
-def _compile_fresh(lowered: Any) -> Any:
-    """`lowered.compile()` bypassing JAX's persistent cache: an executable JAX loaded from its
-    cache serializes without its compiled functions on XLA:CPU, and the entry made of it fails
-    when it runs ("Function broadcast_select_fusion not found")."""
+def _compile_fresh(lowered: Any) -> tuple[Any, bool]:
+    """`lowered.compile()`, and whether XLA compiled it here (False: JAX's persistent cache
+    supplied it). An executable JAX loaded from its cache serializes without its compiled
+    functions on XLA:CPU, and an entry made of it fails when it runs ("Function
+    broadcast_select_fusion not found"), so only a fresh compile may be kept.
+
+    JAX decides once a process whether its cache is used (at the first compile), so turning
+    the cache off around this call does not bypass it. Instead the store's compiles are never
+    written to JAX's cache (its minimum compile time is infinite for them) and are looked up
+    under keys that include the program's source locations, which no ordinary compile writes;
+    a hit that still happens (someone wrote such keys) is seen through JAX's monitoring
+    events. All three are thread-local or per-thread, so other threads compile as before."""
+    _listen_for_cache_hits()
+    overrides = (("persistent_cache_min_compile_time_secs", float("inf")),
+                 ("compilation_cache_include_metadata_in_key", True))
+    _compiling.hit, _compiling.active = False, True
     try:
-        from jax._src.config import enable_compilation_cache  # a thread-local override
-    except ImportError:
-        enable_compilation_cache = None
-    if enable_compilation_cache is not None:
-        with enable_compilation_cache(False):
-            return lowered.compile()
-    previous = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    try:
-        return lowered.compile()
+        with contextlib.ExitStack() as stack:
+            for name, value in overrides:
+                state = getattr(jax_config, name, None)  # a jax without it: its default
+                if state is not None:
+                    stack.enter_context(state(value))
+            compiled = lowered.compile()
     finally:
-        jax.config.update("jax_enable_compilation_cache", previous)
+        _compiling.active = False
+    return compiled, not _compiling.hit
+
+
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_compiling = threading.local()  # .active: this thread is in `_compile_fresh`; .hit: it hit
+
+
+def _on_event(event: str, **kwargs: Any) -> None:
+    if event == _CACHE_HIT_EVENT and getattr(_compiling, "active", False):
+        _compiling.hit = True
+
+
+@functools.cache
+def _listen_for_cache_hits() -> None:
+    monitoring.register_event_listener(_on_event)

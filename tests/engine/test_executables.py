@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,16 @@ def test_a_restart_loads_every_step_and_serves_what_the_jit_path_serves(hf_model
     assert restart["loaded"] == restart["compiles"] == plain["compiles"]
     assert restart["saved"] == 0
     assert restart["traces"] == 0  # the model's Python never ran
+
+    # the store emptied, JAX's cache kept (a new context: another source, another store): the
+    # steps compiled anew must be XLA's own, not JAX's cache's (which would not run once kept)
+    shutil.rmtree(tmp_path / "cache" / "jaxpage-steps")
+    refilled = start(model_dir, str(tmp_path / "cache"))
+    assert refilled["tokens"] == plain["tokens"]
+    assert (refilled["loaded"], refilled["saved"]) == (0, plain["compiles"])
+    reloaded = start(model_dir, str(tmp_path / "cache"))
+    assert reloaded["tokens"] == plain["tokens"]
+    assert (reloaded["loaded"], reloaded["saved"]) == (plain["compiles"], 0)
 
     # a damaged entry (cut short) is compiled again and rewritten; the rest still load
     entries = sorted((tmp_path / "cache" / "jaxpage-steps").glob("*.jaxexe"))
@@ -139,3 +150,47 @@ def test_kept_only_where_enable_compile_cache_says(tmp_path):
     finally:
         jax.config.update("jax_compilation_cache_dir", before[0])
         executables.keep_in(before[1])
+
+
+_FROM_JAX_CACHE = '''
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from jaxpage.engine import executables
+
+jax.config.update("jax_compilation_cache_dir", sys.argv[1] + "/jax")
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_compilation_cache_include_metadata_in_key", True)  # the store's keys
+x = jnp.arange(12.0).reshape(3, 4)
+jitted = jax.jit(lambda x: jnp.where(x > 3, x * 2, x).sum(0))
+if sys.argv[2] == "fill":  # compiled the way JAX compiles, so written into JAX's cache
+    executables._compile_fresh = lambda lowered: (lowered.compile(), True)
+store = executables.ExecutableStore(sys.argv[1] + "/" + sys.argv[2], "context", jax.devices()[0])
+out = store.get(("f",), jitted, (), (x,))(x)  # lowered the same way and from the same line
+print(json.dumps([out.tolist(), store.saved, store.unkept]))
+'''
+
+
+def test_a_step_jax_cache_supplies_is_served_but_not_kept(tmp_path):
+    """Should JAX's cache hold a step under the store's own key, the step runs but is not
+    written: serialized, an executable JAX loaded from its cache would not run."""
+    script = tmp_path / "from_jax_cache.py"
+    script.write_text(_FROM_JAX_CACHE)
+
+    def run(mode):
+        result = subprocess.run([sys.executable, str(script), str(tmp_path), mode],
+                                capture_output=True, text=True, timeout=300,
+                                env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        assert result.returncode == 0, result.stderr[-4000:]
+        return result.stdout
+
+    run("fill")
+    assert any((tmp_path / "jax").iterdir())
+    out, saved, unkept = json.loads(run("store").strip().splitlines()[-1])
+    x = np.arange(12.0).reshape(3, 4)
+    assert out == np.where(x > 3, x * 2, x).sum(0).tolist()
+    assert (saved, unkept) == (0, 1)
+    assert not list((tmp_path / "store").glob("*.jaxexe"))
