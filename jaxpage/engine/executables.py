@@ -23,6 +23,7 @@ compilation cache must).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import hashlib
@@ -123,8 +124,10 @@ class ExecutableStore:
         self.context = context
         self.device = device
         self.loaded = 0  # executables read from disk
+        self.prefetched = 0  # of those, read by a `WarmupPrefetch` before they were asked for
         self.saved = 0  # executables compiled and written
         self.unkept = 0  # executables JAX's cache supplied, which cannot be kept (`_compile_fresh`)
+        self.used: list[str] = []  # the entries read or written, in order
         self._warned = False
 
     def _path(self, key: tuple, static: tuple, args: tuple) -> Path:
@@ -135,26 +138,28 @@ class ExecutableStore:
 
     def get(self, key: tuple, jitted: Any, static: tuple, args: tuple) -> Any:
         """The compiled `jitted(*static, *args)` for this shape, called with `*args`: read
-        from disk, else lowered, compiled and written."""
+        from disk (or taken from a `WarmupPrefetch` that read it), else lowered, compiled and
+        written."""
         from jax.experimental import serialize_executable
 
         path = self._path(key, static, args)
+        with _prefetch_lock:
+            prefetched = _prefetched.pop(path.name, None)
         try:
-            blob = path.read_bytes()
-        except OSError:
-            pass
-        else:
-            try:
-                serialized, in_tree, out_tree = pickle.loads(blob)
-                executable = serialize_executable.deserialize_and_load(
-                    serialized, in_tree, out_tree, backend=self.device.client,
-                    execution_devices=[self.device])
-            except Exception as e:  # noqa: BLE001 - a damaged or foreign entry: compile anew
-                logger.warning("compiled step %s unreadable (%s: %s); compiling it again",
-                               path.name, type(e).__name__, e)
+            if prefetched is not None:
+                executable = prefetched.result()
             else:
-                self.loaded += 1
-                return executable
+                executable = _load(path, self.device)
+        except OSError:
+            pass  # not kept yet
+        except Exception as e:  # noqa: BLE001 - a damaged or foreign entry: compile anew
+            logger.warning("compiled step %s unreadable (%s: %s); compiling it again",
+                           path.name, type(e).__name__, e)
+        else:
+            self.loaded += 1
+            self.prefetched += prefetched is not None
+            self.used.append(path.name)
+            return executable
         compiled, fresh = _compile_fresh(jitted.lower(*static, *args))
         if not fresh:
             self.unkept += 1
@@ -171,6 +176,7 @@ class ExecutableStore:
                 f.write(blob)
             os.replace(temporary, path)
             self.saved += 1
+            self.used.append(path.name)
         except Exception as e:  # noqa: BLE001 - no entry kept: the next start compiles it
             if temporary is not None:
                 Path(temporary).unlink(missing_ok=True)
@@ -179,6 +185,83 @@ class ExecutableStore:
                 logger.warning("compiled steps are not kept in %s (%s: %s)", self.directory,
                                type(e).__name__, e)
         return compiled
+
+
+def _load(path: Path, device: Any) -> Any:
+    """The executable kept at `path`, loaded onto `device` (OSError: there is none)."""
+    from jax.experimental import serialize_executable
+
+    serialized, in_tree, out_tree = pickle.loads(path.read_bytes())
+    return serialize_executable.deserialize_and_load(
+        serialized, in_tree, out_tree, backend=device.client, execution_devices=[device])
+
+
+# entries a WarmupPrefetch is loading, by file name (a name is the whole key: any store that
+# asks for that name wants that executable), taken by `ExecutableStore.get`
+_prefetched: dict[str, concurrent.futures.Future] = {}
+_prefetch_lock = threading.Lock()
+
+
+class WarmupPrefetch:
+    """Loads, on threads of its own, the compiled steps the last warm-up of the same engine
+    configuration used, while the process goes on loading the model (the server's start).
+
+    Deserializing is most of a restart's warm-up (SmolLM2's 146 steps: ~40 ms each on a
+    2-core Xeon, 5-6 s) and, unlike tracing, releases the GIL: two threads load them in half
+    the time, and they start before the model is loaded. Which entries to load is a manifest
+    beside them, `warmup-<digest of the configuration>.txt`, that `finish` rewrites with what
+    the warm-up took. A stale manifest costs only time: entries are still found by their
+    whole key, and one the warm-up does not ask for is dropped unused."""
+
+    def __init__(self, directory: str | os.PathLike, configuration: str, device: Any) -> None:
+        self.directory = Path(directory)
+        digest = hashlib.sha256(configuration.encode()).hexdigest()[:32]
+        self.manifest = self.directory / f"warmup-{digest}.txt"
+        try:
+            self.names = [n for n in self.manifest.read_text().split() if n.endswith(".jaxexe")]
+        except OSError:
+            self.names = []
+        if self.names and device.platform == "cpu":
+            from pallas_kernels import cpu_library
+
+            cpu_library.loaded()  # the steps' custom calls resolve as they load
+        workers = max(1, min(len(self.names), os.cpu_count() or 1))
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, "jaxpage-prefetch")
+        with _prefetch_lock:
+            for name in self.names:
+                _prefetched[name] = self._pool.submit(_load, self.directory / name, device)
+
+    def finish(self, store: ExecutableStore | None) -> None:
+        """After the warm-up: drop what it did not take, and remember what it used."""
+        with _prefetch_lock:
+            for name in self.names:
+                future = _prefetched.pop(name, None)
+                if future is not None:
+                    future.cancel()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if store is None or store.used == self.names:
+            return
+        temporary = None
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=self.directory, delete=False) as f:
+                temporary = f.name
+                f.write("\n".join(store.used) + "\n")
+            os.replace(temporary, self.manifest)
+        except OSError as e:
+            if temporary is not None:
+                Path(temporary).unlink(missing_ok=True)
+            logger.warning("warm-up manifest not written to %s (%s)", self.manifest, e)
+
+
+def prefetch_warmup(config: Any) -> WarmupPrefetch | None:
+    """Start loading the steps the last warm-up of `config` (an `EngineConfig`) used, where
+    compiled steps are kept and its engine is one device in one process; else None."""
+    if (_directory is None or jax.process_count() != 1
+            or getattr(config, "tensor_parallel_size", 1) != 1
+            or getattr(config, "data_parallel_size", 1) != 1):
+        return None
+    return WarmupPrefetch(_directory, repr(config), jax.devices()[0])
 
 
 def _compile_fresh(lowered: Any) -> tuple[Any, bool]:

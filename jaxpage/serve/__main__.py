@@ -64,7 +64,7 @@ def load(args: argparse.Namespace):
     """Load the model, warm the compiled steps up and build the app (None on a follower
     process, after process 0 has stopped)."""
     from jaxpage import LLM
-    from jaxpage.engine import gc_tuning
+    from jaxpage.engine import executables, gc_tuning
     from jaxpage.engine_args import enable_compile_cache, engine_config
     from jaxpage.serve import build_app
 
@@ -76,7 +76,15 @@ def load(args: argparse.Namespace):
         distributed.initialize()
     start = time.perf_counter()
     config = engine_config(args)
-    llm = LLM(config=config)
+    # the steps the last warm-up of this configuration used load while the model does
+    prefetch = (None if args.no_warmup or args.distributed
+                else executables.prefetch_warmup(config))
+    try:
+        llm = LLM(config=config)
+    except BaseException:
+        if prefetch is not None:
+            prefetch.finish(None)
+        raise
     engine = llm.engine
     if args.distributed and not distributed.is_leader():
         logger.info("following process 0")
@@ -86,8 +94,12 @@ def load(args: argparse.Namespace):
                 time.perf_counter() - start, engine.stats()["kv_blocks_total"],
                 config.block_size)
     if not args.no_warmup:
-        compiles, seconds = engine.warmup()
-        store = getattr(getattr(engine, "runner", None), "executable_store", None)
+        try:
+            compiles, seconds = engine.warmup()
+        finally:
+            store = getattr(getattr(engine, "runner", None), "executable_store", None)
+            if prefetch is not None:
+                prefetch.finish(store)
         logger.info("warm-up: %d step shapes compiled in %.1f s%s", compiles, seconds,
                     f" ({store.loaded} loaded from {store.directory})" if store else "")
     gc_tuning.freeze_heap()  # the engine lives as long as the process: see gc_tuning

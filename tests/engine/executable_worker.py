@@ -1,6 +1,7 @@
 """One engine start, as a separate process:
-`python executable_worker.py MODEL_DIR CACHE_DIR [--jax-cache-only]` (CACHE_DIR '' for none;
-with the flag, JAX's cache there and no store) builds an LLM on the tiny model, warms it up,
+`python executable_worker.py MODEL_DIR CACHE_DIR [--jax-cache-only | --prefetch]` (CACHE_DIR ''
+for none; `--jax-cache-only`: JAX's cache there and no store; `--prefetch`: the warm-up's steps
+loaded ahead, as the server does) builds an LLM on the tiny model, warms it up,
 serves a fixed workload and prints one JSON line: every token and log-probability, the compile
 count, what the executable store loaded and saved, and how many times the model's forward was
 traced."""
@@ -33,16 +34,15 @@ def workload(llm) -> list:
             for out in outputs for c in out.outputs]
 
 
-def main(model_dir: str, cache_dir: str, jax_cache_only: bool = False) -> None:
-    from jaxpage import LLM
+def main(model_dir: str, cache_dir: str, flag: str | None = None) -> None:
+    from jaxpage import LLM, EngineConfig
+    from jaxpage.engine import executables
     from jaxpage.engine_args import enable_compile_cache
     from jaxpage.models import llama
 
     if cache_dir:
         enable_compile_cache(cache_dir)
-    if jax_cache_only:  # JAX's persistent cache alone, no store
-        from jaxpage.engine import executables
-
+    if flag == "--jax-cache-only":  # JAX's persistent cache alone, no store
         executables.keep_in(None)
     traces = []
     forward = llama.LlamaModel.forward
@@ -52,15 +52,20 @@ def main(model_dir: str, cache_dir: str, jax_cache_only: bool = False) -> None:
         return forward(self, *args, **kwargs)
 
     llama.LlamaModel.forward = counted
-    llm = LLM(model_dir, **CONFIG)
+    config = EngineConfig(model=model_dir, **CONFIG)
+    prefetch = executables.prefetch_warmup(config) if flag == "--prefetch" else None
+    llm = LLM(config=config)
     llm.engine.warmup()
+    if prefetch is not None:
+        prefetch.finish(llm.engine.runner.executable_store)
     tokens = workload(llm)
     runner = llm.engine.runner
     store = runner.executable_store
     print(json.dumps({"tokens": tokens, "compiles": runner.compiles, "traces": len(traces),
                       "loaded": store.loaded if store else None,
-                      "saved": store.saved if store else None}))
+                      "saved": store.saved if store else None,
+                      "prefetched": store.prefetched if store else None}))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3:] == ["--jax-cache-only"])
+    main(sys.argv[1], sys.argv[2], *sys.argv[3:4])

@@ -74,6 +74,35 @@ def test_a_restart_loads_every_step_and_serves_what_the_jit_path_serves(hf_model
     assert (mended["loaded"], mended["saved"]) == (plain["compiles"] - 1, 1)
 
 
+
+def test_a_warmup_prefetch_loads_what_the_last_warmup_of_its_configuration_used(
+        hf_model_dir, tmp_path):
+    """The server's start (`prefetch_warmup` before the model loads, `finish` after the
+    warm-up): a restart's warm-up takes every step from the threads that loaded them, and a
+    stale manifest (an entry gone, one missing) changes what is loaded ahead, not what runs."""
+    model_dir, _ = hf_model_dir("llama")
+    cache = str(tmp_path / "cache")
+    first = start(model_dir, cache, "--prefetch")  # no manifest yet: nothing loaded ahead
+    assert first["prefetched"] == 0 and first["saved"] == first["compiles"] > 10
+    steps = tmp_path / "cache" / "jaxpage-steps"
+    (manifest,) = steps.glob("warmup-*.txt")
+    names = manifest.read_text().split()
+    assert len(set(names)) == len(names) > 10
+    assert all((steps / name).is_file() for name in names)
+
+    restart = start(model_dir, cache, "--prefetch")
+    assert restart["tokens"] == first["tokens"]
+    assert restart["prefetched"] == len(names)
+    assert restart["loaded"] == restart["compiles"] == first["compiles"]
+    assert restart["traces"] == 0
+
+    manifest.write_text("\n".join(names[1:] + ["0" * 64 + ".jaxexe"]) + "\n")
+    stale = start(model_dir, cache, "--prefetch")
+    assert stale["tokens"] == first["tokens"]
+    assert stale["prefetched"] == len(names) - 1
+    assert stale["loaded"] == first["compiles"] and stale["saved"] == 0
+    assert manifest.read_text().split() == names  # what the warm-up used, rewritten
+
 def _scaled_sum(scale, x, w):
     return x @ w * scale, w + 1  # w donated: the store's executables keep the donation
 
