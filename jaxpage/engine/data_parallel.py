@@ -111,8 +111,8 @@ class DataParallelEngine:
     def reset_prefix_cache(self) -> bool:
         return all([r.reset_prefix_cache() for r in self.replicas])
 
-    def warmup(self) -> tuple[int, float]:
-        results = list(self._pool.map(lambda r: r.warmup(), self.replicas))
+    def warmup(self, shapes: int | None = None) -> tuple[int, float]:
+        results = list(self._pool.map(lambda r: r.warmup(shapes), self.replicas))
         return sum(c for c, _ in results), max(s for _, s in results)
 
     # ---------------------------------------------------------------- the step

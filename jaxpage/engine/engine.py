@@ -267,12 +267,12 @@ class LLMEngine:
         with self._lock:
             return not self.has_unfinished_requests() and self.allocator.reset_prefix_cache()
 
-    def warmup(self) -> tuple[int, float]:
-        """Compile the step shapes a server meets first (the runner's `warmup`), before any
-        request; returns (compilations, seconds). Its steps are no engine steps: the
-        runner's phase times start after it."""
+    def warmup(self, shapes: int | None = None) -> tuple[int, float]:
+        """Compile the step shapes a server meets first (the runner's `warmup`; the first
+        `shapes` of them, if given), before any request; returns (compilations, seconds).
+        Its steps are no engine steps: the runner's phase times start after it."""
         with self._lock:
-            result = self.runner.warmup()
+            result = self.runner.warmup(shapes)
             self.runner.timer.reset()
             return result
 

@@ -34,6 +34,7 @@ import platform
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -204,49 +205,77 @@ _prefetch_lock = threading.Lock()
 
 class WarmupPrefetch:
     """Loads, on threads of its own, the compiled steps the last warm-up of the same engine
-    configuration used, while the process goes on loading the model (the server's start).
+    configuration used, while the process goes on loading the model (the server's start),
+    and then stands in for most of the warm-up where it loaded all of them (`warm_up`).
 
     Deserializing is most of a restart's warm-up (SmolLM2's 146 steps: ~40 ms each on a
     2-core Xeon, 5-6 s) and, unlike tracing, releases the GIL: two threads load them in half
     the time, and they start before the model is loaded. Which entries to load is a manifest
-    beside them, `warmup-<digest of the configuration>.txt`, that `finish` rewrites with what
-    the warm-up took. A stale manifest costs only time: entries are still found by their
-    whole key, and one the warm-up does not ask for is dropped unused."""
+    beside them, `warmup-<digest of the configuration>.txt`: the context they were compiled
+    in (`context_digest`) and the entries the warm-up took, in order, rewritten after a
+    warm-up that ran. A stale manifest costs only time: entries are still found by their
+    whole key, and one the engine does not ask for is never used."""
 
     def __init__(self, directory: str | os.PathLike, configuration: str, device: Any) -> None:
         self.directory = Path(directory)
         digest = hashlib.sha256(configuration.encode()).hexdigest()[:32]
         self.manifest = self.directory / f"warmup-{digest}.txt"
         try:
-            self.names = [n for n in self.manifest.read_text().split() if n.endswith(".jaxexe")]
+            lines = self.manifest.read_text().split("\n")
         except OSError:
-            self.names = []
+            lines = []
+        self.context = lines[0].removeprefix("context ") if lines else ""
+        self.names = [n for n in lines[1:] if n.endswith(".jaxexe")]
+        self.ahead = 0  # steps loaded ahead where they stood in for the warm-up
         if self.names and device.platform == "cpu":
             from pallas_kernels import cpu_library
 
             cpu_library.loaded()  # the steps' custom calls resolve as they load
         workers = max(1, min(len(self.names), os.cpu_count() or 1))
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, "jaxpage-prefetch")
+        self._futures = [self._pool.submit(_load, self.directory / n, device)
+                         for n in self.names]
         with _prefetch_lock:
-            for name in self.names:
-                _prefetched[name] = self._pool.submit(_load, self.directory / name, device)
+            _prefetched.update(zip(self.names, self._futures, strict=True))
+
+    def warm_up(self, engine: Any) -> tuple[int, float]:
+        """`engine.warmup()`, unless every step the last warm-up of this configuration took,
+        compiled by this same code for this device (the manifest's context is the engine's
+        store's), is loaded: then those wait for their first use and only the warm-up's
+        first step runs (a warm-up would ask for exactly them; one its shapes no longer ask
+        for, such as a pool sized anew, only misses and compiles when first used). Returns
+        (compilations or loads, seconds)."""
+        start = time.perf_counter()
+        store = getattr(getattr(engine, "runner", None), "executable_store", None)
+        if (store is not None and self.names and self.context == store.context
+                and all(f.exception() is None for f in self._futures)):
+            self._pool.shutdown(wait=False)
+            self.ahead = len(self.names)
+            # one step all the same: a process's first step pays for memory touched the
+            # first time (0.75 s of SmolLM2's first request after a restart, 2-core Xeon)
+            compiles, _ = engine.warmup(1)
+            return compiles, time.perf_counter() - start
+        try:
+            return engine.warmup()
+        finally:
+            self.finish(store)
 
     def finish(self, store: ExecutableStore | None) -> None:
-        """After the warm-up: drop what it did not take, and remember what it used."""
+        """Drop the steps not taken, and remember those `store` took (after its warm-up)."""
         with _prefetch_lock:
-            for name in self.names:
-                future = _prefetched.pop(name, None)
-                if future is not None:
-                    future.cancel()
+            for name, future in zip(self.names, self._futures, strict=True):
+                if _prefetched.get(name) is future:
+                    del _prefetched[name]
+                future.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if store is None or store.used == self.names:
+        if store is None or (store.context, store.used) == (self.context, self.names):
             return
         temporary = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile("w", dir=self.directory, delete=False) as f:
                 temporary = f.name
-                f.write("\n".join(store.used) + "\n")
+                f.write("\n".join([f"context {store.context}", *store.used]) + "\n")
             os.replace(temporary, self.manifest)
         except OSError as e:
             if temporary is not None:

@@ -16,6 +16,7 @@ over any trace is bounded by `max_compiles`; `compiles` counts them as they happ
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -521,13 +522,15 @@ class ModelRunner:
         self.timer.mark("readback")
         return results
 
-    def warmup(self) -> tuple[int, float]:
+    def warmup(self, shapes: int | None = None) -> tuple[int, float]:
         """Compile the shapes a server meets first, before it serves: a decode step at every
         decode-batch bucket and block-table width bucket, and a one-prompt chunk at every
         token bucket and width bucket, greedy, the sampler's sampled variant at every decode
-        bucket, and the run-ahead steps' token ids. Steps mixing several prompts, or prompts
-        and decodes, compile on first use (and come from JAX's persistent cache when it is
-        on). The steps write only into the reserved block 0, and each is one short sequence
+        bucket, and the run-ahead steps' token ids (the first `shapes` of these only, if
+        given: the server's restart runs one, its steps loaded ahead, to pay what a process's
+        first step costs before it serves). Steps mixing several prompts, or prompts and
+        decodes, compile on first use (and come from JAX's persistent cache when it is on).
+        The steps write only into the reserved block 0, and each is one short sequence
         padded to its bucket's shape (`_least_shape`): the padding rows cost the CPU's
         packed matmuls nothing, so a step costs its compilation, not its run (run full, at
         full context, running them took 137 of 277 s for SmolLM2; with the compiled steps
@@ -546,21 +549,28 @@ class ModelRunner:
             finally:
                 self._least_shape = (0, 0, 0, 0)
 
+        def next_tokens(num_seqs: int) -> None:  # a run-ahead step's token ids
+            self._call(("next_tokens", num_seqs), _NEXT_TOKENS, (
+                jax.device_put(np.zeros(num_seqs, np.int32), self._input_sharding), num_seqs))
+
+        plan = []
         for num_seqs in self.decode_buckets:
             for width in self.width_buckets:
-                step((num_seqs, 0, width, num_seqs), width, 1, greedy)
-            step((num_seqs, 0, 0, num_seqs), self.width_buckets[0], 1, sampled)  # its sampler
+                plan.append(((num_seqs, 0, width, num_seqs), width, 1, greedy))
+            plan.append(((num_seqs, 0, 0, num_seqs), self.width_buckets[0], 1, sampled))
         for num_tokens in self.token_buckets:  # a prompt chunk (its one draw: a decode row's)
             tokens = min(num_tokens, self.max_model_len)
             for width in self.width_buckets:
                 if min(width * self.block_size, self.max_model_len) >= tokens:
                     # a ragged step's shape is its token bucket: two of its tokens suffice
-                    step((0, tokens, width, 0), width, 2 if self.ragged else tokens, greedy)
-        # a run-ahead step's token ids, at each decode bucket it may take
-        for num_seqs in {bucket_for(n, self.decode_buckets)
-                         for n in range(1, min(self.lookahead_rows, self.decode_buckets[-1]) + 1)}:
-            self._call(("next_tokens", num_seqs), _NEXT_TOKENS, (
-                jax.device_put(np.zeros(num_seqs, np.int32), self._input_sharding), num_seqs))
+                    plan.append(((0, tokens, width, 0), width, 2 if self.ragged else tokens,
+                                 greedy))
+        plan = [functools.partial(step, *args) for args in plan]
+        plan += [functools.partial(next_tokens, num_seqs) for num_seqs in {
+            bucket_for(n, self.decode_buckets)
+            for n in range(1, min(self.lookahead_rows, self.decode_buckets[-1]) + 1)}]
+        for run in plan[:shapes]:
+            run()
         return self.compiles - before, time.perf_counter() - start
 
     def _run(self, seqs: list[SeqInput], is_decode: bool) -> list[list[SeqResult]]:

@@ -121,8 +121,9 @@ class Runner(Protocol):
     def reset_pool(self) -> None:
         """A new, empty KV pool."""
 
-    def warmup(self) -> tuple[int, float]:
-        """Compile the first shapes a server meets: (compilations, seconds)."""
+    def warmup(self, shapes: int | None = None) -> tuple[int, float]:
+        """Compile the first shapes a server meets (the first `shapes` of them, if given):
+        (compilations, seconds)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -94,14 +94,14 @@ def load(args: argparse.Namespace):
                 time.perf_counter() - start, engine.stats()["kv_blocks_total"],
                 config.block_size)
     if not args.no_warmup:
-        try:
-            compiles, seconds = engine.warmup()
-        finally:
-            store = getattr(getattr(engine, "runner", None), "executable_store", None)
-            if prefetch is not None:
-                prefetch.finish(store)
-        logger.info("warm-up: %d step shapes compiled in %.1f s%s", compiles, seconds,
-                    f" ({store.loaded} loaded from {store.directory})" if store else "")
+        compiles, seconds = engine.warmup() if prefetch is None else prefetch.warm_up(engine)
+        store = getattr(getattr(engine, "runner", None), "executable_store", None)
+        if prefetch is not None and prefetch.ahead:
+            logger.info("warm-up: %d step shapes loaded ahead in %.1f s from %s",
+                        prefetch.ahead, seconds, store.directory)
+        else:
+            logger.info("warm-up: %d step shapes compiled in %.1f s%s", compiles, seconds,
+                        f" ({store.loaded} loaded from {store.directory})" if store else "")
     gc_tuning.freeze_heap()  # the engine lives as long as the process: see gc_tuning
     name = args.served_model_name or config.model
 

@@ -55,16 +55,18 @@ def main(model_dir: str, cache_dir: str, flag: str | None = None) -> None:
     config = EngineConfig(model=model_dir, **CONFIG)
     prefetch = executables.prefetch_warmup(config) if flag == "--prefetch" else None
     llm = LLM(config=config)
-    llm.engine.warmup()
-    if prefetch is not None:
-        prefetch.finish(llm.engine.runner.executable_store)
+    if prefetch is None:
+        llm.engine.warmup()
+    else:
+        prefetch.warm_up(llm.engine)
     tokens = workload(llm)
     runner = llm.engine.runner
     store = runner.executable_store
     print(json.dumps({"tokens": tokens, "compiles": runner.compiles, "traces": len(traces),
                       "loaded": store.loaded if store else None,
                       "saved": store.saved if store else None,
-                      "prefetched": store.prefetched if store else None}))
+                      "prefetched": store.prefetched if store else None,
+                      "ahead": prefetch.ahead if prefetch else None}))
 
 
 if __name__ == "__main__":

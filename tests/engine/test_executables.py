@@ -75,33 +75,38 @@ def test_a_restart_loads_every_step_and_serves_what_the_jit_path_serves(hf_model
 
 
 
-def test_a_warmup_prefetch_loads_what_the_last_warmup_of_its_configuration_used(
-        hf_model_dir, tmp_path):
-    """The server's start (`prefetch_warmup` before the model loads, `finish` after the
-    warm-up): a restart's warm-up takes every step from the threads that loaded them, and a
-    stale manifest (an entry gone, one missing) changes what is loaded ahead, not what runs."""
+def test_a_restart_loads_its_warmups_steps_ahead_and_runs_one_of_them(hf_model_dir, tmp_path):
+    """The server's start (`prefetch_warmup` before the model loads, then `warm_up`): a
+    restart with the same configuration and code loads every step the last warm-up took on
+    threads of its own and runs one warm-up step; the workload takes the rest and serves
+    what the first start served. A manifest of another context, or one naming an entry that
+    cannot be loaded, is a warm-up as before, which rewrites it."""
     model_dir, _ = hf_model_dir("llama")
     cache = str(tmp_path / "cache")
-    first = start(model_dir, cache, "--prefetch")  # no manifest yet: nothing loaded ahead
-    assert first["prefetched"] == 0 and first["saved"] == first["compiles"] > 10
+    first = start(model_dir, cache, "--prefetch")  # no manifest yet: a warm-up
+    assert first["ahead"] == 0 and first["saved"] == first["compiles"] > 10
     steps = tmp_path / "cache" / "jaxpage-steps"
     (manifest,) = steps.glob("warmup-*.txt")
-    names = manifest.read_text().split()
-    assert len(set(names)) == len(names) > 10
+    context, *names = manifest.read_text().split("\n")[:-1]
+    assert context.startswith("context ") and len(set(names)) == len(names) > 10
     assert all((steps / name).is_file() for name in names)
 
     restart = start(model_dir, cache, "--prefetch")
     assert restart["tokens"] == first["tokens"]
-    assert restart["prefetched"] == len(names)
-    assert restart["loaded"] == restart["compiles"] == first["compiles"]
+    assert restart["ahead"] == len(names)
+    # every step the workload met was loaded (ahead where the warm-up had taken it)
+    assert restart["loaded"] == restart["compiles"] and restart["saved"] == 0
+    assert 2 < restart["prefetched"] <= len(names)  # the one warm-up step's and the workload's
     assert restart["traces"] == 0
 
-    manifest.write_text("\n".join(names[1:] + ["0" * 64 + ".jaxexe"]) + "\n")
-    stale = start(model_dir, cache, "--prefetch")
-    assert stale["tokens"] == first["tokens"]
-    assert stale["prefetched"] == len(names) - 1
-    assert stale["loaded"] == first["compiles"] and stale["saved"] == 0
-    assert manifest.read_text().split() == names  # what the warm-up used, rewritten
+    for stale in ([context + "0", *names],  # compiled by other code
+                  [context, *names[1:], "0" * 64 + ".jaxexe"]):  # an entry gone
+        manifest.write_text("\n".join(stale) + "\n")
+        rerun = start(model_dir, cache, "--prefetch")
+        assert rerun["tokens"] == first["tokens"]
+        assert rerun["ahead"] == 0  # a warm-up ran
+        assert rerun["loaded"] == first["compiles"] and rerun["saved"] == 0
+        assert manifest.read_text().split("\n")[:-1] == [context, *names]  # rewritten
 
 def _scaled_sum(scale, x, w):
     return x @ w * scale, w + 1  # w donated: the store's executables keep the donation
