@@ -172,24 +172,32 @@ class ExecutableStore:
                 logger.info("compiled step %s came from JAX's persistent cache and is not "
                             "kept (it would not run once serialized)", path.name)
             return compiled
-        temporary = None
         try:
-            blob = pickle.dumps(serialize_executable.serialize(compiled))
-            self.directory.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=self.directory, delete=False) as f:
-                temporary = f.name
-                f.write(blob)
-            os.replace(temporary, path)
+            _write_whole(path, pickle.dumps(serialize_executable.serialize(compiled)))
             self.saved += 1
             self.used.append(path.name)
         except Exception as e:  # noqa: BLE001 - no entry kept: the next start compiles it
-            if temporary is not None:
-                Path(temporary).unlink(missing_ok=True)
             if not self._warned:
                 self._warned = True
                 logger.warning("compiled steps are not kept in %s (%s: %s)", self.directory,
                                type(e).__name__, e)
         return compiled
+
+
+def _write_whole(path: Path, data: bytes) -> None:
+    """`data` written to a temporary file beside `path`, then renamed to it: a reader finds
+    the old file or the new one, never part of one (a failed write leaves neither)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = None
+    try:
+        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as f:
+            temporary = f.name
+            f.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        if temporary is not None:
+            Path(temporary).unlink(missing_ok=True)
+        raise
 
 
 def _load(path: Path, device: Any) -> Any:
@@ -274,16 +282,10 @@ class WarmupPrefetch:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if store is None or (store.context, store.used) == (self.context, self.names):
             return
-        temporary = None
+        text = "\n".join([f"context {store.context}", *store.used]) + "\n"
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile("w", dir=self.directory, delete=False) as f:
-                temporary = f.name
-                f.write("\n".join([f"context {store.context}", *store.used]) + "\n")
-            os.replace(temporary, self.manifest)
+            _write_whole(self.manifest, text.encode())
         except OSError as e:
-            if temporary is not None:
-                Path(temporary).unlink(missing_ok=True)
             logger.warning("warm-up manifest not written to %s (%s)", self.manifest, e)
 
 
