@@ -263,8 +263,9 @@ class WarmupPrefetch:
                 and all(f.exception() is None for f in self._futures)):
             self._pool.shutdown(wait=False)
             self.ahead = len(self.names)
-            # one step all the same: a process's first step pays for memory touched the
-            # first time (0.75 s of SmolLM2's first request after a restart, 2-core Xeon)
+            # one step all the same: a process's first step costs more than the rest (0.75 s
+            # more for SmolLM2 on a 2-core Xeon, much of it pages touched the first time),
+            # which would otherwise fall on the first request
             compiles, _ = engine.warmup(1)
             return compiles, time.perf_counter() - start
         try:
