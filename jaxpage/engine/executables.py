@@ -145,8 +145,6 @@ class ExecutableStore:
         """The compiled `jitted(*static, *args)` for this shape, called with `*args`: read
         from disk (or taken from a `WarmupPrefetch` that read it), else lowered, compiled and
         written."""
-        from jax.experimental import serialize_executable
-
         path = self._path(key, static, args)
         with _prefetch_lock:
             prefetched = _prefetched.pop(path.name, None)
@@ -173,7 +171,7 @@ class ExecutableStore:
                             "kept (it would not run once serialized)", path.name)
             return compiled
         try:
-            _write_whole(path, pickle.dumps(serialize_executable.serialize(compiled)))
+            _save(path, compiled)
             self.saved += 1
             self.used.append(path.name)
         except Exception as e:  # noqa: BLE001 - no entry kept: the next start compiles it
@@ -198,6 +196,13 @@ def _write_whole(path: Path, data: bytes) -> None:
         if temporary is not None:
             Path(temporary).unlink(missing_ok=True)
         raise
+
+
+def _save(path: Path, compiled: Any) -> None:
+    """`compiled` kept at `path`, where `_load` finds it."""
+    from jax.experimental import serialize_executable
+
+    _write_whole(path, pickle.dumps(serialize_executable.serialize(compiled)))
 
 
 def _load(path: Path, device: Any) -> Any:

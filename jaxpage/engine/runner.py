@@ -556,16 +556,17 @@ class ModelRunner:
         plan = []
         for num_seqs in self.decode_buckets:
             for width in self.width_buckets:
-                plan.append(((num_seqs, 0, width, num_seqs), width, 1, greedy))
-            plan.append(((num_seqs, 0, 0, num_seqs), self.width_buckets[0], 1, sampled))
+                plan.append(functools.partial(step, (num_seqs, 0, width, num_seqs), width, 1,
+                                              greedy))
+            plan.append(functools.partial(step, (num_seqs, 0, 0, num_seqs),
+                                          self.width_buckets[0], 1, sampled))
         for num_tokens in self.token_buckets:  # a prompt chunk (its one draw: a decode row's)
             tokens = min(num_tokens, self.max_model_len)
             for width in self.width_buckets:
                 if min(width * self.block_size, self.max_model_len) >= tokens:
                     # a ragged step's shape is its token bucket: two of its tokens suffice
-                    plan.append(((0, tokens, width, 0), width, 2 if self.ragged else tokens,
-                                 greedy))
-        plan = [functools.partial(step, *args) for args in plan]
+                    plan.append(functools.partial(step, (0, tokens, width, 0), width,
+                                                  2 if self.ragged else tokens, greedy))
         plan += [functools.partial(next_tokens, num_seqs) for num_seqs in {
             bucket_for(n, self.decode_buckets)
             for n in range(1, min(self.lookahead_rows, self.decode_buckets[-1]) + 1)}]
