@@ -8,6 +8,7 @@ from typing import Any
 
 from jaxpage import constants
 from jaxpage.engine.block_allocator import POLICIES as RESERVATION_POLICIES
+from jaxpage.engine.speculative import SpeculativeConfig
 from jaxpage.engine.swap_cost import PREEMPTION_MODES
 from jaxpage.validation import check, is_int, is_positive_int, is_real
 
@@ -95,8 +96,14 @@ class EngineConfig:
     # 8 on a CPU (whose steps are mostly the device's own work past a few rows), every step
     # on an accelerator
     decode_lookahead_rows: int | None = None
+    # speculative decoding, as vLLM's speculative_config (a dict, or a SpeculativeConfig:
+    # jaxpage.engine.speculative), e.g. {"method": "ngram", "num_speculative_tokens": 3};
+    # None: off
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.of(self.speculative_config))
         check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
         check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,
               f"one of {KV_CACHE_DTYPES}")

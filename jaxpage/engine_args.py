@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from typing import Any
 
@@ -13,7 +14,13 @@ from jaxpage.cache_dir import cache_root
 DEFAULT_COMPILE_CACHE = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
     cache_root(), "xla")
 
-_PARSERS = {"int": int, "float": float, "str": str}
+
+def json_value(text: str) -> Any:
+    """A flag's JSON value (`--speculative-config '{"method": "ngram"}'`)."""
+    return json.loads(text)
+
+
+_PARSERS = {"int": int, "float": float, "str": str, "SpeculativeConfig": json_value}
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] = ()) -> None:

@@ -32,6 +32,10 @@ class SeqInput:
     # the scheduler's word that this decode's draw is its last (by length): no step follows
     # it, so a step run ahead of this one leaves it out
     ends: bool = False
+    # speculative decoding: token_ids are the sequence's last token and its drafts, and
+    # sampling holds one row per token, each drawn from the logits at that token (not all
+    # at the last one)
+    verify: bool = False
 
 
 @dataclasses.dataclass(slots=True)

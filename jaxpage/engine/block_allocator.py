@@ -356,14 +356,31 @@ class BlockAllocator:
         seq = self._seq(seq_id)
         del self._seqs[seq_id]
         for block_id in reversed(seq.block_table):
-            self._ref_count[block_id] -= 1
-            if self._ref_count[block_id] == 0:
-                if self._block_key[block_id] is None:
-                    self._free.append(block_id)
-                    if self._released is not None:
-                        self._released.append(block_id)
-                else:
-                    self._cached_free[block_id] = None
+            self._release(block_id)
+
+    def trim(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Give back the table's blocks past those that hold ``num_tokens`` tokens (never
+        fewer than its computed ones): the blocks a speculative step took for drafts it then
+        rejected. Under the "max" and "oracle" policies the table keeps its reservation."""
+        if self.policy != "paged":
+            return
+        seq = self._seq(seq_id)
+        keep = -(-max(num_tokens, seq.num_computed_tokens) // self.block_size)
+        table = seq.block_table
+        while len(table) > keep:
+            self._release(table.pop())
+
+    def _release(self, block_id: int) -> None:
+        """One table entry of ``block_id`` is gone: at no holder left, the block is free (or
+        cached-free while it holds a hashed block's content)."""
+        self._ref_count[block_id] -= 1
+        if self._ref_count[block_id] == 0:
+            if self._block_key[block_id] is None:
+                self._free.append(block_id)
+                if self._released is not None:
+                    self._released.append(block_id)
+            else:
+                self._cached_free[block_id] = None
 
     def take_released(self) -> list[int]:
         """Blocks released since the last call (distinct, in release order); always empty

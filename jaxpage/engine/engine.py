@@ -92,7 +92,7 @@ class LLMEngine:
             enable_host_prefix_cache=config.enable_host_prefix_cache,
             preemption_mode=config.preemption_mode, swap_cost=self.swap_cost,
             window=runner.window, num_window_blocks=runner.num_window_blocks,
-            lookahead_rows=runner.lookahead_rows,
+            lookahead_rows=runner.lookahead_rows, speculative=config.speculative_config,
         )
         self.requests: dict[str, RequestGroup] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -311,13 +311,13 @@ class LLMEngine:
             timer.mark("device")
             # peak KV use: with this step's blocks, before finished requests free theirs
             self.peak_kv_usage = max(self.peak_kv_usage, self.allocator.usage()["usage"])
-            update = self.scheduler.update(scheduled, results)
+            detokenize = self._detokenize if self.tokenizer is not None else None
+            update = self.scheduler.update(scheduled, results, detokenize)
             self.num_steps += 1
             timer.mark("update")
             for group in update.finished_beams:
                 outputs.append(beam_output(group, "length", self.tokenizer))
                 self._release(group)
-            detokenize = self._detokenize if self.tokenizer is not None else None
             for group, starts in update.new_tokens.items():
                 if group.error is not None:
                     continue  # failed in update: reported below
@@ -514,6 +514,10 @@ class LLMEngine:
             "lookahead_dropped": self.runner.lookahead_dropped,
             "ttft": _summary(ttft),
             "tpot": _summary(tpot),
+            # speculative decoding's acceptance (jaxpage.engine.speculative.SpecStats), or
+            # None with it off
+            "spec_decode": (self.scheduler.spec_stats.summary()
+                            if self.config.speculative_config is not None else None),
         }
 
 

@@ -199,6 +199,15 @@ class WindowGroup:
             if block_id != NULL_BLOCK:
                 self._release(block_id)
 
+    def trim(self, seq_id: Hashable, num_blocks: int) -> None:
+        """Keep the first ``num_blocks`` entries of the window table (``BlockAllocator.trim``
+        for the window group)."""
+        table = self._seq(seq_id).table
+        while len(table) > num_blocks:
+            block_id = table.pop()
+            if block_id != NULL_BLOCK:
+                self._release(block_id)
+
     def _release(self, block_id: int) -> None:
         self._ref_count[block_id] -= 1
         if self._ref_count[block_id]:
@@ -362,6 +371,10 @@ class WindowedAllocator(TieredAllocator):
     def free(self, seq_id: Hashable) -> None:
         super().free(seq_id)
         self.window_group.free(seq_id)
+
+    def trim(self, seq_id: Hashable, num_tokens: int) -> None:
+        super().trim(seq_id, num_tokens)
+        self.window_group.trim(seq_id, len(self._seqs[seq_id].block_table))
 
     def window_table(self, seq_id: Hashable) -> list[int]:
         return self.window_group.table(seq_id)

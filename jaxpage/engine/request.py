@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import TYPE_CHECKING
 
 from jaxpage.outputs import RequestMetrics
 from jaxpage.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxpage.engine.speculative import DraftLength
 
 
 class RequestStatus(enum.Enum):
@@ -44,6 +48,8 @@ class Request:
     num_text_emitted: int = 0  # characters of `text` already streamed
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # speculative decoding: this sequence's draft length (jaxpage.engine.speculative)
+    draft_length: DraftLength | None = None
     # the allocator's key for this sequence, "<request_id>#<sample_index>" (set once: read
     # several times a step for every running sequence)
     seq_id: str = dataclasses.field(init=False)

@@ -317,6 +317,16 @@ class ModelRunner:
         smallest_decode = 1 if devices[0].platform == "cpu" else min(8, max_num_seqs)
         self.decode_buckets = power_of_two_buckets(smallest_decode, max_num_seqs,
                                                    midpoints=True)
+        # a step's draws: one a sequence (n as a prompt's samples fork), or with speculative
+        # decoding one at its last token and at each of its drafts
+        self.row_buckets = self.decode_buckets
+        spec = config.speculative_config
+        if spec is not None:
+            most_rows = min(max_num_batched_tokens, max_num_seqs * (spec.num_speculative_tokens
+                                                                    + 1))
+            self.row_buckets = self.decode_buckets + [
+                b for b in power_of_two_buckets(smallest_decode, most_rows, midpoints=True)
+                if b > max_num_seqs]
         self.prefill_seq_buckets = power_of_two_buckets(min(4, max_num_seqs), max_num_seqs)
         self.width_buckets = power_of_two_buckets(
             min(max(1, 64 // block_size), max_blocks), max_blocks)
@@ -371,7 +381,7 @@ class ModelRunner:
     def max_compiles(self) -> int:
         """Upper bound on compilations over any trace: every bucket combination."""
         widths = len(self.width_buckets)
-        rows = len(self.decode_buckets)  # logits rows
+        rows = len(self.row_buckets)  # logits rows
         query_lens = len(self.token_buckets)  # prefill max_query_len <= its token bucket
         forward = (len(self.decode_buckets) + len(self.token_buckets) * query_lens
                    * len(self.prefill_seq_buckets)) * widths * rows
@@ -637,10 +647,15 @@ class ModelRunner:
         # sequence's own queries: one value per token bucket compiles fewer shapes.
         max_query_len = 1 if is_decode else num_tokens if self.ragged else min(
             bucket_for(max(len(s.token_ids) for s in seqs), self.token_buckets), num_tokens)
-        # one logits row per draw: a sequence's last token, repeated for forking samples
-        last_token = np.cumsum([len(s.token_ids) for s in seqs]) - 1
+        # one logits row per draw: a sequence's last token, repeated for forking samples,
+        # or each of a speculative step's tokens
+        logits_indices, end = [], 0
+        for s in seqs:
+            end += len(s.token_ids)
+            logits_indices += (range(end - len(s.token_ids), end) if s.verify
+                               else [end - 1] * len(s.sampling))
         rows = [(i, row) for i, s in enumerate(seqs) for row in s.sampling]
-        num_rows = max(least_rows, bucket_for(max(len(rows), 1), self.decode_buckets))
+        num_rows = max(least_rows, bucket_for(max(len(rows), 1), self.row_buckets))
         positions, attn_md = build_metadata(
             [s.block_table[:width] for s in seqs],
             [s.num_computed for s in seqs],
@@ -650,7 +665,7 @@ class ModelRunner:
             num_tokens=num_tokens,
             num_seqs=num_seqs,
             max_query_len=max_query_len,
-            logits_indices=[int(last_token[i]) for i, _ in rows],
+            logits_indices=logits_indices,
             num_logits=num_rows,
             backend=self.backend,
             interpret=self.interpret,

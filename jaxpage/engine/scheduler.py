@@ -24,13 +24,20 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from jaxpage.engine.batch import SeqInput, SeqResult
 from jaxpage.engine.beam_search import BeamGroup, BeamPlan, NextBeam
 from jaxpage.engine.block_hashing import encode_extra_keys
 from jaxpage.engine.kv_groups import WindowedAllocator, window_blocks_per_seq
 from jaxpage.engine.request import Request, RequestGroup, RequestStatus
+from jaxpage.engine.speculative import (
+    DraftLength,
+    NgramProposer,
+    SpecStats,
+    SpeculativeConfig,
+    num_accepted,
+)
 from jaxpage.engine.swap_cost import SwapCostModel
 from jaxpage.engine.tiered_allocator import TieredAllocator
 from jaxpage.sampling_params import SamplingRow, sample_seed
@@ -51,6 +58,9 @@ class ScheduledChunk:
     sample: bool
     block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     window_block_table: list[int] | None = None  # the window group's (sliding layers)
+    # speculative decoding: the drafts run after the request's last token (the chunk's
+    # num_new_tokens counts them), one draw verifying each
+    draft_tokens: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(slots=True)
@@ -103,6 +113,7 @@ class Scheduler:
         window: int | None = None,
         num_window_blocks: int = 0,
         lookahead_rows: int = 0,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         kwargs = dict(num_host_blocks=num_host_blocks,
                       enable_host_prefix_cache=enable_host_prefix_cache,
@@ -123,6 +134,12 @@ class Scheduler:
         # the one before (ModelRunner.lookahead_rows; 0: never, as for sliding windows or
         # several processes): see `_ahead_marks`
         self.lookahead_rows = lookahead_rows
+        # speculative decoding (jaxpage.engine.speculative): a decoding sequence's drafts
+        # run with its last token, and `update` accepts those the target's draws confirm
+        self.speculative = speculative
+        self.proposer = None if speculative is None else NgramProposer(
+            speculative.prompt_lookup_min, speculative.prompt_lookup_max)
+        self.spec_stats = SpecStats()
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.failed: list[RequestGroup] = []  # ended by a failure, not yet reported
@@ -185,8 +202,13 @@ class Scheduler:
             if num_new == 0:  # a beam waiting for its siblings' log-probs
                 continue
             try:
-                while (copies := grow(request.seq_id,
-                                      request.num_computed_tokens + num_new)) is None:
+                drafts = self._propose(request, budget - 1) if (
+                    num_new == 1 and self.proposer is not None) else []
+                while (copies := grow(request.seq_id, request.num_computed_tokens + num_new
+                                      + len(drafts))) is None:
+                    if drafts:  # the pool is short: drop the drafts before preempting
+                        drafts = []
+                        continue
                     victims = self._newest_group()
                     self._preempt(victims, drop(victims))
                     preempted += victims
@@ -197,8 +219,8 @@ class Scheduler:
                 continue
             if copies is None:  # the request itself was preempted: nothing newer is left
                 break
-            scheduled[request] = self._chunk(request, num_new, copies)
-            budget -= num_new
+            scheduled[request] = self._chunk(request, num_new, copies, drafts)
+            budget -= num_new + len(drafts)
 
         # 2. waiting requests in arrival order (not in a step that had to preempt); a
         # parent whose n samples fork at the end of its prefill holds n running slots
@@ -351,13 +373,45 @@ class Scheduler:
             plan.pop()
         return plan
 
-    def _chunk(self, request: Request, num_new: int,
-               copies: list[tuple[int, int]]) -> ScheduledChunk:
+    def _chunk(self, request: Request, num_new: int, copies: list[tuple[int, int]],
+               drafts: list[int] | None = None) -> ScheduledChunk:
+        """`num_new` of the request's tokens from its computed ones on, then `drafts`."""
         start = request.num_computed_tokens
         return ScheduledChunk(
-            request, start, num_new, self.allocator.block_table(request.seq_id),
+            request, start, num_new + len(drafts or ()),
+            self.allocator.block_table(request.seq_id),
             start + num_new == len(request.token_ids), copies,
-            self.allocator.window_table(request.seq_id) if self.windowed else None)
+            self.allocator.window_table(request.seq_id) if self.windowed else None,
+            drafts or [])
+
+    def _propose(self, request: Request, room: int) -> list[int]:
+        """Speculative drafts for a request about to decode: at most its draft length
+        (`DraftLength`), the `room` left in the step's token budget, and what its max_tokens
+        and max_model_len leave after the token the step draws anyway. None for a beam or a
+        prompt whose samples fork at this draw."""
+        spec = self.speculative
+        if request.num_draws != 1 or isinstance(request.group, BeamGroup):
+            return []
+        k = spec.num_speculative_tokens
+        if spec.adaptive:
+            length = request.draft_length
+            if length is None:
+                length = request.draft_length = DraftLength(k)
+            k = length.current()
+        num_tokens = request.num_tokens
+        k = min(k, room, request.max_num_tokens - num_tokens - 1,
+                self.max_model_len - num_tokens - 1)
+        return self.proposer.propose(request.token_ids, k) if k > 0 else []
+
+    def _drafts_next(self, request: Request) -> bool:
+        """Whether the request's next decode may carry drafts (so no step runs ahead of
+        it): always with speculation on, but for a request whose adaptive draft length is 0
+        and stays 0 for its next step."""
+        if self.speculative is None:
+            return False
+        length = request.draft_length
+        return (length is None or length.k > 0
+                or length.idle + 1 >= DraftLength.retry_after)
 
     def _seq_input(self, chunk: ScheduledChunk, goes_on: bool, ends: bool) -> SeqInput:
         """The runner's view of a chunk: block table, tokens and, when it ends the known
@@ -367,23 +421,36 @@ class Scheduler:
         request = chunk.request
         start = chunk.num_computed_tokens
         tokens = request.token_ids
-        rows = []
-        if chunk.sample:
-            p = request.params
-            num_out = request.num_output_tokens
-            banned: tuple[int, ...] = ()
-            if num_out < p.min_tokens:
-                banned = tuple(sorted(set(p.stop_token_ids) | (
-                    set() if p.ignore_eos else self.eos_token_ids)))
-            history = p.uses_penalties
-            rows = [SamplingRow(p, sample_seed(request.seed, i), num_out,
-                                request.prompt_token_ids if history else None,
-                                request.output_token_ids if history else None, banned)
-                    for i in range(request.num_draws)]
+        drafts = chunk.draft_tokens
         num_new = chunk.num_new_tokens
+        rows = []
+        if drafts:  # a draw at the last token and at each draft, as if each were drawn
+            rows = [self._row(request, 0, j, drafts[:j]) for j in range(len(drafts) + 1)]
+            return SeqInput(chunk.block_table, start, [tokens[start], *drafts], rows,
+                            chunk.window_block_table, verify=True)
+        if chunk.sample:
+            rows = [self._row(request, i) for i in range(request.num_draws)]
         return SeqInput(chunk.block_table, start,
                         [tokens[start]] if num_new == 1 else tokens[start : start + num_new],
                         rows, chunk.window_block_table, goes_on, ends)
+
+    def _row(self, request: Request, sample: int, ahead: int = 0,
+             drafted: list[int] | None = None) -> SamplingRow:
+        """The sampling row of the request's draw for its sample `sample` (a prompt whose
+        samples fork), `ahead` tokens past its next one, after the tokens `drafted` (a
+        speculative step's draws at its drafts)."""
+        p = request.params
+        num_out = request.num_output_tokens + ahead
+        banned: tuple[int, ...] = ()
+        if num_out < p.min_tokens:
+            banned = tuple(sorted(set(p.stop_token_ids) | (
+                set() if p.ignore_eos else self.eos_token_ids)))
+        history = p.uses_penalties
+        output = request.output_token_ids + drafted if history and drafted else (
+            request.output_token_ids)
+        return SamplingRow(p, sample_seed(request.seed, sample), num_out,
+                           request.prompt_token_ids if history else None,
+                           output if history else None, banned)
 
     def _ahead_marks(self, request: Request, num_new: int) -> tuple[bool, bool]:
         """(goes on, ends) of computing `num_new` tokens of `request`, while few enough run
@@ -398,18 +465,21 @@ class Scheduler:
             return False, False
         if request.num_tokens + 1 >= min(request.max_num_tokens, self.max_model_len):
             return False, True
-        return not request.params.uses_penalties, False
+        return not (request.params.uses_penalties or self._drafts_next(request)), False
 
-    def update(self, output: SchedulerOutput, results: list[list[SeqResult]]) -> StepUpdate:
+    def update(self, output: SchedulerOutput, results: list[list[SeqResult]],
+               on_token: Callable[[Request], None] | None = None) -> StepUpdate:
         """Apply an executed step: record its K/V as written (hashing newly full blocks for
         the prefix cache), append each drawn token, fork a prompt's other samples at the end
         of its prefill, apply the plans of beam groups whose beams have all drawn, and
         finish sequences that drew EOS or a stop token or reached a length limit. Stop
-        strings are the engine's (it detokenizes): it ends those sequences with `finish`."""
+        strings are the engine's (it detokenizes): it ends those sequences with `finish`,
+        and `on_token(request)` after each token of a speculative step's accepted run but
+        the last (which the engine sees with the step's other tokens) may end it there."""
         commit, finished = self.allocator.commit, RequestStatus.FINISHED
         for chunk in output.chunks:  # before the new tokens are appended: no K/V for them
             request = chunk.request
-            if request.status is finished:
+            if request.status is finished or chunk.draft_tokens:  # drafts: in _accept
                 continue
             try:
                 computed = chunk.num_computed_tokens + chunk.num_new_tokens
@@ -432,6 +502,9 @@ class Scheduler:
                 beam_groups[group] = None
                 continue
             try:
+                if chunk.draft_tokens:
+                    self._accept(chunk, draws, now, new_tokens, on_token)
+                    continue
                 if len(draws) == 1:  # the usual: one sample, one token
                     new_tokens[group] = starts = new_tokens.get(group) or {}
                     starts[request] = request.num_output_tokens
@@ -455,6 +528,36 @@ class Scheduler:
                 if group.finished:
                     update.finished_beams.append(group)
         return update
+
+    def _accept(self, chunk: ScheduledChunk, draws: list[SeqResult], now: float,
+                new_tokens: dict[RequestGroup, dict[Request, int]],
+                on_token: Callable[[Request], None] | None) -> None:
+        """A speculative step's outcome for one sequence: its drafts are accepted while each
+        equals the target's draw at its position; the K/V of the last token and of the
+        accepted drafts is committed, the blocks taken for rejected ones go back, and the
+        draws up to the first that differs from its draft (or the one after the last draft)
+        are appended one at a time, each ending the sequence where it would have ended
+        without speculation."""
+        request, drafts = chunk.request, chunk.draft_tokens
+        accepted = num_accepted(drafts, [draw.token for draw in draws])
+        computed = chunk.num_computed_tokens + 1 + accepted
+        self.allocator.commit(request.seq_id, request.token_ids + drafts[:accepted])
+        request.num_computed_tokens = computed
+        self.allocator.trim(request.seq_id, computed)
+        self.spec_stats.record(len(drafts), accepted)
+        if request.draft_length is not None:
+            request.draft_length.observe(len(drafts), accepted,
+                                         self.speculative.num_speculative_tokens)
+        new_tokens.setdefault(request.group, {})[request] = request.num_output_tokens
+        finished = RequestStatus.FINISHED
+        for j, draw in enumerate(draws[: accepted + 1]):
+            self._append_token(request, draw, now)
+            if request.status is finished:
+                return
+            if on_token is not None and j < accepted:
+                on_token(request)
+                if request.status is finished:
+                    return
 
     def _append_token(self, request: Request, draw: SeqResult, now: float) -> None:
         p = request.params

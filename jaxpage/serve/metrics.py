@@ -112,7 +112,30 @@ class _EngineCollector:
 
     def collect(self):
         stats = self._stats()
+        names, values = list(self._labels), list(self._labels.values())
         for kind, name, doc, key in _ENGINE_METRICS:
-            metric = kind(name, doc, labels=list(self._labels))
-            metric.add_metric(list(self._labels.values()), stats[key])
+            metric = kind(name, doc, labels=names)
+            metric.add_metric(values, stats[key])
             yield metric
+        spec = stats.get("spec_decode")
+        if spec is None:  # speculative decoding off
+            return
+        for name, doc, key in _SPEC_METRICS:
+            metric = CounterMetricFamily(name, doc, labels=names)
+            metric.add_metric(values, spec[key])
+            yield metric
+        metric = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by draft position (0: first).",
+                                     labels=[*names, "position"])
+        for position, accepted in enumerate(spec["accepted_per_pos"]):
+            metric.add_metric([*values, str(position)], accepted)
+        yield metric
+
+
+# speculative decoding's totals (jaxpage.engine.speculative.SpecStats), vLLM's names
+_SPEC_METRICS = (
+    ("vllm:spec_decode_num_drafts", "Proposals verified (one sequence's drafts in a step).",
+     "num_drafts"),
+    ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", "num_draft_tokens"),
+    ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", "num_accepted_tokens"),
+)

@@ -1,0 +1,526 @@
+"""Speculative decoding (`EngineConfig.speculative_config`, jaxpage.engine.speculative): the
+engine must not be able to tell. Every request, greedy or seeded, gets the tokens and finish
+reasons it gets without speculation, and its log-probabilities to float32 rounding (a
+token's logits computed in a chunk with its drafts, not in a decode step of its own, round
+differently); greedy ones are HF transformers' tokens. The drafts come from the n-gram
+proposer, or from a scripted proposer that knows each sequence's continuation and gets it
+wrong at random (so that every acceptance pattern happens: none, some, all, drafts cut
+short, none proposed). The pool starts as NaN and released blocks are refilled with NaN
+(`debug_nan_pool`): a read of the K/V of a rejected draft, or of a block given back, would
+turn tokens to garbage."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+from conftest import build_hf_model, hf_greedy, hf_logits
+from test_fault_injection import Once, fault_at, make_llm, run
+from test_fault_injection import workload as fault_workload
+from test_lookahead import (
+    GREEDY,
+    PALLAS,
+    llm_block_bytes,
+    same_up_to_rounding,
+    serve,
+    stop_case,  # noqa: F401  (a fixture)
+    tiny,  # noqa: F401  (a fixture)
+    workload,
+)
+
+import jaxpage.engine.runner as runner_module
+from jaxpage import LLM, SamplingParams
+from jaxpage.config import EngineConfig
+from jaxpage.engine.speculative import NgramProposer, SpeculativeConfig
+
+
+class Scripted:
+    """A proposer that knows `sequences` (each sample's prompt and output without
+    speculation): for a sequence that is a prefix of one of them it proposes what follows,
+    each draft wrong with probability `wrong`; for any other, random tokens. The number of
+    drafts is drawn in [0, k]. Records, per proposal, how many of its drafts were right
+    (the acceptance the engine must find)."""
+
+    def __init__(self, sequences, vocab_size: int, wrong: float, seed: int = 0) -> None:
+        self.sequences = [list(s) for s in sequences]
+        self.vocab_size, self.wrong, self.rng = vocab_size, wrong, random.Random(seed)
+        self.proposals: list[tuple[int, int]] = []  # (drafts, leading right ones)
+
+    def propose(self, token_ids, k):
+        n, rng = len(token_ids), self.rng
+        k = rng.randint(0, k)
+        known = next((s for s in self.sequences if len(s) > n and s[:n] == token_ids), None)
+        truth = known[n : n + k] if known is not None else []
+        drafts = [t if rng.random() >= self.wrong
+                  else (t + rng.randrange(1, self.vocab_size)) % self.vocab_size
+                  for t in truth]
+        drafts += [rng.randrange(self.vocab_size) for _ in range(k - len(drafts))]
+        right = 0
+        while right < len(truth) and drafts[right] == truth[right]:
+            right += 1
+        if drafts:
+            self.proposals.append((len(drafts), right))
+        return drafts
+
+
+def spec(k: int = 4, **kwargs) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k, **kwargs}
+
+
+def sequences(final) -> list[list[int]]:
+    """Every sample's prompt + output of a run's final outputs."""
+    return [list(out.prompt_token_ids) + list(c.token_ids)
+            for out in final.values() for c in out.outputs]
+
+
+def spec_workload(stop_case):  # noqa: F811
+    """test_lookahead's workload (late arrivals, stop tokens inside min_tokens, penalties,
+    n > 1, a beam, an abort), plus a prompt prefilled in chunks and a prefix hit."""
+    return workload(stop_case) + [
+        ("long", list(range(3, 70)), SamplingParams(max_tokens=20, **GREEDY), 3),
+        ("hit", list(range(3, 10)), SamplingParams(max_tokens=26, **GREEDY), 10),
+    ]
+
+
+def assert_same(got, want) -> None:
+    """Same outputs; the aborted request's are a prefix of the other run's (its abort
+    lands after however many tokens the steps so far produced)."""
+    assert set(got) == set(want)
+    for request_id in want:
+        if request_id == "abort":
+            (a,), (b,) = got[request_id].outputs, want[request_id].outputs
+            assert a.finish_reason == b.finish_reason == "abort"
+            n = min(len(a.token_ids), len(b.token_ids))
+            assert a.token_ids[:n] == b.token_ids[:n]
+        else:
+            same_up_to_rounding(got[request_id], want[request_id])
+
+
+def committed_as_tokens(engine):
+    """A `before_step` check: every running sequence's committed K/V is that of its own
+    tokens (no rejected draft hashed, its computed count the scheduler's), and a sequence
+    holds no block past the one its next token is written into (a rejected draft's blocks
+    went back)."""
+    allocator, bs = engine.allocator, engine.allocator.block_size
+
+    def check(step):
+        for request in engine.scheduler.running:
+            seq = allocator._seqs[request.seq_id]
+            computed = request.num_computed_tokens
+            assert seq.num_computed_tokens == computed < request.num_tokens + 1
+            assert seq.block_hashes == allocator.hash_blocks(
+                request.token_ids[:computed], cache_salt=request.cache_salt)
+            assert len(seq.block_table) <= computed // bs + 2, (step, request.seq_id)
+    return check
+
+
+@pytest.fixture(scope="module")
+def plain(tiny, stop_case):  # noqa: F811
+    """{(block_size, num_blocks, swap): the workload's outputs without speculation}."""
+    runs = {}
+
+    def get(block_size, num_blocks, swap, backend="cpp"):
+        key = (block_size, num_blocks, swap, backend)
+        if key not in runs:
+            runs[key] = serve(make(tiny[0], block_size, num_blocks, swap, backend, None),
+                              spec_workload(stop_case))[0]
+        return runs[key]
+    return get
+
+
+def make(path, block_size, num_blocks, swap, backend, speculative, **overrides):
+    kwargs = dict(block_size=block_size, num_blocks=num_blocks, max_num_batched_tokens=32,
+                  max_num_seqs=8, debug_nan_pool=True, attention_backend=backend,
+                  kernel_interpret=backend.startswith("pallas"),
+                  swap_space=swap * llm_block_bytes(path, block_size),
+                  preemption_mode="swap" if swap else "recompute",
+                  speculative_config=speculative)
+    return LLM(path, **{**kwargs, **overrides})
+
+
+@pytest.mark.parametrize("backend", ["cpp", pytest.param("jnp", marks=pytest.mark.slow),
+                                     *PALLAS])
+@pytest.mark.parametrize("block_size,num_blocks,swap", [(4, 64, 0), (4, 24, 0), (4, 24, 64),
+                                                        (16, 24, 0)],
+                         ids=["blocks-of-4", "preempting", "swapping", "blocks-of-16"])
+def test_speculation_changes_no_request(tiny, stop_case, plain, backend, block_size,  # noqa: F811
+                                        num_blocks, swap):
+    path, model = tiny
+    if backend == "pallas_tpu" and block_size < 8:  # Mosaic: blocks of whole sublanes
+        num_blocks, swap, block_size = num_blocks // 2, swap // 2, 8
+    want = plain(block_size, num_blocks, swap, backend)
+    items = spec_workload(stop_case)
+    llm = make(path, block_size, num_blocks, swap, backend, spec(6, adaptive=False))
+    proposer = llm.engine.scheduler.proposer = Scripted(sequences(want), 97, wrong=0.25)
+    got, stats, raised = serve(llm, items, before_step=committed_as_tokens(llm.engine))
+    assert raised == 0
+    assert_same(got, want)
+    # every acceptance pattern happened, and the engine counted what the proposer knew
+    spec_stats = stats["spec_decode"]
+    right = [r for _, r in proposer.proposals]
+    full = sum(1 for d, r in proposer.proposals if d == r)
+    assert min(right) == 0 and full >= 5 and max(right) >= 4, proposer.proposals
+    assert spec_stats["num_accepted_tokens"] > 20 and spec_stats["num_drafts"] > 30
+    if num_blocks * block_size < 100:  # "preempting", "swapping"
+        assert stats["num_preemptions"] > 0
+    if swap:
+        assert stats["num_swapped_preemptions"] > 0
+    for request_id, prompt, params, _ in items:  # the independent oracle
+        if request_id in ("g0", "late", "long"):
+            assert got[request_id].outputs[0].token_ids == hf_greedy(model, prompt,
+                                                                     params.max_tokens)
+
+
+def test_acceptance_counts_are_the_proposals(tiny, stop_case, plain):  # noqa: F811
+    """With one request at a time the engine's counts are the scripted proposer's own:
+    each proposal's accepted drafts are its leading right ones (greedy requests, whose
+    continuation the proposer knows)."""
+    want = plain(4, 64, 0)
+    items = [item for item in spec_workload(stop_case)
+             if item[0] in ("g0", "late", "long", "hit")]
+    for _, _, params, _ in items:
+        assert params.temperature == 0
+    llm = make(tiny[0], 4, 64, 0, "cpp", spec(5, adaptive=False), max_num_seqs=1)
+    proposer = llm.engine.scheduler.proposer = Scripted(sequences(want), 97, wrong=0.3, seed=4)
+    got, stats, _ = serve(llm, [(r, p, s, 0) for r, p, s, _ in items])
+    for request_id, *_ in items:
+        assert got[request_id].outputs[0].token_ids == want[request_id].outputs[0].token_ids
+    s = stats["spec_decode"]
+    assert s["num_drafts"] == len(proposer.proposals)
+    assert s["num_draft_tokens"] == sum(d for d, _ in proposer.proposals)
+    assert s["num_accepted_tokens"] == sum(r for _, r in proposer.proposals)
+    per_pos = [sum(1 for _, r in proposer.proposals if r > pos) for pos in range(5)]
+    assert s["accepted_per_pos"] == per_pos[:len(s["accepted_per_pos"])]
+    assert s["mean_acceptance_length"] == pytest.approx(
+        1 + s["num_accepted_tokens"] / s["num_drafts"])
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_ngram_speculation_is_greedy_decoding_for_every_k(tiny, k):  # noqa: F811
+    """The n-gram proposer itself on prompts that repeat (the tiny model's greedy text
+    repeats too), k from 1 to 8, preempting: HF transformers' tokens."""
+    path, model = tiny
+    prompts = [[5, 6, 7, 8] * 4, list(range(20, 30)) * 2, [40, 41, 40, 41, 42] * 3]
+    llm = LLM(path, block_size=4, num_blocks=20, max_num_batched_tokens=32, max_num_seqs=4,
+              debug_nan_pool=True, speculative_config=spec(k, adaptive=False))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=40, **GREEDY), use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 40)
+    stats = llm.stats()
+    assert stats["spec_decode"]["num_accepted_tokens"] > 0, stats["spec_decode"]
+
+
+def naive_ngram(tokens, k, low, high):
+    """The n-gram proposal by its definition, in loops: the longest n in [low, high] whose
+    last n tokens occur earlier; of its occurrences, the latest; the k tokens after it."""
+    n_tokens = len(tokens)
+    for n in range(high, low - 1, -1):
+        if n >= n_tokens:
+            continue
+        suffix = tokens[n_tokens - n:]
+        for start in range(n_tokens - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_ngram_proposer_is_its_definition():
+    rng = random.Random(0)
+    proposer = NgramProposer(2, 5)
+    for _ in range(3000):
+        vocab = rng.choice([2, 3, 5, 20])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(0, 40))]
+        k = rng.randint(1, 8)
+        want = naive_ngram(tokens, k, 2, 5)
+        assert proposer.propose(tokens, k) == want, (tokens, k)
+        assert proposer.propose(np.asarray(tokens, np.int64), k) == want
+    # hand-worked: the 3-gram [1, 2, 3] beats the later 2-gram [2, 3]
+    assert proposer.propose([1, 2, 3, 9, 7, 2, 3, 5, 1, 2, 3], 3) == [9, 7, 2]
+    assert NgramProposer(1, 1).propose([4, 8, 4], 2) == [8, 4]
+
+
+@pytest.mark.parametrize("bad,field", [
+    ({"method": "eagle"}, "speculative_config.method"),
+    (spec(0), "speculative_config.num_speculative_tokens"),
+    (spec(17), "speculative_config.num_speculative_tokens"),
+    (spec(3, prompt_lookup_min=0), "speculative_config.prompt_lookup_min"),
+    (spec(3, prompt_lookup_min=4, prompt_lookup_max=3), "speculative_config.prompt_lookup_max"),
+    ({"method": "ngram", "k": 3}, "speculative_config"),
+    ({"num_speculative_tokens": 3}, "speculative_config"),
+    ("ngram", "speculative_config"),
+])
+def test_a_bad_speculative_config_is_refused_naming_its_field(bad, field):
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        EngineConfig(speculative_config=bad)
+
+
+def test_the_flag_takes_vllms_json():
+    import argparse
+
+    from jaxpage.engine_args import add_engine_args, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--speculative-config",
+                              '{"method": "ngram", "num_speculative_tokens": 5}'])
+    assert engine_config(args).speculative_config == SpeculativeConfig(num_speculative_tokens=5)
+
+
+def test_eos_inside_an_accepted_run_ends_the_request_there(hf_model_dir, stop_case):  # noqa: F811
+    """A model whose EOS is its 7th greedy token, drafts always right (the whole run is
+    accepted): the request ends on that EOS, as without speculation."""
+    prompt, greedy, _ = stop_case
+    eos = greedy[6]
+    path, _ = hf_model_dir("llama", eos_token_id=eos)
+    outs = {}
+    for speculative in (None, spec(8, adaptive=False)):
+        llm = LLM(path, block_size=4, num_blocks=64, speculative_config=speculative)
+        if speculative:
+            llm.engine.scheduler.proposer = Scripted([prompt + greedy], 97, wrong=0.0)
+        outs[speculative is None] = llm.generate(
+            [prompt], SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)[0]
+    with_spec, without = outs[False].outputs[0], outs[True].outputs[0]
+    assert with_spec.token_ids == without.token_ids == greedy[:greedy.index(eos) + 1]
+    assert with_spec.finish_reason == "stop"
+    assert llm.stats()["spec_decode"]["num_accepted_tokens"] >= greedy.index(eos)
+
+
+# ------------------------------------------------------------- the sampled distribution
+
+VOCAB = 8  # a tiny vocabulary, so the first two tokens' joint distribution has 64 cells
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    model = build_hf_model("llama", 3, vocab_size=VOCAB, bos_token_id=0, eos_token_id=1)
+    path = tmp_path_factory.mktemp("llama_vocab8")
+    model.save_pretrained(path, safe_serialization=True)
+    return str(path), model
+
+
+def exact_joint(model, prompt, temperature, top_p) -> np.ndarray:
+    """P(first two tokens) [VOCAB, VOCAB] in float64 from HF transformers' logits, with
+    temperature and top-p applied as the sampler applies them."""
+    def dist(tokens):
+        logits = hf_logits(model, tokens)[-1].astype(np.float64) / temperature
+        p = np.exp(logits - logits.max())
+        p /= p.sum()
+        order = np.argsort(-p, kind="stable")
+        before = np.cumsum(p[order]) - p[order]
+        keep = np.zeros(VOCAB, bool)
+        keep[order[before < top_p]] = True
+        p = np.where(keep, p, 0.0)
+        return p / p.sum()
+
+    first = dist(prompt)
+    return np.stack([first[a] * dist(prompt + [a]) for a in range(VOCAB)])
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (1.0, 0.8)])
+def test_sampled_tokens_follow_the_targets_distribution(small_vocab, temperature, top_p):
+    """4,000 seeded requests of 3 tokens with a proposer whose drafts are a fixed guess, far
+    from the model's distribution (most are rejected): the first two tokens' empirical joint
+    distribution against the exact one, by a chi-square test (cells with expected count
+    under 5 pooled) whose false alarm rate is 1e-4; and each request's tokens are those it
+    draws without speculation."""
+    from scipy import stats as scipy_stats
+
+    path, model = small_vocab
+    prompt = [3, 5, 2, 7, 4]
+    draws = 4000
+    params = [SamplingParams(max_tokens=3, temperature=temperature, top_p=top_p, seed=i,
+                             ignore_eos=True) for i in range(draws)]
+
+    class Guess:  # always proposes [6, 6]: q one-hot, far from p
+        def propose(self, token_ids, k):
+            return [6, 6][:k]
+
+    runs = {}
+    for speculative in (spec(2, adaptive=False), None):
+        llm = LLM(path, block_size=4, num_blocks=2048, max_num_seqs=256,
+                  max_num_batched_tokens=1024, speculative_config=speculative)
+        if speculative:
+            llm.engine.scheduler.proposer = Guess()
+        runs[speculative is None] = [o.outputs[0].token_ids for o in llm.generate(
+            [prompt] * draws, params, use_tqdm=False)]
+        if speculative:
+            s = llm.stats()["spec_decode"]
+            assert s["num_drafts"] >= draws and 0.05 < s["acceptance_rate"] < 0.8, s
+    assert runs[False] == runs[True]
+    counts = np.zeros((VOCAB, VOCAB))
+    for tokens in runs[False]:
+        counts[tokens[0], tokens[1]] += 1
+    expected = exact_joint(model, prompt, temperature, top_p).ravel() * draws
+    observed = counts.ravel()
+    assert observed[expected == 0].sum() == 0  # top-p's removed tokens never drawn
+    big = expected >= 5
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] < 5:  # the pooled small cells: folded into the last big one
+        obs, exp = np.append(obs[:-2], obs[-2:].sum()), np.append(exp[:-2], exp[-2:].sum())
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    p_value = scipy_stats.chi2.sf(chi2, len(obs) - 1)
+    assert p_value > 1e-4, (chi2, len(obs), p_value)
+    assert not math.isnan(chi2)
+
+
+# ------------------------------------------------------------- faults
+
+def spec_fault_llm(path, clean):
+    llm = make_llm(path, speculative_config=spec(4, adaptive=False))
+    llm.engine.scheduler.proposer = Scripted(sequences(clean), 97, wrong=0.3, seed=2)
+    return llm
+
+
+def verify_step(seqs) -> bool:
+    return any(s.verify for s in seqs)
+
+
+@pytest.fixture(scope="module")
+def fault_clean(hf_model_dir):
+    path, _ = hf_model_dir("llama")
+    final, raised = run(make_llm(path))
+    assert raised == 0
+    return path, final
+
+
+@pytest.mark.parametrize("stage", ["propose", "verify", "verify_sampler", "verify_pool_lost"])
+def test_a_fault_in_a_speculative_step_leaves_the_others_untouched(fault_clean, stage,
+                                                                   monkeypatch):
+    """test_fault_injection's workload with speculation: the proposer failing for one
+    request ends that request alone; the device call of a step with drafts failing (before
+    it starts, in the sampler after the forward wrote the drafts' K/V, or losing the pool)
+    raises once and every request then gets its clean tokens."""
+    path, clean = fault_clean
+    llm = spec_fault_llm(path, clean)
+    engine = llm.engine
+
+    def install(engine):
+        if stage == "propose":
+            proposer = engine.scheduler.proposer
+            proposer.propose = Once(proposer.propose,
+                                    lambda tokens, k: tokens[:3] == [62, 63, 64])  # g1
+            return proposer.propose
+        if stage == "verify":
+            engine.runner.execute = Once(engine.runner.execute, verify_step)
+            return engine.runner.execute
+        if stage == "verify_sampler":
+            once = Once(runner_module._SAMPLE, lambda logits, md: logits.shape[0] > 8)
+            monkeypatch.setattr(runner_module, "_SAMPLE", once)
+            return once
+
+        def lose_pool(seqs):
+            for leaf in __import__("jax").tree.leaves(engine.runner.kv_pool):
+                leaf.delete()
+            raise RuntimeError("injected failure: pool lost")
+        engine.runner.execute = Once(engine.runner.execute, verify_step, lose_pool)
+        return engine.runner.execute
+
+    fault = fault_at(4, install)
+    final, raised = run(llm, fault)
+    assert fault.armed and fault.armed[0].fired, f"the {stage} fault never fired"
+    ended = {"g1"} if stage == "propose" else set()
+    assert raised == (0 if ended else 1)
+    assert engine.stats()["spec_decode"]["num_accepted_tokens"] > 0
+    assert set(final) == {item[0] for item in fault_workload()}
+    for request_id, out in final.items():
+        if request_id in ended:
+            assert out.error is not None and "injected" in out.error
+        else:
+            assert out.error is None, (request_id, out.error)
+            assert [c.token_ids for c in out.outputs] == [
+                c.token_ids for c in clean[request_id].outputs], request_id
+
+
+# ------------------------------------------------------------- sliding windows, stop strings
+
+@pytest.mark.parametrize("name", ["mistral", pytest.param("gemma2", marks=pytest.mark.slow)])
+def test_sliding_window_models_speculate_past_the_window(hf_model_dir, name):
+    """test_window_group's chunked, preempting case with drafts: the window group's blocks
+    taken for rejected drafts go back too (no window block leaked), and the tokens are HF
+    transformers' far past the 16-token window."""
+    from jaxpage.engine.kv_groups import window_blocks_per_seq
+
+    path, model = hf_model_dir(name, **({"sliding_window": 16} if name == "mistral" else {}))
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 97, size=n).tolist() for n in (5, 16, 17, 40, 61, 90)]
+    expected = [hf_greedy(model, p, 20) for p in prompts]
+    llm = LLM(path, block_size=4, max_num_batched_tokens=12, max_num_seqs=6,
+              num_window_blocks=2 * window_blocks_per_seq(16, 4, 12, 512) + 1,
+              debug_nan_pool=True, speculative_config=spec(4, adaptive=False))
+    llm.engine.scheduler.proposer = Scripted(
+        [p + e for p, e in zip(prompts, expected, strict=True)], 97, wrong=0.3, seed=1)
+    outs = llm.generate(prompts * 2, SamplingParams(max_tokens=20, **GREEDY), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected * 2
+    llm.engine.allocator.check_invariants()
+    stats = llm.stats()
+    assert stats["kv_window_blocks_used"] == stats["kv_blocks_used"] == 0
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["spec_decode"]["num_accepted_tokens"] > 20
+
+
+def test_stop_strings_inside_an_accepted_run(tmp_path):
+    """A byte-level BPE model, drafts always right (a step emits up to 7 tokens): each stop
+    string, wherever it ends inside an accepted run, ends the request on the token it ends
+    in, with the text cut before it, as without speculation; min_tokens defers it alike."""
+    from conftest import byte_level_bpe_tokenizer
+
+    tokenizer = byte_level_bpe_tokenizer()
+    model = build_hf_model("llama", 0, vocab_size=len(tokenizer))
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    engine = dict(tokenizer=tokenizer, block_size=4, num_blocks=64)
+    plain_llm = LLM(str(tmp_path), **engine)
+    spec_llm = LLM(str(tmp_path), speculative_config=spec(6, adaptive=False), **engine)
+    prompt = "Plain English text about the"
+    base = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    first = plain_llm.generate([prompt], base, use_tqdm=False)[0]
+    spec_llm.engine.scheduler.proposer = Scripted(
+        [list(first.prompt_token_ids) + list(first.outputs[0].token_ids)], len(tokenizer),
+        wrong=0.0)
+    text = first.outputs[0].text
+    stops = sorted({text[i : i + 3] for i in range(2, len(text) - 3, 2)} - {""})[:12]
+    assert len(stops) >= 6, text
+    cases = [dict(stop=[s]) for s in stops] + [dict(stop=[s], min_tokens=8) for s in stops]
+    for case in cases:
+        params = dataclasses_replace(base, **case)
+        (want,) = plain_llm.generate([prompt], params, use_tqdm=False)
+        (got,) = spec_llm.generate([prompt], params, use_tqdm=False)
+        a, b = got.outputs[0], want.outputs[0]
+        assert (a.text, a.token_ids, a.finish_reason, a.stop_reason) == (
+            b.text, b.token_ids, b.finish_reason, b.stop_reason), case
+    assert spec_llm.stats()["spec_decode"]["mean_acceptance_length"] > 3
+
+
+def dataclasses_replace(params, **changes):
+    import dataclasses
+
+    return dataclasses.replace(params, **changes)
+
+
+def test_metrics_under_vllms_names(tiny, stop_case, plain):  # noqa: F811
+    """The server's /metrics collector over an engine that speculated: vLLM's spec_decode
+    counters equal llm.stats(), per position too."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from jaxpage.serve.metrics import ServerMetrics
+
+    want = plain(4, 64, 0)
+    llm = make(tiny[0], 4, 64, 0, "cpp", spec(4, adaptive=False))
+    llm.engine.scheduler.proposer = Scripted(sequences(want), 97, wrong=0.3)
+    serve(llm, spec_workload(stop_case))
+    values = {}
+    for family in text_string_to_metric_families(
+            ServerMetrics("tiny", llm.stats).render().decode()):
+        for sample in family.samples:
+            values[sample.name, sample.labels.get("position")] = sample.value
+    s = llm.stats()["spec_decode"]
+    assert values["vllm:spec_decode_num_drafts_total", None] == s["num_drafts"] > 0
+    assert values["vllm:spec_decode_num_draft_tokens_total", None] == s["num_draft_tokens"]
+    assert (values["vllm:spec_decode_num_accepted_tokens_total", None]
+            == s["num_accepted_tokens"])
+    assert [values["vllm:spec_decode_num_accepted_tokens_per_pos_total", str(pos)]
+            for pos in range(4)] == s["accepted_per_pos"]
+    plain_metrics = ServerMetrics("tiny", make(tiny[0], 4, 64, 0, "cpp", None).stats)
+    assert b"spec_decode" not in plain_metrics.render()
