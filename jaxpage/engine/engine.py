@@ -303,12 +303,20 @@ class LLMEngine:
             if not (scheduled.chunks or scheduled.swap_out):  # planned copies always run
                 return outputs
             timer.mark("schedule")  # of a step that runs: an idle one is no step
+            compiles, device_start = self.runner.compiles, time.perf_counter()
             try:
                 results = self._run_device(scheduled)
             except Exception:
                 self._pending = outputs  # reported by the next step
                 raise
             timer.mark("device")
+            step_cost = self.scheduler.step_cost
+            if (step_cost is not None and self.runner.compiles == compiles
+                    and all(c.num_new_tokens == 1 + len(c.draft_tokens)
+                            for c in scheduled.chunks)):  # decodes, some with drafts
+                step_cost.observe(scheduled.num_batched_tokens,
+                                  any(c.draft_tokens for c in scheduled.chunks),
+                                  time.perf_counter() - device_start)
             # peak KV use: with this step's blocks, before finished requests free theirs
             self.peak_kv_usage = max(self.peak_kv_usage, self.allocator.usage()["usage"])
             detokenize = self._detokenize if self.tokenizer is not None else None

@@ -10,7 +10,7 @@ from jaxpage.outputs import RequestMetrics
 from jaxpage.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from jaxpage.engine.speculative import DraftLength
+    from jaxpage.engine.speculative import Acceptance
 
 
 class RequestStatus(enum.Enum):
@@ -48,8 +48,8 @@ class Request:
     num_text_emitted: int = 0  # characters of `text` already streamed
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    # speculative decoding: this sequence's draft length (jaxpage.engine.speculative)
-    draft_length: DraftLength | None = None
+    # speculative decoding: this sequence's acceptance rate (jaxpage.engine.speculative)
+    acceptance: Acceptance | None = None
     # the allocator's key for this sequence, "<request_id>#<sample_index>" (set once: read
     # several times a step for every running sequence)
     seq_id: str = dataclasses.field(init=False)

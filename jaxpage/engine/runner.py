@@ -315,12 +315,18 @@ class ModelRunner:
         self.token_buckets = power_of_two_buckets(min(16, max_num_batched_tokens),
                                                   max_num_batched_tokens)
         smallest_decode = 1 if devices[0].platform == "cpu" else min(8, max_num_seqs)
+        spec = config.speculative_config
+        if spec is not None and devices[0].platform == "cpu":
+            # a speculative step of a few sequences is a few tokens: on a CPU each padded
+            # token is a row of every matmul (SmolLM2 bfloat16, one sequence's 5 tokens
+            # padded to 16 cost ~2x its decode step), so such steps get buckets of their own
+            self.token_buckets = [b for b in (2, 4, 8) if b < self.token_buckets[0]] + (
+                self.token_buckets)
         self.decode_buckets = power_of_two_buckets(smallest_decode, max_num_seqs,
                                                    midpoints=True)
         # a step's draws: one a sequence (n as a prompt's samples fork), or with speculative
         # decoding one at its last token and at each of its drafts
         self.row_buckets = self.decode_buckets
-        spec = config.speculative_config
         if spec is not None:
             most_rows = min(max_num_batched_tokens, max_num_seqs * (spec.num_speculative_tokens
                                                                     + 1))

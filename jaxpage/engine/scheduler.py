@@ -32,10 +32,12 @@ from jaxpage.engine.block_hashing import encode_extra_keys
 from jaxpage.engine.kv_groups import WindowedAllocator, window_blocks_per_seq
 from jaxpage.engine.request import Request, RequestGroup, RequestStatus
 from jaxpage.engine.speculative import (
-    DraftLength,
+    Acceptance,
     NgramProposer,
     SpecStats,
     SpeculativeConfig,
+    StepCost,
+    expected_gain,
     num_accepted,
 )
 from jaxpage.engine.swap_cost import SwapCostModel
@@ -140,6 +142,10 @@ class Scheduler:
         self.proposer = None if speculative is None else NgramProposer(
             speculative.prompt_lookup_min, speculative.prompt_lookup_max)
         self.spec_stats = SpecStats()
+        # what a step costs (the engine observes it) and the threshold it sets at the last
+        # step's batch, for an adaptive speculative_config
+        self.step_cost = StepCost() if speculative is not None and speculative.adaptive else None
+        self._terms = (1.0, 0.0, 0.0)  # StepCost.terms at the last step's batch
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.failed: list[RequestGroup] = []  # ended by a failure, not yet reported
@@ -193,6 +199,7 @@ class Scheduler:
 
         # 1. running requests, oldest first; preempt the newest when the pool runs dry
         grow = self.allocator.grow
+        plans = self._plan_drafts() if self.proposer is not None else {}
         for request in list(self.running):
             if budget <= 0:
                 break
@@ -201,9 +208,8 @@ class Scheduler:
             num_new = min(len(request.token_ids) - request.num_computed_tokens, budget)
             if num_new == 0:  # a beam waiting for its siblings' log-probs
                 continue
+            drafts = plans.get(request, [])[: budget - 1] if num_new == 1 else []
             try:
-                drafts = self._propose(request, budget - 1) if (
-                    num_new == 1 and self.proposer is not None) else []
                 while (copies := grow(request.seq_id, request.num_computed_tokens + num_new
                                       + len(drafts))) is None:
                     if drafts:  # the pool is short: drop the drafts before preempting
@@ -384,34 +390,59 @@ class Scheduler:
             self.allocator.window_table(request.seq_id) if self.windowed else None,
             drafts or [])
 
-    def _propose(self, request: Request, room: int) -> list[int]:
-        """Speculative drafts for a request about to decode: at most its draft length
-        (`DraftLength`), the `room` left in the step's token budget, and what its max_tokens
-        and max_model_len leave after the token the step draws anyway. None for a beam or a
-        prompt whose samples fork at this draw."""
+    def _plan_drafts(self) -> dict[Request, list[int]]:
+        """Speculative drafts for the running requests about to decode (not beams, not a
+        prompt whose samples fork at this draw): up to k each, no more than max_tokens and
+        max_model_len leave after the token the step draws anyway; with `adaptive`, only
+        those worth their cost (`Acceptance.length`), and none at all when their expected
+        saving does not pay for a step with drafts (`StepCost`). A proposer that fails ends
+        its request alone."""
         spec = self.speculative
-        if request.num_draws != 1 or isinstance(request.group, BeamGroup):
-            return []
-        k = spec.num_speculative_tokens
-        if spec.adaptive:
-            length = request.draft_length
-            if length is None:
-                length = request.draft_length = DraftLength(k)
-            k = length.current()
-        num_tokens = request.num_tokens
-        k = min(k, room, request.max_num_tokens - num_tokens - 1,
-                self.max_model_len - num_tokens - 1)
-        return self.proposer.propose(request.token_ids, k) if k > 0 else []
+        cost = self.step_cost
+        if cost is not None:
+            self._terms = saving, draft_cost, switch = cost.terms(len(self.running))
+            threshold = draft_cost / saving
+            prior = self.spec_stats.acceptance_rate(default=0.5)
+        plans, gain = {}, 0.0
+        for request in list(self.running):
+            num_tokens = request.num_tokens
+            if (request.status is not RequestStatus.RUNNING
+                    or request.num_computed_tokens + 1 != num_tokens
+                    or request.num_draws != 1 or isinstance(request.group, BeamGroup)):
+                continue
+            k = min(spec.num_speculative_tokens, request.max_num_tokens - num_tokens - 1,
+                    self.max_model_len - num_tokens - 1)
+            if cost is not None and k > 0:
+                if request.acceptance is None:
+                    request.acceptance = Acceptance()
+                k = request.acceptance.length(k, threshold, prior)
+            if k <= 0:
+                continue
+            try:
+                drafts = self.proposer.propose(request.token_ids, k)
+            except Exception as exc:  # changed nothing: fail this request only
+                self.fail(request.group, exc)
+                continue
+            if drafts:
+                plans[request] = drafts
+                if cost is not None:
+                    gain += expected_gain(request.acceptance.rate(prior), len(drafts),
+                                          saving, draft_cost)
+            elif cost is not None:  # tried, found nothing: a step that yields nothing
+                request.acceptance.observe(0, 0, saving, switch)
+        if cost is not None and gain < switch:  # not worth a step with drafts: none
+            for request in plans:
+                request.acceptance.observe(0, 0, saving, switch)
+            return {}
+        return plans
 
     def _drafts_next(self, request: Request) -> bool:
         """Whether the request's next decode may carry drafts (so no step runs ahead of
-        it): always with speculation on, but for a request whose adaptive draft length is 0
-        and stays 0 for its next step."""
+        it): always with speculation on, but for a request whose acceptance makes its next
+        step propose nothing (`Acceptance.waits`)."""
         if self.speculative is None:
             return False
-        length = request.draft_length
-        return (length is None or length.k > 0
-                or length.idle + 1 >= DraftLength.retry_after)
+        return request.acceptance is None or not request.acceptance.waits
 
     def _seq_input(self, chunk: ScheduledChunk, goes_on: bool, ends: bool) -> SeqInput:
         """The runner's view of a chunk: block table, tokens and, when it ends the known
@@ -545,9 +576,9 @@ class Scheduler:
         request.num_computed_tokens = computed
         self.allocator.trim(request.seq_id, computed)
         self.spec_stats.record(len(drafts), accepted)
-        if request.draft_length is not None:
-            request.draft_length.observe(len(drafts), accepted,
-                                         self.speculative.num_speculative_tokens)
+        if request.acceptance is not None:
+            saving, _, switch = self._terms
+            request.acceptance.observe(len(drafts), accepted, saving, switch)
         new_tokens.setdefault(request.group, {})[request] = request.num_output_tokens
         finished = RequestStatus.FINISHED
         for j, draw in enumerate(draws[: accepted + 1]):

@@ -15,6 +15,7 @@ with speculation those without it, seeded or greedy.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -35,8 +36,9 @@ class SpeculativeConfig:
     `prompt_lookup_max` tokens) ending the sequence that occurred earlier in it (prompt and
     output) proposes the tokens that followed its latest earlier occurrence.
     num_speculative_tokens: k, the most drafts per sequence and step (1 to 16).
-    adaptive: a request's k follows its acceptance (see `DraftLength`); off, every step
-    proposes up to k.
+    adaptive: each request proposes only the drafts worth their cost, from its acceptance
+    rate so far and what a step costs on this machine (`Acceptance`, `StepCost`); off,
+    every step proposes up to k.
     """
 
     method: str = "ngram"
@@ -119,32 +121,124 @@ class NgramProposer:
         return tokens[follow : follow + k].tolist()
 
 
-class DraftLength:
-    """A request's draft length: starts at k; after a verification it grows by one when
-    every draft was accepted and shrinks by one when none was, down to 0, where the request
-    decodes without drafts and tries one draft again after `retry_after` steps. So a request
-    whose text the proposer cannot guess (open-ended chat for prompt lookup) soon runs as
-    without speculation, and one that quotes its prompt speculates at full length."""
+class Acceptance:
+    """A request's record as a speculator. Its acceptance rate is the fraction of its draft
+    positions the target confirmed (a verification of d drafts that accepted m is m
+    successes in m + 1 trials, or in m if all d were accepted), its yield the drafts it got
+    accepted per step it tried to speculate (a step whose proposer found nothing yields 0);
+    older steps weigh less (each scales them by `decay`), over a prior of one trial at the
+    engine's rate so far.
 
-    __slots__ = ("k", "idle")
-    retry_after = 16
+    A request whose yield no longer pays for what a step with drafts costs rests: for
+    `rest_steps` steps it proposes nothing, so that its decode steps may run ahead again
+    (open-ended text, where prompt lookup rarely finds anything), then tries again."""
 
-    def __init__(self, k: int) -> None:
-        self.k, self.idle = k, 0
+    __slots__ = ("hits", "trials", "yield_", "rest")
+    decay = 0.75
+    rest_steps = 16
 
-    def current(self) -> int:
-        if self.k == 0:
-            self.idle += 1
-            if self.idle < self.retry_after:
-                return 0
-            self.idle, self.k = 0, 1
-        return self.k
+    def __init__(self) -> None:
+        self.hits = self.trials = 0.0
+        self.yield_ = 1.0  # optimistic: a new request gets a few steps to show its yield
+        self.rest = 0
 
-    def observe(self, num_drafts: int, num_accepted: int, k_max: int) -> None:
-        if num_accepted == num_drafts:
-            self.k = min(self.k + 1, k_max)
-        elif num_accepted == 0:
-            self.k -= 1
+    def rate(self, prior: float) -> float:
+        return (self.hits + prior) / (self.trials + 1.0)
+
+    def length(self, room: int, threshold: float, prior: float) -> int:
+        """Drafts worth proposing this step, at most `room`: none while resting, else the
+        positions i whose chance of acceptance rate**i beats `threshold`
+        (`StepCost.threshold`)."""
+        if self.rest:
+            self.rest -= 1
+            return 0
+        return drafts_worth(self.rate(prior), threshold, room)
+
+    def observe(self, num_drafts: int, num_accepted: int, saving: float,
+                switch: float) -> None:
+        """A step it tried to speculate in: `num_drafts` proposed (0: the proposer found
+        nothing), `num_accepted` of them accepted; rests when its yield, each accepted draft
+        saving `saving` seconds, no longer beats `switch` (`StepCost.terms`)."""
+        if num_drafts:
+            self.hits = self.hits * self.decay + num_accepted
+            self.trials = (self.trials * self.decay + num_accepted
+                           + (num_accepted < num_drafts))
+        self.yield_ = self.yield_ * self.decay + num_accepted * (1 - self.decay)
+        if self.yield_ * saving < switch:
+            self.rest = self.rest_steps
+            self.yield_ = switch / saving  # its next try starts at the margin
+
+    @property
+    def waits(self) -> bool:
+        """Whether its next step surely proposes nothing (so a step may run ahead of it)."""
+        return self.rest > 0
+
+
+def drafts_worth(rate: float, threshold: float, room: int) -> int:
+    """How many leading draft positions i (1, 2, ...) have rate**i > threshold, at most
+    `room`: the i-th draft is accepted only if every one before it is."""
+    k, chance = 0, rate
+    while k < room and chance > threshold:
+        k += 1
+        chance *= rate
+    return k
+
+
+def expected_gain(rate: float, num_drafts: int, saving: float, draft_cost: float) -> float:
+    """Device seconds a proposal of `num_drafts` saves in expectation: each accepted draft
+    is a later step's row not run (`saving`), each draft a row run now (`draft_cost`)."""
+    gain, chance = 0.0, rate
+    for _ in range(num_drafts):
+        gain += chance * saving - draft_cost
+        chance *= rate
+    return gain
+
+
+class StepCost:
+    """What a step costs on this machine, fitted as it runs: a step without prompt chunks
+    takes a + b * tokens seconds, plus c when it carries drafts (their tokens run the
+    prefill path; on a CPU the decode step's own path and running ahead are lost). Least
+    squares over the last `window` such steps that compiled nothing, refitted every 16;
+    until it has seen enough steps with drafts and without, a CPU's proportions (b = a / 16,
+    c = a / 8, measured for SmolLM2 on a 2-core Xeon).
+
+    At a batch of B sequences an accepted draft saves a later step's row, a / B + b, and
+    every draft costs b now: a draft at position i is worth proposing while its chance of
+    acceptance beats the threshold b / (a / B + b), and a step carries drafts only when
+    their expected saving beats c."""
+
+    def __init__(self, window: int = 256) -> None:
+        self.samples: collections.deque[tuple[int, bool, float]] = collections.deque(
+            maxlen=window)
+        self.coefficients = (1.0, 1 / 16, 1 / 8)  # (a, b, c)
+        self._new = 0
+
+    def observe(self, num_tokens: int, drafts: bool, seconds: float) -> None:
+        self.samples.append((num_tokens, drafts, seconds))
+        self._new += 1
+        if self._new >= 16:
+            self._new = 0
+            self._fit()
+
+    def _fit(self) -> None:
+        data = np.array(self.samples, np.float64)
+        with_drafts = int(data[:, 1].sum())
+        if min(with_drafts, len(data) - with_drafts) < 8 or np.ptp(data[:, 0]) == 0:
+            return
+        x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
+        (a, b, c), *_ = np.linalg.lstsq(x, data[:, 2], rcond=None)
+        if a > 0:
+            self.coefficients = (float(a), max(float(b), 0.0), max(float(c), 0.0))
+
+    def terms(self, batch: int) -> tuple[float, float, float]:
+        """(saving of an accepted draft, cost of a draft, cost of carrying drafts at all)
+        at a batch of `batch` sequences."""
+        a, b, c = self.coefficients
+        return a / max(batch, 1) + b, b, c
+
+    def threshold(self, batch: int) -> float:
+        saving, draft_cost, _ = self.terms(batch)
+        return draft_cost / saving
 
 
 @dataclasses.dataclass
@@ -172,6 +266,12 @@ class SpecStats:
             self.drafts_per_pos[pos] += 1
         for pos in range(num_accepted):
             self.accepted_per_pos[pos] += 1
+
+    def acceptance_rate(self, default: float) -> float:
+        """Accepted over proposed draft tokens so far (`default` before any)."""
+        if not self.num_draft_tokens:
+            return default
+        return self.num_accepted_tokens / self.num_draft_tokens
 
     def summary(self) -> dict[str, Any]:
         """The counts, the acceptance rate (accepted / proposed), the mean acceptance length

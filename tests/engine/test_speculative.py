@@ -524,3 +524,81 @@ def test_metrics_under_vllms_names(tiny, stop_case, plain):  # noqa: F811
             for pos in range(4)] == s["accepted_per_pos"]
     plain_metrics = ServerMetrics("tiny", make(tiny[0], 4, 64, 0, "cpp", None).stats)
     assert b"spec_decode" not in plain_metrics.render()
+
+
+# ------------------------------------------------------------- the adaptive policy
+
+def test_drafts_worth_and_their_expected_gain_hand_worked():
+    from jaxpage.engine.speculative import drafts_worth, expected_gain
+
+    # 0.5 and 0.25 beat 0.2; 0.125 does not
+    assert drafts_worth(0.5, 0.2, 8) == 2
+    assert drafts_worth(0.5, 0.2, 1) == 1
+    assert drafts_worth(1.0, 0.9, 5) == 5
+    assert drafts_worth(0.2, 0.2, 5) == 0
+    # (0.5 * 10 - 1) + (0.25 * 10 - 1)
+    assert expected_gain(0.5, 2, 10.0, 1.0) == pytest.approx(5.5)
+    assert expected_gain(0.1, 1, 10.0, 1.0) == pytest.approx(0.0)
+
+
+def test_step_cost_fits_what_steps_cost():
+    """Steps of a + b * tokens + c (with drafts), with noise: the fit finds a, b, c, and
+    the terms at a batch of 4 follow from them."""
+    from jaxpage.engine.speculative import StepCost
+
+    cost = StepCost()
+    assert cost.coefficients == (1.0, 1 / 16, 1 / 8)  # the prior until it has seen enough
+    rng = np.random.default_rng(0)
+    a, b, c = 0.012, 0.0015, 0.003
+    for _ in range(64):
+        tokens = int(rng.integers(1, 40))
+        drafts = bool(rng.integers(0, 2))
+        cost.observe(tokens, drafts, a + b * tokens + c * drafts + rng.normal(0, 1e-5))
+    fitted = cost.coefficients
+    assert fitted == pytest.approx((a, b, c), rel=0.02, abs=2e-5)
+    saving, draft_cost, switch = cost.terms(4)
+    assert (saving, draft_cost, switch) == pytest.approx((fitted[0] / 4 + fitted[1],
+                                                          fitted[1], fitted[2]))
+    assert cost.threshold(4) == pytest.approx(fitted[1] / (fitted[0] / 4 + fitted[1]))
+
+
+def test_a_request_rests_when_its_drafts_stop_paying():
+    from jaxpage.engine.speculative import Acceptance
+
+    acceptance = Acceptance()
+    assert acceptance.rate(0.5) == 0.5
+    acceptance.observe(4, 2, saving=10.0, switch=2.0)  # 2 of 3 trials: (2 + 0.5) / (3 + 1)
+    assert acceptance.rate(0.5) == pytest.approx(0.625)
+    # steps that find nothing: the yield 1.0 decays by 0.75 from its 2-draft step's
+    # 0.75 + 0.5 = 1.25; rests once yield * 10 < 2
+    yields = []
+    while not acceptance.waits:
+        acceptance.observe(0, 0, saving=10.0, switch=2.0)
+        yields.append(acceptance.yield_)
+    assert len(yields) == 7 and acceptance.rest == Acceptance.rest_steps
+    assert [acceptance.length(4, 0.1, 0.5) for _ in range(Acceptance.rest_steps + 1)] == (
+        [0] * Acceptance.rest_steps + [4])
+
+
+@pytest.mark.parametrize("wrong", [0.0, 0.9])
+def test_adaptive_speculation_changes_no_request(tiny, stop_case, plain, wrong):  # noqa: F811
+    """The default, adaptive policy over the workload: drafts that are always right keep
+    being proposed; drafts mostly wrong soon stop (requests rest); the tokens are the same."""
+    want = plain(4, 64, 0)
+    llm = make(tiny[0], 4, 64, 0, "cpp", spec(4))
+    engine = llm.engine
+    engine.scheduler.proposer = Scripted(sequences(want), 97, wrong=wrong, seed=5)
+    rested = set()
+
+    def watch(step):
+        rested.update(r.seq_id for r in engine.scheduler.running
+                      if r.acceptance is not None and r.acceptance.waits)
+
+    got, stats, raised = serve(llm, spec_workload(stop_case), before_step=watch)
+    assert raised == 0
+    assert_same(got, want)
+    s = stats["spec_decode"]
+    if wrong:
+        assert rested and s["acceptance_rate"] < 0.3, (rested, s)
+    else:
+        assert s["mean_acceptance_length"] > 2.5 and s["num_drafts"] > 20, s
