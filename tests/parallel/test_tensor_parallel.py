@@ -62,6 +62,16 @@ def test_tokens_equal_one_device(model, backend, sizes, preemption):
     assert_same_tokens(results)
 
 
+def test_speculative_steps_on_the_mesh_equal_one_device():
+    """Drafts verified on 2 devices: the tokens one device gives without speculation (greedy
+    and seeded, a chunked prompt, preempting)."""
+    results = run_worker("speculative", "llama8", "2")
+    plain = results.pop("plain")["tokens"]
+    for tp, result in results.items():
+        assert result["tokens"] == plain, f"tp {tp} with drafts differs"
+        assert result["accepted"] > 10 and result["preemptions"] > 0, (tp, result)
+
+
 def test_each_device_holds_its_share():
     """From the arrays' addressable shards: each device holds 1/tp of the weights (the k/v
     projections times their replication when tp > KV heads) and of the pool, within 1%."""

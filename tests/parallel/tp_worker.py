@@ -208,6 +208,42 @@ def export_tpu(num_layers: str) -> dict:
             "num_layers": config.num_layers}
 
 
+class KnownDrafts:
+    """Proposes what follows a sequence in `sequences` (the run without speculation), every
+    third draft position wrong, so that steps accept all, some and none of their drafts."""
+
+    def __init__(self, sequences: list[list[int]]) -> None:
+        self.sequences = sequences
+
+    def propose(self, token_ids, k):
+        n = len(token_ids)
+        known = next((s for s in self.sequences if len(s) > n and s[:n] == token_ids), [])
+        return [t if (n + i) % 3 else (t + 1) % 97 for i, t in enumerate(known[n : n + k])]
+
+
+def speculative(kind: str, sizes: str) -> dict:
+    """The tokens workload's greedy and seeded requests (chunked, preempting) with drafts
+    verified on the mesh: {tp: tokens, accepted drafts}, "plain": one device without."""
+    path = model_dir(kind)
+    prompts = [list(range(3, 8)), PREFIX + [70, 71], list(range(3, 60)), list(range(80, 90))]
+    params = [SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)] * 3 + [
+        SamplingParams(n=2, max_tokens=10, temperature=0.9, seed=7, ignore_eos=True)]
+    engine = dict(ENGINE_FOR_TOKENS, num_blocks=20)
+    outs = LLM(path, **engine).generate(prompts, params, use_tqdm=False)
+    results = {"plain": {"tokens": [[c.token_ids for c in o.outputs] for o in outs]}}
+    known = [p + c.token_ids for p, o in zip(prompts, outs, strict=True) for c in o.outputs]
+    for tp in [1] + [int(s) for s in sizes.split(",") if s]:
+        llm = LLM(path, tensor_parallel_size=tp, speculative_config={
+            "method": "ngram", "num_speculative_tokens": 4, "adaptive": False}, **engine)
+        llm.engine.scheduler.proposer = KnownDrafts(known)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.stats()
+        results[tp] = {"tokens": [[c.token_ids for c in o.outputs] for o in outs],
+                       "accepted": stats["spec_decode"]["num_accepted_tokens"],
+                       "preemptions": stats["num_preemptions"]}
+    return results
+
+
 def refusals() -> dict:
     path = model_dir("llama8")
     messages = {}
@@ -227,4 +263,4 @@ if __name__ == "__main__":
     case, *args = sys.argv[1:]
     print(json.dumps({"tokens": tokens, "memory": memory, "collectives": collectives,
                       "data_parallel": data_parallel, "export_tpu": export_tpu,
-                      "refusals": refusals}[case](*args)))
+                      "refusals": refusals, "speculative": speculative}[case](*args)))

@@ -10,6 +10,7 @@ seeded samples and log-probabilities from the server must equal what `LLM.genera
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -51,14 +52,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(model_dir):
-    """The live server's base URL (warm-up on, as users run it)."""
+@contextlib.contextmanager
+def running_server(model_dir: str, *extra: str):
+    """A live server's base URL (warm-up on, as users run it), ENGINE's flags and `extra`."""
     port = free_port()
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxpage.serve", "--model", model_dir, "--served-model-name",
-         MODEL, "--port", str(port), "--api-key", API_KEY, "--compile-cache", "", *flags],
+         MODEL, "--port", str(port), "--api-key", API_KEY, "--compile-cache", "", *flags,
+         *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "JAX_PLATFORMS": "cpu"})
     url = f"http://127.0.0.1:{port}"
@@ -83,6 +85,12 @@ def server(model_dir):
             log, _ = proc.communicate()
     assert "ready: serving tiny" in log and "warm-up:" in log, log[-3000:]
     assert "Traceback" not in log, log[-5000:]
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with running_server(model_dir) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -416,3 +424,30 @@ def test_a_client_that_gives_up_aborts_its_request(server):
     after = metrics(server)
     assert after.get(key, 0) == before + 4
     assert after["vllm:kv_cache_usage_perc", ()] == 0.0
+
+
+def test_a_server_speculating_answers_as_llm_generate(model_dir, oracle):
+    """`--speculative-config` as vLLM takes it: greedy completions through the openai
+    client, streamed and not, are what LLM.generate gives without speculation, and
+    /metrics has vLLM's spec_decode counters."""
+    import openai
+
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
+    prompts = [p * 3 for p in PROMPTS]  # repeated text: prompt lookup finds drafts
+    want = [o.outputs[0].text for o in oracle.generate(
+        prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+        use_tqdm=False)]
+    with running_server(model_dir, "--speculative-config", spec) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0,
+                               timeout=120)
+        for prompt, text in zip(prompts, want, strict=True):
+            kwargs = dict(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                          extra_body={"ignore_eos": True})
+            assert client.completions.create(**kwargs).choices[0].text == text
+            streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+                stream=True, **kwargs))
+            assert streamed == text
+        values = metrics(url)
+    assert ("vllm:spec_decode_num_drafts_total", ()) in values
+    assert values["vllm:spec_decode_num_draft_tokens_total", ()] >= values[
+        "vllm:spec_decode_num_accepted_tokens_total", ()]
