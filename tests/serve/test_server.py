@@ -448,6 +448,6 @@ def test_a_server_speculating_answers_as_llm_generate(model_dir, oracle):
                 stream=True, **kwargs))
             assert streamed == text
         values = metrics(url)
-    assert ("vllm:spec_decode_num_drafts_total", ()) in values
+    assert values["vllm:spec_decode_num_drafts_total", ()] > 0
     assert values["vllm:spec_decode_num_draft_tokens_total", ()] >= values[
-        "vllm:spec_decode_num_accepted_tokens_total", ()]
+        "vllm:spec_decode_num_accepted_tokens_total", ()] > 0
