@@ -142,10 +142,10 @@ class Scheduler:
         self.proposer = None if speculative is None else NgramProposer(
             speculative.prompt_lookup_min, speculative.prompt_lookup_max)
         self.spec_stats = SpecStats()
-        # what a step costs (the engine observes it) and the threshold it sets at the last
-        # step's batch, for an adaptive speculative_config
+        # what a step costs on this machine (the engine observes it), for an adaptive
+        # speculative_config, and its terms at the last step's batch (StepCost.terms)
         self.step_cost = StepCost() if speculative is not None and speculative.adaptive else None
-        self._terms = (1.0, 0.0, 0.0)  # StepCost.terms at the last step's batch
+        self._terms = (1.0, 0.0, 0.0)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.failed: list[RequestGroup] = []  # ended by a failure, not yet reported
