@@ -65,7 +65,7 @@ GROUNDED = [
     f"Repeat this passage exactly:\n\n{POEM}",
     f"Repeat the following code exactly:\n\n{CODE}",
     "Continue this list with the next ten lines in the same format:\n" + "\n".join(
-        f"{i}. Item number {i} is stored in box {i}." for i in range(1, 9)),
+        f"{i}. Item number {i} is kept in crate {i}." for i in range(1, 9)),
 ]
 
 OPEN = [
