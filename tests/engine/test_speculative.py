@@ -140,11 +140,23 @@ def make(path, block_size, num_blocks, swap, backend, speculative, **overrides):
     return LLM(path, **{**kwargs, **overrides})
 
 
-@pytest.mark.parametrize("backend", ["cpp", pytest.param("jnp", marks=pytest.mark.slow),
-                                     *PALLAS])
-@pytest.mark.parametrize("block_size,num_blocks,swap", [(4, 64, 0), (4, 24, 0), (4, 24, 64),
-                                                        (16, 24, 0)],
-                         ids=["blocks-of-4", "preempting", "swapping", "blocks-of-16"])
+POOLS = {"blocks-of-4": (4, 64, 0), "preempting": (4, 24, 0), "swapping": (4, 24, 64),
+         "blocks-of-16": (16, 24, 0)}
+
+
+def backend_cases() -> list:
+    """(backend, block_size, num_blocks, swap): the CPU's own kernel on every pool in the
+    default suite; jnp on the preempting ones and each Pallas kernel, interpreted (~2
+    minutes a case on two cores), on the preempting one in the slow suite."""
+    cases = [pytest.param("cpp", *pool, id=f"cpp-{name}") for name, pool in POOLS.items()]
+    cases += [pytest.param("jnp", *POOLS[name], id=f"jnp-{name}", marks=pytest.mark.slow)
+              for name in ("preempting", "swapping")]
+    cases += [pytest.param(p.values[0], *POOLS["preempting"], id=f"{p.values[0]}-preempting",
+                           marks=p.marks) for p in PALLAS]
+    return cases
+
+
+@pytest.mark.parametrize("backend,block_size,num_blocks,swap", backend_cases())
 def test_speculation_changes_no_request(tiny, stop_case, plain, backend, block_size,  # noqa: F811
                                         num_blocks, swap):
     path, model = tiny
