@@ -1,5 +1,6 @@
-"""Speculative decoding's host side: its config, the proposers, per-request draft length and
-the acceptance statistics (plain Python and NumPy, no JAX).
+"""Speculative decoding's host side: its config, the n-gram proposer, when drafts pay (each
+request's acceptance, the fitted step cost) and the acceptance statistics (plain Python and
+NumPy, no JAX).
 
 A running sequence that decodes asks its proposer for up to k draft tokens; the step runs
 the sequence's last token and its drafts through the target model as one chunk of the
