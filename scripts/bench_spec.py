@@ -21,6 +21,7 @@ update (acceptance, rewinding, appending).
     python scripts/bench_spec.py                       # batches 1, 4, 16, 64; k = 4
     python scripts/bench_spec.py --batches 1,64 --k 3 --max-tokens 96
     python scripts/bench_spec.py --json out.json
+    python scripts/bench_spec.py --draft-layers 3      # the model's first 3 layers draft
 
 Goals (issue #62): n-gram at batch 1 on grounded prompts at least 2x lower TPOT; open-ended
 prompts no worse than 0.95x; batch 64 no slower than without speculation.
@@ -89,7 +90,8 @@ def run_batch(llm, prompts: list[list[int]], max_tokens: int) -> dict:
     proposer = engine.scheduler.proposer
     propose_seconds = [0.0]
     if proposer is not None:  # time the proposer's own work inside scheduling
-        original = type(proposer).propose
+        original = type(proposer).propose  # (a draft model's: the runner's device steps,
+        # which count in the device column)
 
         def timed(tokens, k):
             start = time.perf_counter()
@@ -195,6 +197,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="1,4,16,64")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--fixed", action="store_true",
+                        help="adaptive false: every step proposes up to k")
+    parser.add_argument("--draft-layers", type=int,
+                        help="draft with the model's first N layers (method draft_model, model "
+                             "self) instead of prompt lookup")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kinds", default="grounded,open")
@@ -209,6 +216,13 @@ def main() -> None:
 
     batches = [int(b) for b in args.batches.split(",")]
     spec = {"method": "ngram", "num_speculative_tokens": args.k}
+    method = f"n-gram, k={args.k}"
+    if args.draft_layers:
+        spec = {"method": "draft_model", "model": "self", "draft_layers": args.draft_layers,
+                "num_speculative_tokens": args.k}
+        method = f"the first {args.draft_layers} layers as the draft, k={args.k}"
+    spec["adaptive"] = not args.fixed
+    method += ", fixed k" if args.fixed else ", adaptive"
     llm = make_llm(max(batches), args.dtype, speculative_config=spec)
     llms = {"off": Switched(llm, False), "on": Switched(llm, True)}
     tokenizer = llm.tokenizer
@@ -216,14 +230,14 @@ def main() -> None:
     gbps = read_gbps()
     itemsize = 2 if args.dtype == "bfloat16" else 4
     kinds = {"grounded": GROUNDED, "open": OPEN}
-    print(f"speculative decoding (n-gram, k={args.k}) on vs off; {args.dtype}, "
+    print(f"speculative decoding ({method}) on vs off; {args.dtype}, "
           f"max_tokens {args.max_tokens}, greedy; read bandwidth {gbps:.1f} GB/s")
     header = (f"{'kind':9} {'batch':>5} {'TPOT off':>9} {'TPOT on':>8} {'ratio':>6} "
               f"{'tok/s off':>9} {'tok/s on':>8} {'ratio':>6} {'accept':>6} {'mean len':>8} "
               f"{'bound ms':>8} {'same':>7}")
     print(header)
-    results = {"k": args.k, "dtype": args.dtype, "max_tokens": args.max_tokens,
-               "read_gbps": gbps, "runs": []}
+    results = {"k": args.k, "draft_layers": args.draft_layers, "dtype": args.dtype,
+               "max_tokens": args.max_tokens, "read_gbps": gbps, "runs": []}
     for kind in args.kinds.split(","):
         prompts = [chat_token_ids(tokenizer, [{"role": "user", "content": text}])
                    for text in kinds[kind]]

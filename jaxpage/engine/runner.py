@@ -38,6 +38,7 @@ from jaxpage.engine import executables, huge_pages
 from jaxpage.engine.batch import SeqInput, SeqResult
 from jaxpage.engine.kv_groups import window_blocks_per_seq
 from jaxpage.engine.runner_api import RUNNER_PHASES, StepTimer
+from jaxpage.engine.speculative import DRAFT_SLOT
 from jaxpage.models.config import layer_windows
 from jaxpage.parallel import TensorParallel, TensorParallelModel
 from jaxpage.sampling import SamplingMetadata, sample
@@ -379,6 +380,10 @@ class ModelRunner:
         # without tracing (jaxpage.engine.executables); one process on one device only
         self.executable_store = _executable_store(self.model, devices)
         self._executables: dict[tuple, Any] = {}  # the store's executables by shape key
+        # speculative decoding by a draft model: the target's first draft_layers layers
+        # (`_fill_drafts`); the forward's shape keys are "forward" or "draft_forward"
+        self._draft = _self_draft(model, model_config, self.params, config)
+        self._forward_name = "forward"
 
     @property
     def compiles(self) -> int:
@@ -523,6 +528,8 @@ class ModelRunner:
         """Run one step over `seqs`; returns per sequence one drawn token per sampling row
         (none for a non-final prompt chunk, several for a prompt whose samples fork)."""
         self.timer.start()
+        if self._draft is not None:
+            self._fill_drafts(seqs)
         results: list[list[SeqResult]] = [[] for _ in seqs]
         decode = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
         prefill = [i for i, s in enumerate(seqs) if len(s.token_ids) > 1]
@@ -538,6 +545,34 @@ class ModelRunner:
                     results[i] = result
         self.timer.mark("readback")
         return results
+
+    def _fill_drafts(self, seqs: list[SeqInput]) -> None:
+        """Propose the drafts of the speculative steps among `seqs` whose draft slots are
+        empty (`speculative.DRAFT_SLOT`): the draft model decodes them greedily, a step per
+        draft position over every such sequence, each step's tokens read back for the next
+        one, and writes them into the seqs' token ids (the scheduler reads them there).
+        The draft's layers are the target's first ones, so it runs on the target's pool:
+        the slots it writes are the sequence's own, and the step that verifies the drafts
+        rewrites them with the same values."""
+        todo = [s for s in seqs if s.verify and s.token_ids[1] == DRAFT_SLOT]
+        if not todo:
+            return
+        model, params, num_layers = self._draft
+        greedy = SamplingRow(SamplingParams(temperature=0.0), seed=0, step=0)
+        for j in range(max(len(s.token_ids) - 1 for s in todo)):
+            going = [s for s in todo if j < len(s.token_ids) - 1]
+            step_seqs = [SeqInput(s.block_table, s.num_computed + j, [s.token_ids[j]],
+                                  [greedy], s.window_block_table) for s in going]
+            full = self.model, self.params, self.kv_pool
+            self.model, self.params = model, params
+            self.kv_pool, self._forward_name = full[2][:num_layers], "draft_forward"
+            try:
+                step = self._dispatch(step_seqs, True)
+            finally:  # the draft's layers' new pool (or, failed, what is left of it)
+                self.kv_pool = list(self.kv_pool) + list(full[2][num_layers:])
+                self.model, self.params, self._forward_name = full[0], full[1], "forward"
+            for s, drawn in zip(going, self._results(step), strict=True):
+                s.token_ids[j + 1] = drawn[0].token
 
     def warmup(self, shapes: int | None = None) -> tuple[int, float]:
         """Compile the shapes a server meets first, before it serves: a decode step at every
@@ -688,7 +723,7 @@ class ModelRunner:
         timer = self.timer
         timer.mark("prepare")
         logits, self.kv_pool = self._call(
-            ("forward", num_tokens, max_query_len, num_seqs, width, num_rows), _FORWARD,
+            (self._forward_name, num_tokens, max_query_len, num_seqs, width, num_rows), _FORWARD,
             (self.params, self.kv_pool, token_ids, positions, attn_md), timer,
             static=(self.model, self.devices[0].platform))
         step = _Step(len(seqs), rows, num_rows)
@@ -789,6 +824,32 @@ class ModelRunner:
             timer.mark("compile")
         return result
 
+
+
+def _self_draft(model: Any, model_config: Any, params: Any, config: EngineConfig
+                ) -> tuple[Any, Any, int] | None:
+    """(draft model, its params, its layers) of a speculative_config whose draft is the
+    target cut to its first `draft_layers` layers (None for any other): a model of the same
+    family over a config of that many layers, sharing the target's arrays."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    num_layers = spec.draft_layers
+    if num_layers > model_config.num_layers:
+        raise ValueError(f"speculative_config.draft_layers must be <= the model's "
+                         f"{model_config.num_layers} layers, got {num_layers}")
+    if config.tensor_parallel_size > 1 or jax.process_count() > 1:
+        raise ValueError("speculative_config.method 'draft_model' needs one device in one "
+                         "process (tensor_parallel_size 1)")
+    types = model_config.layer_types
+    try:
+        draft = dataclasses.replace(model, config=dataclasses.replace(
+            model_config, num_layers=num_layers,
+            layer_types=None if types is None else types[:num_layers]))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"speculative_config.model 'self' is not supported for "
+                         f"{type(model).__name__}: {exc}") from exc
+    return draft, dict(params, layers=params["layers"][:num_layers]), num_layers
 
 
 def _executable_store(model: Any, devices: list) -> executables.ExecutableStore | None:

@@ -32,6 +32,7 @@ from jaxpage.engine.block_hashing import encode_extra_keys
 from jaxpage.engine.kv_groups import WindowedAllocator, window_blocks_per_seq
 from jaxpage.engine.request import Request, RequestGroup, RequestStatus
 from jaxpage.engine.speculative import (
+    DRAFT_SLOT,
     Acceptance,
     NgramProposer,
     SpecStats,
@@ -90,6 +91,14 @@ class StepUpdate:
     finished_beams: list[BeamGroup] = dataclasses.field(default_factory=list)
 
 
+class DraftSlots:
+    """The proposer of a draft model that runs on the device: k slots (`DRAFT_SLOT`) the
+    runner fills before it verifies them (ModelRunner._fill_drafts)."""
+
+    def propose(self, token_ids, k: int) -> list[int]:
+        return [DRAFT_SLOT] * k
+
+
 class Scheduler:
     """Waiting and running queues over the TieredAllocator it owns. A `preemption_mode`
     other than "recompute" needs `num_host_blocks`; "auto" decides with `swap_cost`. With a
@@ -139,8 +148,10 @@ class Scheduler:
         # speculative decoding (jaxpage.engine.speculative): a decoding sequence's drafts
         # run with its last token, and `update` accepts those the target's draws confirm
         self.speculative = speculative
-        self.proposer = None if speculative is None else NgramProposer(
-            speculative.prompt_lookup_min, speculative.prompt_lookup_max)
+        self.proposer = None
+        if speculative is not None:
+            self.proposer = DraftSlots() if speculative.method == "draft_model" else (
+                NgramProposer(speculative.prompt_lookup_min, speculative.prompt_lookup_max))
         self.spec_stats = SpecStats()
         # what a step costs on this machine (the engine observes it), for an adaptive
         # speculative_config, and its terms at the last step's batch (StepCost.terms)
@@ -404,11 +415,13 @@ class Scheduler:
             threshold = draft_cost / saving
             prior = self.spec_stats.acceptance_rate(default=0.5)
         plans, gain = {}, 0.0
+        slots = isinstance(self.proposer, DraftSlots)
         for request in list(self.running):
             num_tokens = request.num_tokens
             if (request.status is not RequestStatus.RUNNING
                     or request.num_computed_tokens + 1 != num_tokens
-                    or request.num_draws != 1 or isinstance(request.group, BeamGroup)):
+                    or request.num_draws != 1 or isinstance(request.group, BeamGroup)
+                    or (slots and request.params.uses_penalties)):  # rows need the drafts
                 continue
             k = min(spec.num_speculative_tokens, request.max_num_tokens - num_tokens - 1,
                     self.max_model_len - num_tokens - 1)
@@ -508,6 +521,9 @@ class Scheduler:
         and `on_token(request)` after each token of a speculative step's accepted run but
         the last (which the engine sees with the step's other tokens) may end it there."""
         commit, finished = self.allocator.commit, RequestStatus.FINISHED
+        for chunk, seq in zip(output.chunks, output.seqs, strict=True):
+            if chunk.draft_tokens and chunk.draft_tokens[0] == DRAFT_SLOT:
+                chunk.draft_tokens = seq.token_ids[1:]  # the runner's draft model's
         for chunk in output.chunks:  # before the new tokens are appended: no K/V for them
             request = chunk.request
             if request.status is finished or chunk.draft_tokens:  # drafts: in _accept

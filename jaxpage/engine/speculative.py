@@ -25,8 +25,10 @@ import numpy as np
 
 from jaxpage.validation import check, is_int
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
+# a draft token the runner's draft model is yet to propose (SeqInput.token_ids)
+DRAFT_SLOT = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +38,11 @@ class SpeculativeConfig:
     method "ngram" (prompt lookup): the longest n-gram (`prompt_lookup_min` to
     `prompt_lookup_max` tokens) ending the sequence that occurred earlier in it (prompt and
     output) proposes the tokens that followed its latest earlier occurrence.
+    method "draft_model" with model "self": the target cut to its first `draft_layers`
+    layers (then its final norm and LM head: LayerSkip's early exit, no second checkpoint)
+    proposes k tokens greedily, one draft step after another, before the step verifies them.
+    Its K/V of those layers is the target's own for the same tokens, so it reads and writes
+    the target's pool (the verification rewrites the draft slots with the same values).
     num_speculative_tokens: k, the most drafts per sequence and step (1 to 16).
     adaptive: each request proposes only the drafts worth their cost, from its acceptance
     rate so far and what a step costs on this machine (`Acceptance`, `StepCost`); off,
@@ -47,6 +54,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     adaptive: bool = True
+    model: str | None = None
+    draft_layers: int | None = None
 
     def __post_init__(self) -> None:
         check(self.method in METHODS, "speculative_config.method", self.method,
@@ -62,6 +71,17 @@ class SpeculativeConfig:
               f"an integer >= prompt_lookup_min ({low})")
         check(isinstance(self.adaptive, bool), "speculative_config.adaptive", self.adaptive,
               "True or False")
+        if self.method == "ngram":
+            check(self.model is None, "speculative_config.model", self.model,
+                  "None with method 'ngram'")
+            check(self.draft_layers is None, "speculative_config.draft_layers",
+                  self.draft_layers, "None with method 'ngram'")
+            return
+        check(self.model == "self", "speculative_config.model", self.model,
+              "'self' (the target's first draft_layers layers; a draft checkpoint of its own "
+              "is not supported yet)")
+        check(is_int(self.draft_layers) and self.draft_layers >= 1,
+              "speculative_config.draft_layers", self.draft_layers, "an integer >= 1")
 
     @classmethod
     def of(cls, value: Any) -> SpeculativeConfig | None:

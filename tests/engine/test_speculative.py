@@ -614,3 +614,62 @@ def test_adaptive_speculation_changes_no_request(tiny, stop_case, plain, wrong):
         assert rested and s["acceptance_rate"] < 0.3, (rested, s)
     else:
         assert s["mean_acceptance_length"] > 2.5 and s["num_drafts"] > 20, s
+
+
+# ------------------------------------------------------------- a draft model: the target cut
+
+def self_draft(layers: int, k: int = 4, **kwargs) -> dict:
+    return {"method": "draft_model", "model": "self", "draft_layers": layers,
+            "num_speculative_tokens": k, **kwargs}
+
+
+def test_a_draft_of_every_layer_is_the_target_so_every_draft_is_accepted(tiny):  # noqa: F811
+    """The tiny Llama has 2 layers: a draft of both is the target itself, so its greedy
+    drafts are the target's next tokens and every one is accepted (k + 1 tokens a step
+    but where max_tokens cuts the drafts short), through preemption: HF's tokens."""
+    path, model = tiny
+    prompts = [list(range(3, 10)), list(range(20, 31)), list(range(40, 52))]
+    llm = LLM(path, block_size=4, num_blocks=20, max_num_batched_tokens=32, max_num_seqs=4,
+              debug_nan_pool=True, speculative_config=self_draft(2, 4, adaptive=False))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=31, **GREEDY), use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 31)
+    stats = llm.stats()
+    s = stats["spec_decode"]
+    assert s["num_accepted_tokens"] == s["num_draft_tokens"] >= 40, s
+    assert s["mean_acceptance_length"] > 4, s
+    assert stats["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_a_one_layer_draft_changes_no_request(tiny, stop_case, plain, adaptive):  # noqa: F811
+    """Drafts by the first of the 2 layers, some accepted and some not, through the
+    workload (seeded and greedy, n > 1 forks, stop tokens, preemption, NaN pool; requests
+    with penalties do not draft: their rows need the drafts' tokens)."""
+    want = plain(4, 24, 0)
+    llm = make(tiny[0], 4, 24, 0, "cpp", self_draft(1, 3, adaptive=adaptive))
+    got, stats, raised = serve(llm, spec_workload(stop_case),
+                               before_step=committed_as_tokens(llm.engine))
+    assert raised == 0
+    assert_same(got, want)
+    s = stats["spec_decode"]
+    if not adaptive:
+        assert 0 < s["num_accepted_tokens"] < s["num_draft_tokens"], s
+        assert stats["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("bad,field", [
+    ({"method": "draft_model", "model": "other/model", "draft_layers": 1},
+     "speculative_config.model"),
+    ({"method": "draft_model", "model": "self", "draft_layers": 0},
+     "speculative_config.draft_layers"),
+    ({"method": "ngram", "draft_layers": 2}, "speculative_config.draft_layers"),
+])
+def test_a_bad_draft_model_config_is_refused_naming_its_field(bad, field):
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        EngineConfig(speculative_config=bad)
+
+
+def test_a_draft_of_more_layers_than_the_model_is_refused(tiny):  # noqa: F811
+    with pytest.raises(ValueError, match="draft_layers must be <= the model's 2 layers, got 3"):
+        LLM(tiny[0], num_blocks=16, speculative_config=self_draft(3))
