@@ -521,9 +521,10 @@ class Scheduler:
         and `on_token(request)` after each token of a speculative step's accepted run but
         the last (which the engine sees with the step's other tokens) may end it there."""
         commit, finished = self.allocator.commit, RequestStatus.FINISHED
-        for chunk, seq in zip(output.chunks, output.seqs, strict=True):
-            if chunk.draft_tokens and chunk.draft_tokens[0] == DRAFT_SLOT:
-                chunk.draft_tokens = seq.token_ids[1:]  # the runner's draft model's
+        if isinstance(self.proposer, DraftSlots):  # the drafts the runner's draft model made
+            for chunk, seq in zip(output.chunks, output.seqs, strict=True):
+                if chunk.draft_tokens and chunk.draft_tokens[0] == DRAFT_SLOT:
+                    chunk.draft_tokens = seq.token_ids[1:]
         for chunk in output.chunks:  # before the new tokens are appended: no K/V for them
             request = chunk.request
             if request.status is finished or chunk.draft_tokens:  # drafts: in _accept

@@ -673,3 +673,31 @@ def test_a_bad_draft_model_config_is_refused_naming_its_field(bad, field):
 def test_a_draft_of_more_layers_than_the_model_is_refused(tiny):  # noqa: F811
     with pytest.raises(ValueError, match="draft_layers must be <= the model's 2 layers, got 3"):
         LLM(tiny[0], num_blocks=16, speculative_config=self_draft(3))
+
+
+@pytest.mark.parametrize("lose_pool", [False, True])
+def test_a_fault_in_a_draft_step_leaves_every_request_untouched(fault_clean, lose_pool):
+    """The draft model's device step fails (after freeing the donated pool, or not): the
+    step raises once with the engine as it was, and every request gets its clean tokens."""
+    path, clean = fault_clean
+    llm = make_llm(path, speculative_config=self_draft(1, 3, adaptive=False))
+    runner = llm.engine.runner
+
+    def install(engine):
+        def fail(seqs, is_decode, token_ids=None):
+            if lose_pool:
+                for leaf in __import__("jax").tree.leaves(runner.kv_pool):
+                    leaf.delete()
+            raise RuntimeError("injected failure in a draft step")
+        runner._dispatch = Once(runner._dispatch,
+                                lambda *a, **k: runner._forward_name == "draft_forward", fail)
+        return runner._dispatch
+
+    fault = fault_at(4, install)
+    final, raised = run(llm, fault)
+    assert fault.armed and fault.armed[0].fired and raised == 1
+    assert llm.stats()["spec_decode"]["num_drafts"] > 0
+    for request_id, out in final.items():
+        assert out.error is None, (request_id, out.error)
+        assert [c.token_ids for c in out.outputs] == [
+            c.token_ids for c in clean[request_id].outputs], request_id
