@@ -150,11 +150,13 @@ class Acceptance:
     older steps weigh less (each scales them by `decay`), over a prior of one trial at the
     engine's rate so far.
 
-    A request whose yield no longer pays for what a step with drafts costs rests: for
+    A request whose drafts are not worth proposing (its rate too low for the step's
+    threshold), or whose yield no longer pays for what a step with drafts costs, rests: for
     `rest_steps` steps it proposes nothing, so that its decode steps may run ahead again
-    (open-ended text, where prompt lookup rarely finds anything), then tries again."""
+    (open-ended text, where prompt lookup rarely finds anything), then tries at least one
+    draft again (so a text that turns predictable, or a low prior, is found out)."""
 
-    __slots__ = ("hits", "trials", "yield_", "rest")
+    __slots__ = ("hits", "trials", "yield_", "rest", "rested")
     decay = 0.75
     rest_steps = 16
 
@@ -162,6 +164,7 @@ class Acceptance:
         self.hits = self.trials = 0.0
         self.yield_ = 1.0  # optimistic: a new request gets a few steps to show its yield
         self.rest = 0
+        self.rested = False
 
     def rate(self, prior: float) -> float:
         return (self.hits + prior) / (self.trials + 1.0)
@@ -169,11 +172,19 @@ class Acceptance:
     def length(self, room: int, threshold: float, prior: float) -> int:
         """Drafts worth proposing this step, at most `room`: none while resting, else the
         positions i whose chance of acceptance rate**i beats `threshold`
-        (`StepCost.threshold`)."""
+        (`StepCost.threshold`), at least one right after a rest; none worth it starts a
+        rest."""
         if self.rest:
             self.rest -= 1
+            self.rested = not self.rest
             return 0
-        return drafts_worth(self.rate(prior), threshold, room)
+        k = drafts_worth(self.rate(prior), threshold, room)
+        if self.rested:
+            self.rested = False
+            return max(k, min(1, room))
+        if not k:
+            self.rest = self.rest_steps
+        return k
 
     def observe(self, num_drafts: int, num_accepted: int, saving: float,
                 switch: float) -> None:

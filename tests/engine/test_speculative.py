@@ -590,6 +590,11 @@ def test_a_request_rests_when_its_drafts_stop_paying():
     assert len(yields) == 7 and acceptance.rest == Acceptance.rest_steps
     assert [acceptance.length(4, 0.1, 0.5) for _ in range(Acceptance.rest_steps + 1)] == (
         [0] * Acceptance.rest_steps + [4])
+    # a rate (here the prior 0.5) under the threshold: a rest from the first step, then
+    # one draft to try again
+    fresh = Acceptance()
+    lengths = [fresh.length(4, 0.6, 0.5) for _ in range(Acceptance.rest_steps + 2)]
+    assert lengths == [0] * (Acceptance.rest_steps + 1) + [1]
 
 
 @pytest.mark.parametrize("wrong", [0.0, 0.9])
