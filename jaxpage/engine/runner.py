@@ -381,7 +381,7 @@ class ModelRunner:
         self.executable_store = _executable_store(self.model, devices)
         self._executables: dict[tuple, Any] = {}  # the store's executables by shape key
         # speculative decoding by a draft model: the target's first draft_layers layers
-        # (`_fill_drafts`); the forward's shape keys are "forward" or "draft_forward"
+        # (`_fill_drafts`); the forward's shape keys start "forward", or "draft<layers>"
         self._draft = _self_draft(model, model_config, self.params, config)
         self._forward_name = "forward"
 
@@ -565,7 +565,8 @@ class ModelRunner:
                                   [greedy], s.window_block_table) for s in going]
             full = self.model, self.params, self.kv_pool
             self.model, self.params = model, params
-            self.kv_pool, self._forward_name = full[2][:num_layers], "draft_forward"
+            # its own shape keys: the store keeps executables by them
+            self.kv_pool, self._forward_name = full[2][:num_layers], f"draft{num_layers}"
             try:
                 step = self._dispatch(step_seqs, True)
             finally:  # the draft's layers' new pool (or, failed, what is left of it)

@@ -118,7 +118,8 @@ def committed_as_tokens(engine):
 
 @pytest.fixture(scope="module")
 def plain(tiny, stop_case):  # noqa: F811
-    """{(block_size, num_blocks, swap): the workload's outputs without speculation}."""
+    """(block_size, num_blocks, swap, backend) -> the workload's final outputs without
+    speculation, each run once."""
     runs = {}
 
     def get(block_size, num_blocks, swap, backend="cpp"):
@@ -159,6 +160,8 @@ def backend_cases() -> list:
 @pytest.mark.parametrize("backend,block_size,num_blocks,swap", backend_cases())
 def test_speculation_changes_no_request(tiny, stop_case, plain, backend, block_size,  # noqa: F811
                                         num_blocks, swap):
+    """The workload with k = 6 drafts a step, a quarter of them wrong: every request as
+    without speculation, HF's greedy tokens, the committed K/V checked every step."""
     path, model = tiny
     if backend == "pallas_tpu" and block_size < 8:  # Mosaic: blocks of whole sublanes
         num_blocks, swap, block_size = num_blocks // 2, swap // 2, 8
@@ -169,7 +172,7 @@ def test_speculation_changes_no_request(tiny, stop_case, plain, backend, block_s
     got, stats, raised = serve(llm, items, before_step=committed_as_tokens(llm.engine))
     assert raised == 0
     assert_same(got, want)
-    # every acceptance pattern happened, and the engine counted what the proposer knew
+    # every acceptance pattern happened: none, all, and long runs accepted
     spec_stats = stats["spec_decode"]
     right = [r for _, r in proposer.proposals]
     full = sum(1 for d, r in proposer.proposals if d == r)
@@ -695,7 +698,7 @@ def test_a_fault_in_a_draft_step_leaves_every_request_untouched(fault_clean, los
                     leaf.delete()
             raise RuntimeError("injected failure in a draft step")
         runner._dispatch = Once(runner._dispatch,
-                                lambda *a, **k: runner._forward_name == "draft_forward", fail)
+                                lambda *a, **k: runner._forward_name == "draft1", fail)
         return runner._dispatch
 
     fault = fault_at(4, install)
