@@ -231,8 +231,9 @@ class StepCost:
     takes a + b * tokens seconds, plus c when it carries drafts (their tokens run the
     prefill path; on a CPU the decode step's own path and running ahead are lost). Least
     squares over the last `window` such steps that compiled nothing, refitted every 16;
-    until it has seen enough steps with drafts and without, a CPU's proportions (b = a / 16,
-    c = a / 8, measured for SmolLM2 on a 2-core Xeon).
+    until it has seen 8 steps with drafts and 8 without, a rough prior (b = a / 16, c = a /
+    8). The fit for SmolLM2 bfloat16 on a 2-core Xeon at batch 1: a 11.7 ms, b 1.8 ms,
+    c 0.8 ms.
 
     At a batch of B sequences an accepted draft saves a later step's row, a / B + b, and
     every draft costs b now: a draft at position i is worth proposing while its chance of
