@@ -126,26 +126,19 @@ def run_batch(llm, prompts: list[list[int]], max_tokens: int) -> dict:
     return result
 
 
-class Switched:
-    """One engine with speculation switched on or off for the run it is given. One engine,
-    not two: two engines in one process, each with its own weights and pool, differed by up
-    to 9% in the same decode steps (memory placement), more than the effect measured."""
+def speculation_modes(llm) -> dict[str, tuple]:
+    """{"off", "on"}: the scheduler's speculative parts (config, proposer, step cost) each
+    mode sets (`switch`). One engine, not two: two engines in one process, each with its own
+    weights and pool, differed by up to 9% in the same decode steps (memory placement), more
+    than the effect measured."""
+    scheduler = llm.engine.scheduler
+    return {"off": (None, None, None),
+            "on": (scheduler.speculative, scheduler.proposer, scheduler.step_cost)}
 
-    def __init__(self, llm, on: bool) -> None:
-        self.llm, self.on = llm, on
-        scheduler = llm.engine.scheduler
-        self._parts = (scheduler.speculative, scheduler.proposer, scheduler.step_cost)
 
-    @property
-    def engine(self):
-        scheduler = self.llm.engine.scheduler
-        parts = self._parts if self.on else (None, None, None)
-        scheduler.speculative, scheduler.proposer, scheduler.step_cost = parts
-        return self.llm.engine
-
-    def generate(self, *args, **kwargs):
-        self.engine  # noqa: B018  (switches)
-        return self.llm.generate(*args, **kwargs)
+def switch(llm, parts: tuple) -> None:
+    scheduler = llm.engine.scheduler
+    scheduler.speculative, scheduler.proposer, scheduler.step_cost = parts
 
 
 def merge(parts: list[dict]) -> dict:
@@ -169,22 +162,24 @@ def merge(parts: list[dict]) -> dict:
     return merged
 
 
-def measure(llms: dict, prompts: list[list[int]], batch: int, max_tokens: int,
+def measure(llm, modes: dict, prompts: list[list[int]], batch: int, max_tokens: int,
             repeats: int) -> dict:
     """Every prompt in rounds of `batch` concurrent requests (at least one request per
-    prompt), by each engine (off, on) once to compile, then `repeats` times alternating
-    (a slow spell of a shared machine hits both); each engine's fastest repeat, and how
+    prompt), in each mode (off, on) once to compile, then `repeats` times alternating
+    (a slow spell of a shared machine hits both); each mode's fastest repeat, and how
     many requests got the same tokens with speculation as without (in bfloat16 a token's
     logits computed with its drafts, not alone, can round a near-tie the other way; in
     float32 the tests find them equal)."""
     requests = [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)))]
     rounds = [requests[i : i + batch] for i in range(0, len(requests), batch)]
-    for llm in llms.values():
+    for parts in modes.values():
+        switch(llm, parts)
         for part in rounds:
             run_batch(llm, part, max_tokens)
-    timed: dict[str, list[dict]] = {name: [] for name in llms}
+    timed: dict[str, list[dict]] = {name: [] for name in modes}
     for _ in range(repeats):
-        for name, llm in llms.items():
+        for name, parts in modes.items():
+            switch(llm, parts)
             timed[name].append(merge([run_batch(llm, part, max_tokens) for part in rounds]))
     runs = {name: min(results, key=lambda r: r["wall_s"]) for name, results in timed.items()}
     tokens = {name: run.pop("tokens") for name, run in runs.items()}
@@ -224,7 +219,7 @@ def main() -> None:
     spec["adaptive"] = not args.fixed
     method += ", fixed k" if args.fixed else ", adaptive"
     llm = make_llm(max(batches), args.dtype, speculative_config=spec)
-    llms = {"off": Switched(llm, False), "on": Switched(llm, True)}
+    modes = speculation_modes(llm)
     tokenizer = llm.tokenizer
     config = llm.engine.model.config
     gbps = read_gbps()
@@ -242,7 +237,7 @@ def main() -> None:
         prompts = [chat_token_ids(tokenizer, [{"role": "user", "content": text}])
                    for text in kinds[kind]]
         for batch in batches:
-            runs = measure(llms, prompts, batch, args.max_tokens, args.repeats)
+            runs = measure(llm, modes, prompts, batch, args.max_tokens, args.repeats)
             off, on = runs["off"], runs["on"]
             bound = 1e3 * weight_read_bytes(config, itemsize, batch) / (gbps * 1e9)
             print(f"{kind:9} {batch:5d} {off['tpot_ms']:9.2f} {on['tpot_ms']:8.2f} "

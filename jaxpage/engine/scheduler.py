@@ -63,7 +63,7 @@ class ScheduledChunk:
     window_block_table: list[int] | None = None  # the window group's (sliding layers)
     # speculative decoding: the drafts run after the request's last token (the chunk's
     # num_new_tokens counts them), one draw verifying each
-    draft_tokens: list[int] = dataclasses.field(default_factory=list)
+    draft_tokens: list[int] | tuple[()] = ()
 
 
 @dataclasses.dataclass(slots=True)
@@ -219,12 +219,13 @@ class Scheduler:
             num_new = min(len(request.token_ids) - request.num_computed_tokens, budget)
             if num_new == 0:  # a beam waiting for its siblings' log-probs
                 continue
-            drafts = plans.get(request, [])[: budget - 1] if num_new == 1 else []
+            drafts = plans[request][: budget - 1] if (
+                plans and num_new == 1 and request in plans) else ()
             try:
                 while (copies := grow(request.seq_id, request.num_computed_tokens + num_new
                                       + len(drafts))) is None:
                     if drafts:  # the pool is short: drop the drafts before preempting
-                        drafts = []
+                        drafts = ()
                         continue
                     victims = self._newest_group()
                     self._preempt(victims, drop(victims))
@@ -391,15 +392,13 @@ class Scheduler:
         return plan
 
     def _chunk(self, request: Request, num_new: int, copies: list[tuple[int, int]],
-               drafts: list[int] | None = None) -> ScheduledChunk:
+               drafts: list[int] | tuple[()] = ()) -> ScheduledChunk:
         """`num_new` of the request's tokens from its computed ones on, then `drafts`."""
         start = request.num_computed_tokens
         return ScheduledChunk(
-            request, start, num_new + len(drafts or ()),
-            self.allocator.block_table(request.seq_id),
+            request, start, num_new + len(drafts), self.allocator.block_table(request.seq_id),
             start + num_new == len(request.token_ids), copies,
-            self.allocator.window_table(request.seq_id) if self.windowed else None,
-            drafts or [])
+            self.allocator.window_table(request.seq_id) if self.windowed else None, drafts)
 
     def _plan_drafts(self) -> dict[Request, list[int]]:
         """Speculative drafts for the running requests about to decode (not beams, not a

@@ -11,6 +11,7 @@ turn tokens to garbage."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -499,19 +500,13 @@ def test_stop_strings_inside_an_accepted_run(tmp_path):
     assert len(stops) >= 6, text
     cases = [dict(stop=[s]) for s in stops] + [dict(stop=[s], min_tokens=8) for s in stops]
     for case in cases:
-        params = dataclasses_replace(base, **case)
+        params = dataclasses.replace(base, **case)
         (want,) = plain_llm.generate([prompt], params, use_tqdm=False)
         (got,) = spec_llm.generate([prompt], params, use_tqdm=False)
         a, b = got.outputs[0], want.outputs[0]
         assert (a.text, a.token_ids, a.finish_reason, a.stop_reason) == (
             b.text, b.token_ids, b.finish_reason, b.stop_reason), case
     assert spec_llm.stats()["spec_decode"]["mean_acceptance_length"] > 3
-
-
-def dataclasses_replace(params, **changes):
-    import dataclasses
-
-    return dataclasses.replace(params, **changes)
 
 
 def test_metrics_under_vllms_names(tiny, stop_case, plain):  # noqa: F811
