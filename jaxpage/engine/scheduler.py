@@ -157,6 +157,7 @@ class Scheduler:
         # speculative_config, and its terms at the last step's batch (StepCost.terms)
         self.step_cost = StepCost() if speculative is not None and speculative.adaptive else None
         self._terms = (1.0, 0.0, 0.0)
+        self.num_steps = 0  # steps scheduled (resting requests try again at the same one)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.failed: list[RequestGroup] = []  # ended by a failure, not yet reported
@@ -194,6 +195,7 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
         budget = self.max_num_batched_tokens
         scheduled: dict[Request, ScheduledChunk] = {}  # in running order
         preempted: list[Request] = []
@@ -427,7 +429,7 @@ class Scheduler:
             if cost is not None and k > 0:
                 if request.acceptance is None:
                     request.acceptance = Acceptance()
-                k = request.acceptance.length(k, threshold, prior)
+                k = request.acceptance.length(k, threshold, prior, self.num_steps)
             if k <= 0:
                 continue
             try:
@@ -441,10 +443,10 @@ class Scheduler:
                     gain += expected_gain(request.acceptance.rate(prior), len(drafts),
                                           saving, draft_cost)
             elif cost is not None:  # tried, found nothing: a step that yields nothing
-                request.acceptance.observe(0, 0, saving, switch)
+                request.acceptance.observe(0, 0, saving, switch, self.num_steps)
         if cost is not None and gain < switch:  # not worth a step with drafts: none
             for request in plans:
-                request.acceptance.observe(0, 0, saving, switch)
+                request.acceptance.observe(0, 0, saving, switch, self.num_steps)
             return {}
         return plans
 
@@ -454,7 +456,7 @@ class Scheduler:
         step propose nothing (`Acceptance.waits`)."""
         if self.speculative is None:
             return False
-        return request.acceptance is None or not request.acceptance.waits
+        return request.acceptance is None or not request.acceptance.waits(self.num_steps + 1)
 
     def _seq_input(self, chunk: ScheduledChunk, goes_on: bool, ends: bool) -> SeqInput:
         """The runner's view of a chunk: block table, tokens and, when it ends the known
@@ -594,7 +596,7 @@ class Scheduler:
         self.spec_stats.record(len(drafts), accepted)
         if request.acceptance is not None:
             saving, _, switch = self._terms
-            request.acceptance.observe(len(drafts), accepted, saving, switch)
+            request.acceptance.observe(len(drafts), accepted, saving, switch, self.num_steps)
         new_tokens.setdefault(request.group, {})[request] = request.num_output_tokens
         finished = RequestStatus.FINISHED
         for j, draw in enumerate(draws[: accepted + 1]):

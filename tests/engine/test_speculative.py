@@ -575,24 +575,29 @@ def test_step_cost_fits_what_steps_cost():
 def test_a_request_rests_when_its_drafts_stop_paying():
     from jaxpage.engine.speculative import Acceptance
 
+    rest = Acceptance.rest_steps
     acceptance = Acceptance()
     assert acceptance.rate(0.5) == 0.5
-    acceptance.observe(4, 2, saving=10.0, switch=2.0)  # 2 of 3 trials: (2 + 0.5) / (3 + 1)
-    assert acceptance.rate(0.5) == pytest.approx(0.625)
+    acceptance.observe(4, 2, saving=10.0, switch=2.0, step=1)  # 2 of 3 trials:
+    assert acceptance.rate(0.5) == pytest.approx(0.625)         # (2 + 0.5) / (3 + 1)
     # steps that find nothing: the yield 1.0 decays by 0.75 from its 2-draft step's
-    # 0.75 + 0.5 = 1.25; rests once yield * 10 < 2
-    yields = []
-    while not acceptance.waits:
-        acceptance.observe(0, 0, saving=10.0, switch=2.0)
+    # 0.75 + 0.5 = 1.25; rests once yield * 10 < 2, at step 8, until step 2 * 16
+    yields, step = [], 1
+    while not acceptance.waits(step + 1):
+        step += 1
+        acceptance.observe(0, 0, saving=10.0, switch=2.0, step=step)
         yields.append(acceptance.yield_)
-    assert len(yields) == 7 and acceptance.rest == Acceptance.rest_steps
-    assert [acceptance.length(4, 0.1, 0.5) for _ in range(Acceptance.rest_steps + 1)] == (
-        [0] * Acceptance.rest_steps + [4])
+    assert len(yields) == 7 and step == 8 and acceptance.resume == 2 * rest
+    assert [acceptance.length(4, 0.1, 0.5, s) for s in range(9, 2 * rest + 1)] == (
+        [0] * (2 * rest - 9) + [4])
     # a rate (here the prior 0.5) under the threshold: a rest from the first step, then
-    # one draft to try again
-    fresh = Acceptance()
-    lengths = [fresh.length(4, 0.6, 0.5) for _ in range(Acceptance.rest_steps + 2)]
-    assert lengths == [0] * (Acceptance.rest_steps + 1) + [1]
+    # one draft to try again, then a rest to the step after next that is a multiple of 16;
+    # a request that started resting a few steps later tries again at the same step
+    fresh, other = Acceptance(), Acceptance()
+    assert other.length(4, 0.6, 0.5, 14) == 0 and other.resume == 2 * rest
+    lengths = [fresh.length(4, 0.6, 0.5, s) for s in range(3, 3 * rest + 1)]
+    assert lengths == [0] * (2 * rest - 3) + [1] + [0] * rest
+    assert fresh.resume == 4 * rest and fresh.waits(4 * rest - 1) and not fresh.waits(4 * rest)
 
 
 @pytest.mark.parametrize("wrong", [0.0, 0.9])
@@ -607,7 +612,8 @@ def test_adaptive_speculation_changes_no_request(tiny, stop_case, plain, wrong):
 
     def watch(step):
         rested.update(r.seq_id for r in engine.scheduler.running
-                      if r.acceptance is not None and r.acceptance.waits)
+                      if r.acceptance is not None
+                      and r.acceptance.waits(engine.scheduler.num_steps))
 
     got, stats, raised = serve(llm, spec_workload(stop_case), before_step=watch)
     assert raised == 0
