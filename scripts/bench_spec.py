@@ -22,6 +22,9 @@ update (acceptance, rewinding, appending).
     python scripts/bench_spec.py --batches 1,64 --k 3 --max-tokens 96
     python scripts/bench_spec.py --json out.json
     python scripts/bench_spec.py --draft-layers 3      # the model's first 3 layers draft
+    python scripts/bench_spec.py --draft-model PATH    # a draft model of its own
+    python scripts/bench_spec.py --draft-model first:3 # the first 3 layers, written as a
+                                                       # checkpoint of their own (own pool)
 
 Goals (issue #62): n-gram at batch 1 on grounded prompts at least 2x lower TPOT; open-ended
 prompts no worse than 0.95x; batch 64 no slower than without speculation.
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 import time
 
 import numpy as np
@@ -127,18 +131,41 @@ def run_batch(llm, prompts: list[list[int]], max_tokens: int) -> dict:
 
 
 def speculation_modes(llm) -> dict[str, tuple]:
-    """{"off", "on"}: the scheduler's speculative parts (config, proposer, step cost) each
-    mode sets (`switch`). One engine, not two: two engines in one process, each with its own
-    weights and pool, differed by up to 9% in the same decode steps (memory placement), more
-    than the effect measured."""
+    """{"off", "on"}: the scheduler's speculative parts (config, proposer, step cost) and the
+    runner's draft model (whose own pool's forward runs every step) each mode sets
+    (`switch`). One engine, not two: two engines in one process, each with its own weights
+    and pool, differed by up to 9% in the same decode steps (memory placement), more than
+    the effect measured. (A draft's own pool misses the steps run with it off; the prefix
+    cache is reset before each run, so no run reads what it missed.)"""
     scheduler = llm.engine.scheduler
-    return {"off": (None, None, None),
-            "on": (scheduler.speculative, scheduler.proposer, scheduler.step_cost)}
+    return {"off": (None, None, None, None),
+            "on": (scheduler.speculative, scheduler.proposer, scheduler.step_cost,
+                   llm.engine.runner._draft)}
 
 
 def switch(llm, parts: tuple) -> None:
     scheduler = llm.engine.scheduler
-    scheduler.speculative, scheduler.proposer, scheduler.step_cost = parts
+    scheduler.speculative, scheduler.proposer, scheduler.step_cost, draft = parts
+    llm.engine.runner._draft = draft
+
+
+def first_layers_checkpoint(layers: int, dtype: str, directory: str) -> str:
+    """The default model's first `layers` layers (then its final norm and LM head) written
+    as a jaxpage checkpoint of their own: a draft model that proposes what the target cut
+    to those layers proposes, run on a pool of its own."""
+    import dataclasses
+
+    from jaxpage.constants import DEFAULT_MODEL
+    from jaxpage.loading import load_model
+    from jaxpage.loading.checkpoint import save_checkpoint
+
+    config, params, tokenizer = load_model(DEFAULT_MODEL, dtype)
+    types = config.layer_types
+    config = dataclasses.replace(config, num_layers=layers,
+                                 layer_types=None if types is None else types[:layers])
+    path = os.path.join(directory, f"first-{layers}")
+    save_checkpoint(path, config, dict(params, layers=params["layers"][:layers]), tokenizer)
+    return path
 
 
 def merge(parts: list[dict]) -> dict:
@@ -197,6 +224,9 @@ def main() -> None:
     parser.add_argument("--draft-layers", type=int,
                         help="draft with the model's first N layers (method draft_model, model "
                              "self) instead of prompt lookup")
+    parser.add_argument("--draft-model",
+                        help="draft with this model (method draft_model, a pool of its own); "
+                             "first:N writes the model's first N layers as one")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kinds", default="grounded,open")
@@ -216,6 +246,14 @@ def main() -> None:
         spec = {"method": "draft_model", "model": "self", "draft_layers": args.draft_layers,
                 "num_speculative_tokens": args.k}
         method = f"the first {args.draft_layers} layers as the draft, k={args.k}"
+    draft_dir = tempfile.TemporaryDirectory()
+    if args.draft_model:
+        path = args.draft_model
+        if path.startswith("first:"):
+            path = first_layers_checkpoint(int(path[len("first:"):]), args.dtype,
+                                           draft_dir.name)
+        spec = {"method": "draft_model", "model": path, "num_speculative_tokens": args.k}
+        method = f"draft model {args.draft_model}, k={args.k}"
     spec["adaptive"] = not args.fixed
     method += ", fixed k" if args.fixed else ", adaptive"
     llm = make_llm(max(batches), args.dtype, speculative_config=spec)
@@ -231,7 +269,8 @@ def main() -> None:
               f"{'tok/s off':>9} {'tok/s on':>8} {'ratio':>6} {'accept':>6} {'mean len':>8} "
               f"{'bound ms':>8} {'same':>7}")
     print(header)
-    results = {"k": args.k, "draft_layers": args.draft_layers, "dtype": args.dtype,
+    results = {"k": args.k, "draft_layers": args.draft_layers,
+               "draft_model": args.draft_model, "dtype": args.dtype,
                "max_tokens": args.max_tokens, "read_gbps": gbps, "runs": []}
     for kind in args.kinds.split(","):
         prompts = [chat_token_ids(tokenizer, [{"role": "user", "content": text}])

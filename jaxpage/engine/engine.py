@@ -55,10 +55,13 @@ class LLMEngine:
 
     `model` is any object with a `config` (num_layers, num_kv_heads, head_dim, vocab_size,
     max_position_embeddings) and `forward(params, token_ids, positions, kv_pool, metadata)`.
+    `draft`: a speculative decoding draft's (model, params); by default the one
+    `speculative_config.model` names is loaded (and checked against the target's vocabulary).
     """
 
     def __init__(self, config: EngineConfig, model: Any, params: Any, tokenizer: Any = None,
-                 *, runner: Runner | None = None, devices: list | None = None):
+                 *, runner: Runner | None = None, devices: list | None = None,
+                 draft: tuple[Any, Any] | None = None):
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
@@ -75,8 +78,14 @@ class LLMEngine:
         if runner is None:  # the device side, imported here so this module imports no JAX
             from jaxpage.engine.runner import build_runner
 
+            spec = config.speculative_config
+            if draft is None and spec is not None and spec.draft_checkpoint:
+                from jaxpage.loading import load_draft
+
+                draft = load_draft(spec.draft_checkpoint, model_config, tokenizer,
+                                   config.dtype, config.cache_gguf)
             runner = build_runner(model, params, config, max_model_len=self.max_model_len,
-                                  devices=devices)
+                                  devices=devices, draft=draft)
         self.runner = runner
         self.swap_cost = None
         if config.preemption_mode == "auto":

@@ -15,6 +15,7 @@ over any trace is bounded by `max_compiles`; `compiles` counts them as they happ
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -189,10 +190,11 @@ def _ahead_rows(ahead: list[SeqInput], seqs: list[SeqInput], block_size: int
 
 
 def build_runner(model: Any, params: Any, config: EngineConfig, *, max_model_len: int,
-                 devices: list | None = None) -> Any:
+                 devices: list | None = None, draft: tuple[Any, Any] | None = None) -> Any:
     """The engine's runner: a ModelRunner, whose device calls every process makes together
     when JAX spans several processes (jaxpage.distributed)."""
-    runner = ModelRunner(model, params, config, max_model_len=max_model_len, devices=devices)
+    runner = ModelRunner(model, params, config, max_model_len=max_model_len, devices=devices,
+                         draft=draft)
     if jax.process_count() == 1:
         return runner
     from jaxpage.distributed import MultiHostRunner
@@ -209,10 +211,20 @@ class ModelRunner:
     from `swap_space` (`num_host_blocks`). The host pool is a numpy array of
     `[num_host_blocks, num_layers, 2 (K, V), num_kv_heads, block_size, head_dim]`: one
     block's K/V of every layer in one contiguous row.
+
+    A speculative decoding draft model (`draft`: its model and numpy params, for
+    `speculative_config.model`) keeps its K/V in a pool of its own (`draft_pool`, and
+    `draft_host_kv` beside the host pool) of the same blocks: block b of a sequence's table
+    holds the target's K/V of its tokens in `kv_pool` and the draft's in `draft_pool`.
+    Every step the draft computes the K/V of the tokens the target computes, and every
+    block copy, fill and swap moves both, so whatever the allocator does with a block (a
+    prefix hit, a fork, a preemption, a swap) holds for the draft's K/V too. Its blocks
+    are paid for from the same budget: a block costs the target's bytes and the draft's.
     """
 
     def __init__(self, model: Any, params: Any, config: EngineConfig, *,
-                 max_model_len: int, devices: list | None = None) -> None:
+                 max_model_len: int, devices: list | None = None,
+                 draft: tuple[Any, Any] | None = None) -> None:
         model_config = model.config
         dtype = jnp.dtype(config.dtype)
         # the pool's storage: the model dtype, or a float / 8-bit kv_cache_dtype
@@ -256,6 +268,11 @@ class ModelRunner:
         if devices[0].platform == "cpu":
             huge_pages.advise(jax.tree.leaves(self.params))
         self.devices = devices
+        # speculative decoding by a draft model (`_fill_drafts`): the target's first
+        # draft_layers layers on its pool, or a model of its own on a pool of its own
+        self._draft = _build_draft(model, self.params, config, draft, devices, self.backend,
+                                   dtype)
+        own = self._draft is not None and self._draft.layers is None
         # the pool's head dim is what the kernel reads in place (padded once, here)
         pool_dim = pool_head_dim(self.backend, model_config.head_dim)
         # KV groups (jaxpage.engine.kv_groups): sliding-window layers keep their K/V in a
@@ -275,21 +292,38 @@ class ModelRunner:
                                       kv_dtype)
 
         # one block over the full group's layers: on each device (its KV heads), and in all
-        # (a swap)
-        per_device = block_bytes(len(self.full_layers))
+        # (a swap); a draft's own pool's block beside it
+        draft_block = 0
+        if own:
+            draft_dim = pool_head_dim(self.backend, self._draft.model.config.head_dim)
+            self._draft_dims = (block_size, self._draft.kv_heads, draft_dim, kv_dtype)
+            draft_block = kv_bytes_per_block(self._draft.num_layers, block_size,
+                                             self._draft.kv_heads // tp, draft_dim, kv_dtype)
+        per_device = block_bytes(len(self.full_layers)) + draft_block
         self.block_bytes = per_device * tp
-        self.num_blocks, self.num_window_blocks = _pool_blocks(
-            config, block_bytes(len(self.full_layers)), block_bytes(len(self.window_layers)),
-            self.window, max_model_len, devices[0])
+        try:
+            self.num_blocks, self.num_window_blocks = _pool_blocks(
+                config, per_device, block_bytes(len(self.window_layers)), self.window,
+                max_model_len, devices[0])
+        except ValueError as exc:
+            if not draft_block:
+                raise
+            raise ValueError(f"speculative_config.model {config.speculative_config.model!r}: "
+                             f"its K/V ({draft_block} bytes a block beside the target's "
+                             f"{per_device - draft_block}) does not fit the KV budget: "
+                             f"{exc}") from exc
         # K/V bytes a token costs in each kind of layer (a sliding layer's only while the
         # token is in the window), over all devices
         self.kv_bytes_per_token = {
             kind: block_bytes(len(layers)) * tp // block_size
             for kind, layers in (("full_attention", self.full_layers),
                                  ("sliding_attention", self.window_layers)) if layers}
+        if own:
+            self.kv_bytes_per_token["draft_model"] = draft_block * tp // block_size
         self._pool_dims = (block_size, pool_kv_heads, pool_dim, kv_dtype)
         self._pool_fill = float("nan") if config.debug_nan_pool else 0.0
         self.kv_pool = self._new_pool()
+        self.draft_pool = self._new_draft_pool() if own else None
         self.max_model_len = max_model_len
         if config.swap_space and self.window is not None:
             raise ValueError("swap_space > 0 (a host pool) is not supported for models with "
@@ -300,8 +334,15 @@ class ModelRunner:
         self.num_host_blocks = num_host_blocks = _num_host_blocks(config, self.block_bytes)
         self.host_kv = np.zeros((num_host_blocks, model_config.num_layers, 2, pool_kv_heads,
                                  block_size, pool_dim), kv_dtype)
+        self.draft_host_kv = None
+        if own:
+            bs, heads, dim, _ = self._draft_dims
+            self.draft_host_kv = np.zeros((num_host_blocks, self._draft.num_layers, 2, heads,
+                                           bs, dim), kv_dtype)
         if config.debug_nan_pool and num_host_blocks:  # a read of a host block nobody
             self.host_kv.fill(np.nan)                   # wrote shows too
+            if own:
+                self.draft_host_kv.fill(np.nan)
         max_blocks = -(-max_model_len // block_size)
         # Smallest buckets are set where padding is nearly free, to keep compilations few. On
         # CPU, decode steps are the exception: they start at one row (1, 2, 4, 8, then 1.5x
@@ -366,7 +407,10 @@ class ModelRunner:
         if rows is None:  # a CPU step past a few rows is mostly the device's own work
             cpu = self.devices[0].platform == "cpu"
             rows = CPU_LOOKAHEAD_ROWS if cpu else config.max_num_seqs
-        self.lookahead_rows = rows if jax.process_count() == 1 and self.window is None else 0
+        # Nor with a draft model's own pool: its K/V of every step's tokens is computed
+        # beside the step (`_keep_draft_in_step`), which a step run ahead would lack.
+        self.lookahead_rows = rows if (jax.process_count() == 1 and self.window is None
+                                       and not own) else 0
         self.lookahead_hits = self.lookahead_misses = 0  # steps found run ahead, or not
         # of the hits: steps whose rows the run-ahead step lacked ran in a call of their own
         # beside it; rows run ahead that the next step did not take (their sequence ended)
@@ -380,9 +424,7 @@ class ModelRunner:
         # without tracing (jaxpage.engine.executables); one process on one device only
         self.executable_store = _executable_store(self.model, devices)
         self._executables: dict[tuple, Any] = {}  # the store's executables by shape key
-        # speculative decoding by a draft model: the target's first draft_layers layers
-        # (`_fill_drafts`); the forward's shape keys start "forward", or "draft<layers>"
-        self._draft = _self_draft(model, model_config, self.params, config)
+        # the forward's shape keys start "forward", or the draft's name (`_Draft.name`)
         self._forward_name = "forward"
 
     @property
@@ -404,6 +446,11 @@ class ModelRunner:
         # a run-ahead step's token ids, per decode bucket, and picked out of one or two
         # steps' draws (out, first, second bucket)
         ahead = rows + rows ** 2 + rows ** 3
+        if self._draft is not None:  # its steps: the target's shapes, its own executables
+            forward *= 2
+        if self.draft_pool is not None:  # and its own pool's copies, fills and swaps
+            groups += 1
+            swaps *= 2
         return (forward + sampling + 2 * len(self.copy_buckets) * groups  # copies, fills
                 + swaps + ahead)
 
@@ -417,6 +464,9 @@ class ModelRunner:
         dst = np.zeros(size, np.int32)
         src[: len(copies)], dst[: len(copies)] = zip(*copies, strict=True)
         self._update_group(window, ("copy", size, window), _COPY_BLOCKS, src, dst)
+        if self.draft_pool is not None and not window:
+            self.draft_pool = self._call(("draft_copy", size), _COPY_BLOCKS,
+                                         (self.draft_pool, src, dst))
 
     def fill_blocks(self, block_ids: list[int], value: float, window: bool = False) -> None:
         """Set every slot of `block_ids` (in every layer of the full group, or of the window
@@ -428,6 +478,9 @@ class ModelRunner:
         ids[: len(block_ids)] = block_ids
         self._update_group(window, ("fill", size, window), _FILL_BLOCKS, ids,
                            np.float32(value))
+        if self.draft_pool is not None and not window:
+            self.draft_pool = self._call(("draft_fill", size), _FILL_BLOCKS,
+                                         (self.draft_pool, ids, np.float32(value)))
 
     def _update_group(self, window: bool, key: tuple, jitted, *args) -> None:
         """Replace one group's layers of the pool by `jitted(layers, *args)` (donating)."""
@@ -452,8 +505,12 @@ class ModelRunner:
         device_ids[: len(copies)] = [device_id for device_id, _ in copies]
         key = ("swap_out", size)
         measured, start = key in self.compiled, time.perf_counter()
-        blocks = self._call(key, _GATHER_BLOCKS, (self.kv_pool, device_ids))
-        blocks.copy_to_host_async()
+        blocks = [self._call(key, _GATHER_BLOCKS, (self.kv_pool, device_ids))]
+        if self.draft_pool is not None:
+            blocks.append(self._call(("draft_swap_out", size), _GATHER_BLOCKS,
+                                     (self.draft_pool, device_ids)))
+        for part in blocks:
+            part.copy_to_host_async()
         self._swaps_in_flight.append((copies, blocks,
                                       time.perf_counter() - start if measured else None))
         self.swap_out_blocks += len(copies)
@@ -465,7 +522,9 @@ class ModelRunner:
         while self._swaps_in_flight:
             copies, blocks, dispatch_seconds = self._swaps_in_flight[0]
             start = time.perf_counter()
-            self.host_kv[[host_id for _, host_id in copies]] = np.asarray(blocks)[: len(copies)]
+            host_ids = [host_id for _, host_id in copies]
+            for host, part in zip(self._host_pools(), blocks, strict=True):
+                host[host_ids] = np.asarray(part)[: len(copies)]
             self._swaps_in_flight.pop(0)
             if dispatch_seconds is not None:
                 self.swap_out_seconds_timed += dispatch_seconds + time.perf_counter() - start
@@ -495,15 +554,27 @@ class ModelRunner:
         blocks = jax.device_put(self.host_kv[host_ids])
         self.kv_pool = self._call(("swap_in", size), _SCATTER_BLOCKS,
                                   (self.kv_pool, device_ids, blocks))
+        if self.draft_pool is not None:
+            blocks = jax.device_put(self.draft_host_kv[host_ids])
+            self.draft_pool = self._call(("draft_swap_in", size), _SCATTER_BLOCKS,
+                                         (self.draft_pool, device_ids, blocks))
         self.swap_in_blocks += len(copies)
 
+    def _host_pools(self) -> list[np.ndarray]:
+        """The host pools a swapped block's K/V goes to: the target's, and the draft's."""
+        return [self.host_kv] + ([] if self.draft_host_kv is None else [self.draft_host_kv])
+
     def pool_lost(self) -> bool:
-        """Whether the KV pool's buffers were freed (a donated call failed mid-way)."""
-        return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.kv_pool))
+        """Whether the KV pool's buffers (or the draft's) were freed (a donated call failed
+        mid-way)."""
+        return any(leaf.is_deleted() for leaf in jax.tree.leaves([self.kv_pool,
+                                                                  self.draft_pool]))
 
     def reset_pool(self) -> None:
-        """A new KV pool, as at start (its old contents are gone)."""
+        """A new KV pool (and the draft's), as at start (its old contents are gone)."""
         self.kv_pool = self._new_pool()
+        if self.draft_pool is not None:
+            self.draft_pool = self._new_draft_pool()
         self._ahead = None  # it ran on the old pool
 
     def _new_pool(self):
@@ -517,6 +588,16 @@ class ModelRunner:
                                      fill_value=self._pool_fill, sharding=self._pool_sharding)
                 for i, layer_kv in zip(layers, group, strict=True):
                     pool[i] = layer_kv
+        return self._advised(pool)
+
+    def _new_draft_pool(self):
+        """The draft model's own pool: its layers' (k, v), num_blocks blocks each."""
+        return self._advised(init_kv_pool(self._draft.num_layers, self.num_blocks,
+                                          *self._draft_dims, fill_value=self._pool_fill,
+                                          sharding=self._pool_sharding))
+
+    def _advised(self, pool):
+        """`pool`, its zeroed pages marked as such on a CPU (`huge_pages.advise_zeroed`)."""
         if self._pool_fill == 0.0 and self.devices[0].platform == "cpu":
             # the K/V arrays and a quantized pool's values hold zeros (its scales hold 1)
             huge_pages.advise_zeroed(
@@ -529,51 +610,82 @@ class ModelRunner:
         (none for a non-final prompt chunk, several for a prompt whose samples fork)."""
         self.timer.start()
         if self._draft is not None:
-            self._fill_drafts(seqs)
+            filled = self._fill_drafts(seqs)
+            if self.draft_pool is not None:
+                self._keep_draft_in_step(seqs, filled)
         results: list[list[SeqResult]] = [[] for _ in seqs]
-        decode = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
-        prefill = [i for i, s in enumerate(seqs) if len(s.token_ids) > 1]
-        if self.ragged and prefill and decode:  # one call reads the weights once
-            prefill, decode = prefill + decode, []
-        if not decode and self._ahead is not None:  # run ahead, not taken: run anew
-            self.lookahead_misses += 1
+        groups = self._groups(seqs)
+        if not any(is_decode for _, is_decode in groups) and self._ahead is not None:
+            self.lookahead_misses += 1  # run ahead, not taken: run anew
             self._ahead = None
-        for group, is_decode in ((prefill, False), (decode, True)):
-            if group:
-                for i, result in zip(group, self._run([seqs[i] for i in group], is_decode),
-                                     strict=True):
-                    results[i] = result
+        for group, is_decode in groups:
+            for i, result in zip(group, self._run([seqs[i] for i in group], is_decode),
+                                 strict=True):
+                results[i] = result
         self.timer.mark("readback")
         return results
 
-    def _fill_drafts(self, seqs: list[SeqInput]) -> None:
+    def _groups(self, seqs: list[SeqInput]) -> list[tuple[list[int], bool]]:
+        """The calls a step's `seqs` run as: (their indices, is_decode), prefill chunks
+        first. A ragged backend runs them as one call, which reads the weights once."""
+        decode = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
+        prefill = [i for i, s in enumerate(seqs) if len(s.token_ids) > 1]
+        if self.ragged and prefill and decode:
+            prefill, decode = prefill + decode, []
+        return [(group, is_decode) for group, is_decode in ((prefill, False), (decode, True))
+                if group]
+
+    @contextlib.contextmanager
+    def _drafting(self):
+        """The runner as the draft model's for the steps inside: its model, params, pool
+        (the target's first layers, or its own) and shape keys (the store keeps
+        executables by them). Restored after, the pool as the steps left it (or, failed,
+        what is left of it)."""
+        draft, target = self._draft, (self.model, self.params, self.kv_pool)
+        self.model, self.params, self._forward_name = draft.model, draft.params, draft.name
+        self.kv_pool = self.draft_pool if draft.layers is None else target[2][:draft.layers]
+        try:
+            yield
+        finally:
+            if draft.layers is None:
+                self.draft_pool, self.kv_pool = self.kv_pool, target[2]
+            else:
+                self.kv_pool = list(self.kv_pool) + list(target[2][draft.layers:])
+            self.model, self.params, self._forward_name = target[0], target[1], "forward"
+
+    def _fill_drafts(self, seqs: list[SeqInput]) -> list[SeqInput]:
         """Propose the drafts of the speculative steps among `seqs` whose draft slots are
         empty (`speculative.DRAFT_SLOT`): the draft model decodes them greedily, a step per
         draft position over every such sequence, each step's tokens read back for the next
         one, and writes them into the seqs' token ids (the scheduler reads them there).
-        The draft's layers are the target's first ones, so it runs on the target's pool:
-        the slots it writes are the sequence's own, and the step that verifies the drafts
-        rewrites them with the same values."""
+        Returns those seqs. Each draft step writes the draft's K/V of its token at the
+        token's slot: in the draft's own pool, or (the target's first layers) in the
+        target's, where the step that verifies the drafts rewrites them with the same
+        values."""
         todo = [s for s in seqs if s.verify and s.token_ids[1] == DRAFT_SLOT]
-        if not todo:
-            return
-        model, params, num_layers = self._draft
         greedy = SamplingRow(SamplingParams(temperature=0.0), seed=0, step=0)
-        for j in range(max(len(s.token_ids) - 1 for s in todo)):
+        for j in range(max((len(s.token_ids) - 1 for s in todo), default=0)):
             going = [s for s in todo if j < len(s.token_ids) - 1]
-            step_seqs = [SeqInput(s.block_table, s.num_computed + j, [s.token_ids[j]],
-                                  [greedy], s.window_block_table) for s in going]
-            full = self.model, self.params, self.kv_pool
-            self.model, self.params = model, params
-            # its own shape keys: the store keeps executables by them
-            self.kv_pool, self._forward_name = full[2][:num_layers], f"draft{num_layers}"
-            try:
-                step = self._dispatch(step_seqs, True)
-            finally:  # the draft's layers' new pool (or, failed, what is left of it)
-                self.kv_pool = list(self.kv_pool) + list(full[2][num_layers:])
-                self.model, self.params, self._forward_name = full[0], full[1], "forward"
+            with self._drafting():
+                step = self._dispatch([SeqInput(s.block_table, s.num_computed + j,
+                                                [s.token_ids[j]], [greedy],
+                                                s.window_block_table) for s in going], True)
             for s, drawn in zip(going, self._results(step), strict=True):
                 s.token_ids[j + 1] = drawn[0].token
+        return todo
+
+    def _keep_draft_in_step(self, seqs: list[SeqInput], filled: list[SeqInput]) -> None:
+        """Start the draft model's forward over the tokens of this step (nothing drawn), so
+        that its own pool holds its K/V of every token the target's holds. A sequence whose
+        drafts it proposed already wrote all but its last draft's (`_fill_drafts`)."""
+        proposed = {id(s) for s in filled}
+        inputs = [SeqInput(s.block_table, s.num_computed + len(s.token_ids) - 1,
+                           s.token_ids[-1:], [], s.window_block_table) if id(s) in proposed
+                  else SeqInput(s.block_table, s.num_computed, s.token_ids, [],
+                                s.window_block_table) for s in seqs]
+        with self._drafting():
+            for group, is_decode in self._groups(inputs):
+                self._dispatch([inputs[i] for i in group], is_decode)
 
     def warmup(self, shapes: int | None = None) -> tuple[int, float]:
         """Compile the shapes a server meets first, before it serves: a decode step at every
@@ -827,30 +939,90 @@ class ModelRunner:
 
 
 
-def _self_draft(model: Any, model_config: Any, params: Any, config: EngineConfig
-                ) -> tuple[Any, Any, int] | None:
-    """(draft model, its params, its layers) of a speculative_config whose draft is the
-    target cut to its first `draft_layers` layers (None for any other): a model of the same
-    family over a config of that many layers, sharing the target's arrays."""
+@dataclasses.dataclass(frozen=True)
+class _Draft:
+    """A speculative decoding draft model as the runner runs it (`ModelRunner._drafting`)."""
+
+    model: Any
+    params: Any  # on the device
+    name: str  # its steps' shape keys: "draft<layers>" (the target cut), "draft" (its own)
+    layers: int | None  # the target's first layers it is, on the target's pool; None: its own
+    num_layers: int
+    kv_heads: int
+
+
+def _build_draft(model: Any, params: Any, config: EngineConfig, draft: tuple[Any, Any] | None,
+                 devices: list, backend: str, dtype) -> _Draft | None:
+    """The draft of a speculative_config of method "draft_model" (None for any other): the
+    target cut to its first `draft_layers` layers (a model of the same family over a config
+    of that many layers, sharing the target's arrays), or `draft`'s (model, numpy params)
+    cast to the engine's dtype and put on the device. ValueError naming the field where it
+    cannot run here."""
     spec = config.speculative_config
     if spec is None or spec.method != "draft_model":
         return None
-    num_layers = spec.draft_layers
-    if num_layers > model_config.num_layers:
-        raise ValueError(f"speculative_config.draft_layers must be <= the model's "
-                         f"{model_config.num_layers} layers, got {num_layers}")
-    if config.tensor_parallel_size > 1 or jax.process_count() > 1:
-        raise ValueError("speculative_config.method 'draft_model' needs one device in one "
-                         "process (tensor_parallel_size 1)")
-    types = model_config.layer_types
-    try:
-        draft = dataclasses.replace(model, config=dataclasses.replace(
-            model_config, num_layers=num_layers,
-            layer_types=None if types is None else types[:num_layers]))
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"speculative_config.model 'self' is not supported for "
-                         f"{type(model).__name__}: {exc}") from exc
-    return draft, dict(params, layers=params["layers"][:num_layers]), num_layers
+    if jax.process_count() > 1:
+        raise ValueError("speculative_config.method 'draft_model' needs one process")
+    tp, model_config = config.tensor_parallel_size, model.config
+    if spec.model == "self":
+        if tp > 1:
+            raise ValueError("speculative_config.model 'self' needs tensor_parallel_size 1 "
+                             "(a draft model of its own is split as the target is)")
+        num_layers = spec.draft_layers
+        if num_layers > model_config.num_layers:
+            raise ValueError(f"speculative_config.draft_layers must be <= the model's "
+                             f"{model_config.num_layers} layers, got {num_layers}")
+        types = model_config.layer_types
+        try:
+            cut = dataclasses.replace(model, config=dataclasses.replace(
+                model_config, num_layers=num_layers,
+                layer_types=None if types is None else types[:num_layers]))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"speculative_config.model 'self' is not supported for "
+                             f"{type(model).__name__}: {exc}") from exc
+        return _Draft(cut, dict(params, layers=params["layers"][:num_layers]),
+                      f"draft{num_layers}", num_layers, num_layers, model_config.num_kv_heads)
+    if draft is None:
+        raise ValueError(f"speculative_config.model {spec.model!r}: the draft's model and "
+                         "params were not given to the runner")
+    draft_model, draft_params = draft
+    draft_config, field = draft_model.config, f"speculative_config.model {spec.model!r}"
+    if draft_config.vocab_size != model_config.vocab_size:
+        raise ValueError(f"{field} has a vocabulary of {draft_config.vocab_size} tokens, the "
+                         f"target {model_config.vocab_size}: a draft must share the target's "
+                         "vocabulary")
+    if any(layer_windows(draft_config)):
+        raise ValueError(f"{field} has sliding-window layers, which a draft's own pool does "
+                         "not page (a draft of full-attention layers only)")
+    kv_dtype = dtype if config.kv_cache_dtype == "auto" else jnp.dtype(config.kv_cache_dtype)
+    draft_backend = select_backend(config.attention_backend, interpret=config.kernel_interpret,
+                                   head_dim=draft_config.head_dim,
+                                   block_size=config.block_size, dtype=kv_dtype)
+    if draft_backend != backend:
+        raise ValueError(f"{field} takes the attention backend {draft_backend!r} (head_dim "
+                         f"{draft_config.head_dim}), the target {backend!r}: both must run on "
+                         "one")
+    draft_params = jax.tree.map(lambda a: _cast_float(a, dtype), draft_params)
+    device = devices[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:  # its share of each device's memory
+        size = sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(draft_params)) // tp
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        if size > free:
+            raise ValueError(f"{field}: its weights ({size} bytes a device) do not fit the "
+                             f"{free} bytes left on {device}")
+    if tp > 1:  # split over the target's devices as the target is
+        try:
+            plan = TensorParallel.create(draft_config, tp, devices)
+        except ValueError as exc:
+            raise ValueError(f"{field}: {exc}") from exc
+        return _Draft(TensorParallelModel.wrap(draft_model, plan),
+                      plan.shard_params(draft_params), "draft", None,
+                      draft_config.num_layers, plan.pool_kv_heads)
+    if _packs_weights(draft_model, device, dtype):
+        draft_params = draft_model.pack_params(draft_params)
+    return _Draft(draft_model, jax.device_put(draft_params, device), "draft", None,
+                  draft_config.num_layers, draft_config.num_kv_heads)
 
 
 def _executable_store(model: Any, devices: list) -> executables.ExecutableStore | None:

@@ -38,11 +38,15 @@ class SpeculativeConfig:
     method "ngram" (prompt lookup): the longest n-gram (`prompt_lookup_min` to
     `prompt_lookup_max` tokens) ending the sequence that occurred earlier in it (prompt and
     output) proposes the tokens that followed its latest earlier occurrence.
-    method "draft_model" with model "self": the target cut to its first `draft_layers`
-    layers (then its final norm and LM head: LayerSkip's early exit, no second checkpoint)
-    proposes k tokens greedily, one draft step after another, before the step verifies them.
-    Its K/V of those layers is the target's own for the same tokens, so it reads and writes
-    the target's pool (the verification rewrites the draft slots with the same values).
+    method "draft_model": a smaller model proposes k tokens greedily, one draft step after
+    another, before the step verifies them. `model` is what `LLM(model=...)` loads (an HF
+    directory, a .gguf file, a jaxpage checkpoint) with the target's vocabulary: it keeps
+    its own K/V in a pool of its own, at the block ids of the target's tables, for every
+    token the target computes (so prefix hits, forks, preemption and swap cover it). Or
+    `model` "self": the target cut to its first `draft_layers` layers (then its final norm
+    and LM head: LayerSkip's early exit, no second checkpoint), whose K/V of those layers is
+    the target's own for the same tokens, so it reads and writes the target's pool (the
+    verification rewrites the draft slots with the same values).
     num_speculative_tokens: k, the most drafts per sequence and step (1 to 16).
     adaptive: each request proposes only the drafts worth their cost, from its acceptance
     rate so far and what a step costs on this machine (`Acceptance`, `StepCost`); off,
@@ -77,11 +81,20 @@ class SpeculativeConfig:
             check(self.draft_layers is None, "speculative_config.draft_layers",
                   self.draft_layers, "None with method 'ngram'")
             return
-        check(self.model == "self", "speculative_config.model", self.model,
-              "'self' (the target's first draft_layers layers; a draft checkpoint of its own "
-              "is not supported yet)")
-        check(is_int(self.draft_layers) and self.draft_layers >= 1,
-              "speculative_config.draft_layers", self.draft_layers, "an integer >= 1")
+        check(isinstance(self.model, str) and self.model, "speculative_config.model",
+              self.model, "the draft's model (a path or name) or 'self' with method "
+              "'draft_model'")
+        if self.model == "self":
+            check(is_int(self.draft_layers) and self.draft_layers >= 1,
+                  "speculative_config.draft_layers", self.draft_layers, "an integer >= 1")
+        else:
+            check(self.draft_layers is None, "speculative_config.draft_layers",
+                  self.draft_layers, "None unless model is 'self'")
+
+    @property
+    def draft_checkpoint(self) -> str | None:
+        """The draft model to load (method "draft_model", `model` not "self"), else None."""
+        return self.model if self.method == "draft_model" and self.model != "self" else None
 
     @classmethod
     def of(cls, value: Any) -> SpeculativeConfig | None:

@@ -131,3 +131,30 @@ def load_model(name_or_path: str, dtype: Any = "float32",
     from jaxpage.loading.checkpoint import load_checkpoint
 
     return load_checkpoint(path, dtype)
+
+
+def load_draft(name_or_path: str, target: ModelConfig, tokenizer: Any, dtype: Any = "float32",
+               cache_gguf: bool = True) -> tuple[Any, dict]:
+    """(model, numpy params) of a speculative decoding draft (`speculative_config.model`),
+    checked against the `target` it proposes for: the same vocabulary (its vocab_size and,
+    where both ship one, its tokenizer's token -> id map), else a ValueError naming the
+    field."""
+    from jaxpage.models import build_model
+
+    field = "speculative_config.model"
+    try:
+        config, params, draft_tokenizer = load_model(name_or_path, dtype, cache_gguf)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{field} {name_or_path!r} could not be loaded: {exc}") from exc
+    if config.vocab_size != target.vocab_size:
+        raise ValueError(f"{field} {name_or_path!r} has a vocabulary of {config.vocab_size} "
+                         f"tokens, the target {target.vocab_size}: a draft must share the "
+                         "target's vocabulary")
+    if tokenizer is not None and draft_tokenizer is not None:
+        ours, theirs = tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+        if ours != theirs:
+            differ = sorted(set(ours.items()) ^ set(theirs.items()))[:3]
+            raise ValueError(f"{field} {name_or_path!r} has a tokenizer other than the "
+                             f"target's ({len(theirs)} tokens against {len(ours)}; "
+                             f"(token, id) pairs in one only: {differ})")
+    return build_model(config), params

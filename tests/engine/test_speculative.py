@@ -452,11 +452,14 @@ def test_a_fault_in_a_speculative_step_leaves_the_others_untouched(fault_clean, 
 
 # ------------------------------------------------------------- sliding windows, stop strings
 
-@pytest.mark.parametrize("name", ["mistral", pytest.param("gemma2", marks=pytest.mark.slow)])
-def test_sliding_window_models_speculate_past_the_window(hf_model_dir, name):
-    """test_window_group's chunked, preempting case with drafts: the window group's blocks
-    taken for rejected drafts go back too (no window block leaked), and the tokens are HF
-    transformers' far past the 16-token window."""
+@pytest.mark.parametrize("name,proposer", [
+    ("mistral", "scripted"), ("mistral", "draft"),
+    pytest.param("gemma2", "scripted", marks=pytest.mark.slow)])
+def test_sliding_window_models_speculate_past_the_window(hf_model_dir, drafts, name, proposer):
+    """test_window_group's chunked, preempting case with drafts (a scripted proposer's, or a
+    full-attention draft model's of its own, whose pool pages by the full group's table):
+    the window group's blocks taken for rejected drafts go back too (no window block
+    leaked), and the tokens are HF transformers' far past the 16-token window."""
     from jaxpage.engine.kv_groups import window_blocks_per_seq
 
     path, model = hf_model_dir(name, **({"sliding_window": 16} if name == "mistral" else {}))
@@ -465,16 +468,22 @@ def test_sliding_window_models_speculate_past_the_window(hf_model_dir, name):
     expected = [hf_greedy(model, p, 20) for p in prompts]
     llm = LLM(path, block_size=4, max_num_batched_tokens=12, max_num_seqs=6,
               num_window_blocks=2 * window_blocks_per_seq(16, 4, 12, 512) + 1,
-              debug_nan_pool=True, speculative_config=spec(4, adaptive=False))
-    llm.engine.scheduler.proposer = Scripted(
-        [p + e for p, e in zip(prompts, expected, strict=True)], 97, wrong=0.3, seed=1)
+              debug_nan_pool=True, speculative_config=spec(4, adaptive=False)
+              if proposer == "scripted" else draft_model(drafts["twin"], 4, adaptive=False))
+    if proposer == "scripted":
+        llm.engine.scheduler.proposer = Scripted(
+            [p + e for p, e in zip(prompts, expected, strict=True)], 97, wrong=0.3, seed=1)
     outs = llm.generate(prompts * 2, SamplingParams(max_tokens=20, **GREEDY), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected * 2
     llm.engine.allocator.check_invariants()
     stats = llm.stats()
     assert stats["kv_window_blocks_used"] == stats["kv_blocks_used"] == 0
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
-    assert stats["spec_decode"]["num_accepted_tokens"] > 20
+    s = stats["spec_decode"]
+    if proposer == "scripted":
+        assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+        assert s["num_accepted_tokens"] > 20
+    else:  # a full-attention draft of another model: some drafts right, some not
+        assert 0 < s["num_accepted_tokens"] < s["num_draft_tokens"]
 
 
 def test_stop_strings_inside_an_accepted_run(tmp_path):
@@ -669,7 +678,9 @@ def test_a_one_layer_draft_changes_no_request(tiny, stop_case, plain, adaptive):
 
 @pytest.mark.parametrize("bad,field", [
     ({"method": "draft_model", "model": "other/model", "draft_layers": 1},
-     "speculative_config.model"),
+     "speculative_config.draft_layers"),
+    ({"method": "draft_model"}, "speculative_config.model"),
+    ({"method": "draft_model", "model": ""}, "speculative_config.model"),
     ({"method": "draft_model", "model": "self", "draft_layers": 0},
      "speculative_config.draft_layers"),
     ({"method": "ngram", "draft_layers": 2}, "speculative_config.draft_layers"),
@@ -684,13 +695,20 @@ def test_a_draft_of_more_layers_than_the_model_is_refused(tiny):  # noqa: F811
         LLM(tiny[0], num_blocks=16, speculative_config=self_draft(3))
 
 
+@pytest.mark.parametrize("draft,stage", [("self", "propose"), ("first-layer", "propose"),
+                                         ("first-layer", "keep")])
 @pytest.mark.parametrize("lose_pool", [False, True])
-def test_a_fault_in_a_draft_step_leaves_every_request_untouched(fault_clean, lose_pool):
-    """The draft model's device step fails (after freeing the donated pool, or not): the
-    step raises once with the engine as it was, and every request gets its clean tokens."""
+def test_a_fault_in_a_draft_step_leaves_every_request_untouched(fault_clean, drafts, draft,
+                                                                stage, lose_pool):
+    """The draft model's device step fails (after freeing the donated pool, or not): one
+    of its proposing steps, or (a draft of its own) the forward that keeps its pool in
+    step. The step raises once with the engine as it was, and every request gets its clean
+    tokens."""
     path, clean = fault_clean
-    llm = make_llm(path, speculative_config=self_draft(1, 3, adaptive=False))
+    llm = make_llm(path, speculative_config=self_draft(1, 3, adaptive=False) if draft == "self"
+                   else draft_model(drafts[draft], 3, adaptive=False))
     runner = llm.engine.runner
+    name = "draft1" if draft == "self" else "draft"
 
     def install(engine):
         def fail(seqs, is_decode, token_ids=None):
@@ -698,8 +716,11 @@ def test_a_fault_in_a_draft_step_leaves_every_request_untouched(fault_clean, los
                 for leaf in __import__("jax").tree.leaves(runner.kv_pool):
                     leaf.delete()
             raise RuntimeError("injected failure in a draft step")
-        runner._dispatch = Once(runner._dispatch,
-                                lambda *a, **k: runner._forward_name == "draft1", fail)
+
+        def when(seqs, is_decode, token_ids=None):  # a proposing step draws, the other not
+            return runner._forward_name == name and bool(seqs[0].sampling) == (
+                stage == "propose")
+        runner._dispatch = Once(runner._dispatch, when, fail)
         return runner._dispatch
 
     fault = fault_at(4, install)
@@ -710,3 +731,158 @@ def test_a_fault_in_a_draft_step_leaves_every_request_untouched(fault_clean, los
         assert out.error is None, (request_id, out.error)
         assert [c.token_ids for c in out.outputs] == [
             c.token_ids for c in clean[request_id].outputs], request_id
+
+
+# ------------------------------------------------------------- a draft model of its own
+
+def draft_model(path: str, k: int = 4, **kwargs) -> dict:
+    return {"method": "draft_model", "model": path, "num_speculative_tokens": k, **kwargs}
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny, hf_model_dir, tmp_path_factory):  # noqa: F811
+    """Draft checkpoints for the tiny Llama (6 query heads over 2 KV heads, 2 layers),
+    by name -> path:
+    "twin": the target's function with each KV head repeated for its 3 query heads (6 KV
+    heads: a pool of another shape), so each greedy draft is the target's next token when
+    its own K/V is right; "first-layer": the target's first layer alone (some drafts
+    right, some not); "qwen2": a random Qwen2 of the same vocabulary (head_dim 16)."""
+    import transformers
+
+    _, target = tiny
+    state, config = target.state_dict(), target.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = config.hidden_size // heads
+    paths = {}
+
+    def save(name, config, weights):
+        model = transformers.LlamaForCausalLM(config).eval()
+        model.load_state_dict(weights)
+        path = tmp_path_factory.mktemp(f"draft_{name}")
+        model.save_pretrained(path, safe_serialization=True)
+        paths[name] = str(path)
+
+    wide = transformers.LlamaConfig(**{**config.to_dict(), "num_key_value_heads": heads})
+    save("twin", wide, {
+        name: (w.reshape(kv_heads, dim, -1).repeat_interleave(heads // kv_heads, dim=0)
+               .reshape(heads * dim, -1) if name.endswith(("k_proj.weight", "v_proj.weight"))
+               else w) for name, w in state.items()})
+    short = transformers.LlamaConfig(**{**config.to_dict(), "num_hidden_layers": 1})
+    save("first-layer", short, {name: w for name, w in state.items()
+                                if ".layers.1." not in name})
+    paths["qwen2"] = hf_model_dir("qwen2", 5)[0]
+    return paths
+
+
+TWIN_POOLS = {"preempting": (4, 24, 0, {}), "swapping": (4, 24, 256, {}),
+              "host-prefix-cache": (4, 24, 256, {"enable_host_prefix_cache": True}),
+              "blocks-of-16": (16, 24, 0, {})}
+
+
+@pytest.mark.parametrize("backend,pool", [*(("cpp", pool) for pool in TWIN_POOLS), *(
+    pytest.param(p.values[0], "preempting", marks=p.marks) for p in PALLAS)])
+def test_a_draft_computing_the_target_has_every_draft_accepted(tiny, stop_case, plain,  # noqa: F811
+                                                              drafts, backend, pool):
+    """The "twin" draft proposes the target's own greedy tokens if, and only if, its own
+    pool holds its K/V of every token before the drafts (a NaN-filled pool: a block it
+    missed is NaN): through chunked prefill, prefix hits, n = 2 forks, a beam's forks,
+    preemption by recompute and by swap, and the host prefix cache, every draft of every
+    greedy request is accepted, and every request gets the tokens it gets without
+    speculation (HF's greedy ones)."""
+    path, model = tiny
+    block_size, num_blocks, swap, overrides = TWIN_POOLS[pool]
+    if backend == "pallas_tpu":  # Mosaic: blocks of whole sublanes
+        block_size, num_blocks = 8, num_blocks // 2
+    # not "abort" (drafts all accepted, it reaches max_tokens before the step that aborts
+    # it) nor "min" (min_tokens bans its stop token from the target's draws, not the draft's)
+    greedy = ("g0", "stop", "late", "pen", "beam", "long", "hit")
+    items = [item for item in spec_workload(stop_case) if item[0] in greedy] + [
+        ("n2", list(range(60, 66)), SamplingParams(n=2, max_tokens=14, temperature=0.0), 40),
+        ("hit2", list(range(3, 70)), SamplingParams(max_tokens=12, **GREEDY), 30)]
+    llm = make(path, block_size, num_blocks, swap, backend,
+               draft_model(drafts["twin"], 4, adaptive=False), **overrides)
+    assert llm.engine.runner.draft_pool is not None
+    got, stats, raised = serve(llm, items, before_step=committed_as_tokens(llm.engine))
+    assert raised == 0
+    want = plain(block_size, num_blocks, 0, backend)
+    assert_same({r: got[r] for r in greedy}, {r: want[r] for r in greedy})
+    for request_id, prompt, params, _ in items:
+        if request_id in ("g0", "late", "long", "n2", "hit2"):
+            for c in got[request_id].outputs:
+                assert c.token_ids == hf_greedy(model, prompt, params.max_tokens), request_id
+    s = stats["spec_decode"]
+    assert s["num_accepted_tokens"] == s["num_draft_tokens"] >= 100, s
+    if num_blocks * block_size < 100:
+        assert stats["num_preemptions"] > 0
+    if swap:
+        assert stats["num_swapped_preemptions"] > 0
+    if overrides:
+        assert stats["prefix_cache_host_hits"] > 0, stats
+
+
+@pytest.mark.parametrize("name,adaptive", [("first-layer", False), ("first-layer", True),
+                                           ("qwen2", False)])
+def test_a_draft_model_changes_no_request(tiny, stop_case, plain, drafts, name,  # noqa: F811
+                                          adaptive):
+    """Drafts by a model of their own, some right and some not (the target's first layer)
+    or seldom right (a random Qwen2 of other shapes), through the workload: every request
+    as without speculation, the committed K/V checked every step."""
+    want = plain(4, 24, 0)
+    llm = make(tiny[0], 4, 24, 0, "cpp", draft_model(drafts[name], 3, adaptive=adaptive))
+    got, stats, raised = serve(llm, spec_workload(stop_case),
+                               before_step=committed_as_tokens(llm.engine))
+    assert raised == 0
+    assert_same(got, want)
+    s = stats["spec_decode"]
+    assert s["num_draft_tokens"] > 0
+    if name == "first-layer" and not adaptive:
+        assert 0 < s["num_accepted_tokens"] < s["num_draft_tokens"], s
+        assert stats["num_preemptions"] > 0
+
+
+def test_a_draft_model_must_share_the_vocabulary_and_fit(tiny, hf_model_dir, drafts):  # noqa: F811
+    """Refused when the engine is built, naming speculative_config.model: another vocabulary
+    size, sliding-window layers, a path that holds no model, and K/V that leaves the pool
+    less than 2 blocks (the target alone has 3 in the same budget)."""
+    path = tiny[0]
+    cases = [(hf_model_dir("llama", 0, vocab_size=98)[0],
+              "has a vocabulary of 98 tokens, the target 97"),
+             (hf_model_dir("mistral")[0], "has sliding-window layers"),
+             (str(tiny[0]) + "-missing", "could not be loaded")]
+    for draft, message in cases:
+        with pytest.raises(ValueError, match=f"^speculative_config.model '.*' {message}"):
+            LLM(path, num_blocks=16, speculative_config=draft_model(draft))
+    block = llm_block_bytes(path, 4)
+    assert LLM(path, block_size=4, kv_cache_memory=3 * block).engine.runner.num_blocks == 3
+    with pytest.raises(ValueError, match=r"^speculative_config.model '.*': its K/V \(3072 "
+                                         r"bytes a block beside the target's 1024\) does not "
+                                         r"fit the KV budget"):
+        LLM(path, block_size=4, kv_cache_memory=3 * block,
+            speculative_config=draft_model(drafts["twin"]))
+
+
+def test_a_draft_model_must_share_the_tokenizer(tmp_path):
+    """Two byte-level BPEs of 400 tokens trained on different text: the same vocabulary
+    size, another token -> id map; refused, naming the field."""
+    from conftest import CORPUS, byte_level_bpe_tokenizer
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    ours = byte_level_bpe_tokenizer()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator([text[::-1] for text in CORPUS], trainers.BpeTrainer(
+        vocab_size=len(ours), special_tokens=["<pad>", "<s>", "</s>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    theirs = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+    assert len(theirs) == len(ours) and theirs.get_vocab() != ours.get_vocab()
+    for name, tokenizer in (("target", ours), ("draft", theirs)):
+        build_hf_model("llama", 0, vocab_size=len(ours)).save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    with pytest.raises(ValueError, match="^speculative_config.model '.*' has a tokenizer other "
+                                         "than the target's"):
+        LLM(str(tmp_path / "target"), num_blocks=16,
+            speculative_config=draft_model(str(tmp_path / "draft")))
+    # the same tokenizer: accepted
+    LLM(str(tmp_path / "target"), num_blocks=16,
+        speculative_config=draft_model(str(tmp_path / "target")))

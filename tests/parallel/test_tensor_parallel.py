@@ -62,10 +62,12 @@ def test_tokens_equal_one_device(model, backend, sizes, preemption):
     assert_same_tokens(results)
 
 
-def test_speculative_steps_on_the_mesh_equal_one_device():
+@pytest.mark.parametrize("proposer", ["known", "draft"])
+def test_speculative_steps_on_the_mesh_equal_one_device(proposer):
     """Drafts verified on 2 devices: the tokens one device gives without speculation (greedy
-    and seeded, a chunked prompt, preempting)."""
-    results = run_worker("speculative", "llama8", "2")
+    and seeded, a chunked prompt, preempting); the drafts a scripted proposer's, or a draft
+    model's of its own split over the devices (its pool sharded as the target's)."""
+    results = run_worker("speculative", "llama8", "2", proposer)
     plain = results.pop("plain")["tokens"]
     for tp, result in results.items():
         assert result["tokens"] == plain, f"tp {tp} with drafts differs"

@@ -221,9 +221,11 @@ class KnownDrafts:
         return [t if (n + i) % 3 else (t + 1) % 97 for i, t in enumerate(known[n : n + k])]
 
 
-def speculative(kind: str, sizes: str) -> dict:
+def speculative(kind: str, sizes: str, proposer: str = "known") -> dict:
     """The tokens workload's greedy and seeded requests (chunked, preempting) with drafts
-    verified on the mesh: {tp: tokens, accepted drafts}, "plain": one device without."""
+    verified on the mesh: {tp: tokens, accepted drafts}, "plain": one device without. The
+    drafts are `KnownDrafts`' ("known"), or a draft model's of its own, split over the mesh
+    as the target is: the target's checkpoint loaded again ("draft")."""
     path = model_dir(kind)
     prompts = [list(range(3, 8)), PREFIX + [70, 71], list(range(3, 60)), list(range(80, 90))]
     params = [SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)] * 3 + [
@@ -233,9 +235,12 @@ def speculative(kind: str, sizes: str) -> dict:
     results = {"plain": {"tokens": [[c.token_ids for c in o.outputs] for o in outs]}}
     known = [p + c.token_ids for p, o in zip(prompts, outs, strict=True) for c in o.outputs]
     for tp in [1] + [int(s) for s in sizes.split(",") if s]:
-        llm = LLM(path, tensor_parallel_size=tp, speculative_config={
-            "method": "ngram", "num_speculative_tokens": 4, "adaptive": False}, **engine)
-        llm.engine.scheduler.proposer = KnownDrafts(known)
+        spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
+        if proposer == "draft":
+            spec.update(method="draft_model", model=path)
+        llm = LLM(path, tensor_parallel_size=tp, speculative_config=spec, **engine)
+        if proposer == "known":
+            llm.engine.scheduler.proposer = KnownDrafts(known)
         outs = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.stats()
         results[tp] = {"tokens": [[c.token_ids for c in o.outputs] for o in outs],
