@@ -640,10 +640,13 @@ class ModelRunner:
         """The runner as the draft model's for the steps inside: its model, params, pool
         (the target's first layers, or its own) and shape keys (the store keeps
         executables by them). Restored after, the pool as the steps left it (or, failed,
-        what is left of it)."""
-        draft, target = self._draft, (self.model, self.params, self.kv_pool)
+        what is left of it). A draft's own pool pages every layer as full attention: its
+        sliding-window layers, given no window tables, read their window from it."""
+        draft, target = self._draft, (self.model, self.params, self.kv_pool, self.window)
         self.model, self.params, self._forward_name = draft.model, draft.params, draft.name
         self.kv_pool = self.draft_pool if draft.layers is None else target[2][:draft.layers]
+        if draft.layers is None:
+            self.window = None
         try:
             yield
         finally:
@@ -651,7 +654,8 @@ class ModelRunner:
                 self.draft_pool, self.kv_pool = self.kv_pool, target[2]
             else:
                 self.kv_pool = list(self.kv_pool) + list(target[2][draft.layers:])
-            self.model, self.params, self._forward_name = target[0], target[1], "forward"
+            self.model, self.params, self.window = target[0], target[1], target[3]
+            self._forward_name = "forward"
 
     def _fill_drafts(self, seqs: list[SeqInput]) -> list[SeqInput]:
         """Propose the drafts of the speculative steps among `seqs` whose draft slots are
@@ -991,9 +995,6 @@ def _build_draft(model: Any, params: Any, config: EngineConfig, draft: tuple[Any
         raise ValueError(f"{field} has a vocabulary of {draft_config.vocab_size} tokens, the "
                          f"target {model_config.vocab_size}: a draft must share the target's "
                          "vocabulary")
-    if any(layer_windows(draft_config)):
-        raise ValueError(f"{field} has sliding-window layers, which a draft's own pool does "
-                         "not page (a draft of full-attention layers only)")
     kv_dtype = dtype if config.kv_cache_dtype == "auto" else jnp.dtype(config.kv_cache_dtype)
     draft_backend = select_backend(config.attention_backend, interpret=config.kernel_interpret,
                                    head_dim=draft_config.head_dim,
