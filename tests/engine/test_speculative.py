@@ -697,9 +697,11 @@ def test_a_draft_of_more_layers_than_the_model_is_refused(tiny):  # noqa: F811
         LLM(tiny[0], num_blocks=16, speculative_config=self_draft(3))
 
 
-@pytest.mark.parametrize("draft,stage", [("self", "propose"), ("first-layer", "propose"),
-                                         ("first-layer", "keep")])
-@pytest.mark.parametrize("lose_pool", [False, True])
+@pytest.mark.parametrize("draft,stage,lose_pool", [
+    ("self", "propose", False), ("self", "propose", True),
+    ("first-layer", "propose", False), ("first-layer", "keep", True),
+    pytest.param("first-layer", "propose", True, marks=pytest.mark.slow),
+    pytest.param("first-layer", "keep", False, marks=pytest.mark.slow)])
 def test_a_fault_in_a_draft_step_leaves_every_request_untouched(fault_clean, drafts, draft,
                                                                 stage, lose_pool):
     """The draft model's device step fails (after freeing the donated pool, or not): one
@@ -781,8 +783,10 @@ TWIN_POOLS = {"preempting": (4, 24, 0, {}), "swapping": (4, 24, 256, {}),
               "blocks-of-16": (16, 24, 0, {})}
 
 
-@pytest.mark.parametrize("backend,pool", [*(("cpp", pool) for pool in TWIN_POOLS), *(
-    pytest.param(p.values[0], "preempting", marks=p.marks) for p in PALLAS)])
+@pytest.mark.parametrize("backend,pool", [
+    *(("cpp", pool) for pool in ("preempting", "swapping", "host-prefix-cache")),
+    pytest.param("cpp", "blocks-of-16", marks=pytest.mark.slow),
+    *(pytest.param(p.values[0], "preempting", marks=p.marks) for p in PALLAS)])
 def test_a_draft_computing_the_target_has_every_draft_accepted(tiny, stop_case, plain,  # noqa: F811
                                                               drafts, backend, pool):
     """The "twin" draft proposes the target's own greedy tokens if, and only if, its own
@@ -822,8 +826,9 @@ def test_a_draft_computing_the_target_has_every_draft_accepted(tiny, stop_case, 
         assert stats["prefix_cache_host_hits"] > 0, stats
 
 
-@pytest.mark.parametrize("name,adaptive", [("first-layer", False), ("first-layer", True),
-                                           ("qwen2", False)])
+@pytest.mark.parametrize("name,adaptive", [
+    ("first-layer", False), pytest.param("first-layer", True, marks=pytest.mark.slow),
+    pytest.param("qwen2", False, marks=pytest.mark.slow)])
 def test_a_draft_model_changes_no_request(tiny, stop_case, plain, drafts, name,  # noqa: F811
                                           adaptive):
     """Drafts by a model of their own, some right and some not (the target's first layer)
@@ -842,7 +847,8 @@ def test_a_draft_model_changes_no_request(tiny, stop_case, plain, drafts, name, 
         assert stats["num_preemptions"] > 0
 
 
-@pytest.mark.parametrize("k", range(1, 9))
+@pytest.mark.parametrize("k", [k if k in (1, 4, 8) else pytest.param(k, marks=pytest.mark.slow)
+                               for k in range(1, 9)])
 def test_a_draft_model_is_greedy_decoding_for_every_k(tiny, drafts, k):  # noqa: F811
     """The first-layer draft, k from 1 to 8, preempting, on a NaN pool: HF transformers'
     tokens, some drafts accepted and some not."""

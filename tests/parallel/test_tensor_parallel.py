@@ -62,7 +62,7 @@ def test_tokens_equal_one_device(model, backend, sizes, preemption):
     assert_same_tokens(results)
 
 
-@pytest.mark.parametrize("proposer", ["known", "draft"])
+@pytest.mark.parametrize("proposer", ["known", pytest.param("draft", marks=pytest.mark.slow)])
 def test_speculative_steps_on_the_mesh_equal_one_device(proposer):
     """Drafts verified on 2 devices: the tokens one device gives without speculation (greedy
     and seeded, a chunked prompt, preempting); the drafts a scripted proposer's, or a draft
