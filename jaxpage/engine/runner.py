@@ -295,9 +295,10 @@ class ModelRunner:
         # (a swap); a draft's own pool's block beside it
         draft_block = 0
         if own:
+            draft_layers = self._draft.model.config.num_layers
             draft_dim = pool_head_dim(self.backend, self._draft.model.config.head_dim)
             self._draft_dims = (block_size, self._draft.kv_heads, draft_dim, kv_dtype)
-            draft_block = kv_bytes_per_block(self._draft.num_layers, block_size,
+            draft_block = kv_bytes_per_block(draft_layers, block_size,
                                              self._draft.kv_heads // tp, draft_dim, kv_dtype)
         per_device = block_bytes(len(self.full_layers)) + draft_block
         self.block_bytes = per_device * tp
@@ -337,12 +338,11 @@ class ModelRunner:
         self.draft_host_kv = None
         if own:
             bs, heads, dim, _ = self._draft_dims
-            self.draft_host_kv = np.zeros((num_host_blocks, self._draft.num_layers, 2, heads,
-                                           bs, dim), kv_dtype)
+            self.draft_host_kv = np.zeros((num_host_blocks, draft_layers, 2, heads, bs, dim),
+                                          kv_dtype)
         if config.debug_nan_pool and num_host_blocks:  # a read of a host block nobody
-            self.host_kv.fill(np.nan)                   # wrote shows too
-            if own:
-                self.draft_host_kv.fill(np.nan)
+            for host in self._host_pools():             # wrote shows too
+                host.fill(np.nan)
         max_blocks = -(-max_model_len // block_size)
         # Smallest buckets are set where padding is nearly free, to keep compilations few. On
         # CPU, decode steps are the exception: they start at one row (1, 2, 4, 8, then 1.5x
@@ -592,7 +592,7 @@ class ModelRunner:
 
     def _new_draft_pool(self):
         """The draft model's own pool: its layers' (k, v), num_blocks blocks each."""
-        return self._advised(init_kv_pool(self._draft.num_layers, self.num_blocks,
+        return self._advised(init_kv_pool(self._draft.model.config.num_layers, self.num_blocks,
                                           *self._draft_dims, fill_value=self._pool_fill,
                                           sharding=self._pool_sharding))
 
@@ -951,8 +951,7 @@ class _Draft:
     params: Any  # on the device
     name: str  # its steps' shape keys: "draft<layers>" (the target cut), "draft" (its own)
     layers: int | None  # the target's first layers it is, on the target's pool; None: its own
-    num_layers: int
-    kv_heads: int
+    kv_heads: int  # its pool's (a tensor-parallel draft's KV heads as replicated)
 
 
 def _build_draft(model: Any, params: Any, config: EngineConfig, draft: tuple[Any, Any] | None,
@@ -985,7 +984,7 @@ def _build_draft(model: Any, params: Any, config: EngineConfig, draft: tuple[Any
             raise ValueError(f"speculative_config.model 'self' is not supported for "
                              f"{type(model).__name__}: {exc}") from exc
         return _Draft(cut, dict(params, layers=params["layers"][:num_layers]),
-                      f"draft{num_layers}", num_layers, num_layers, model_config.num_kv_heads)
+                      f"draft{num_layers}", num_layers, model_config.num_kv_heads)
     if draft is None:
         raise ValueError(f"speculative_config.model {spec.model!r}: the draft's model and "
                          "params were not given to the runner")
@@ -1018,12 +1017,11 @@ def _build_draft(model: Any, params: Any, config: EngineConfig, draft: tuple[Any
         except ValueError as exc:
             raise ValueError(f"{field}: {exc}") from exc
         return _Draft(TensorParallelModel.wrap(draft_model, plan),
-                      plan.shard_params(draft_params), "draft", None,
-                      draft_config.num_layers, plan.pool_kv_heads)
+                      plan.shard_params(draft_params), "draft", None, plan.pool_kv_heads)
     if _packs_weights(draft_model, device, dtype):
         draft_params = draft_model.pack_params(draft_params)
     return _Draft(draft_model, jax.device_put(draft_params, device), "draft", None,
-                  draft_config.num_layers, draft_config.num_kv_heads)
+                  draft_config.num_kv_heads)
 
 
 def _executable_store(model: Any, devices: list) -> executables.ExecutableStore | None:

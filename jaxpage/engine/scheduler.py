@@ -413,7 +413,7 @@ class Scheduler:
         cost = self.step_cost
         if cost is not None:
             self._terms = saving, draft_cost, switch = cost.terms(len(self.running))
-            threshold = draft_cost / saving
+            threshold = cost.threshold(len(self.running))
             prior = self.spec_stats.acceptance_rate(default=0.5)
         plans, gain = {}, 0.0
         slots = isinstance(self.proposer, DraftSlots)

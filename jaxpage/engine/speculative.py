@@ -336,8 +336,7 @@ class SpecStats:
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "accepted_per_pos": list(self.accepted_per_pos),
-            "acceptance_rate": (self.num_accepted_tokens / self.num_draft_tokens
-                                if self.num_draft_tokens else 0.0),
+            "acceptance_rate": self.acceptance_rate(default=0.0),
             "mean_acceptance_length": (1 + self.num_accepted_tokens / self.num_drafts
                                        if self.num_drafts else 0.0),
             "acceptance_rate_per_pos": [a / d if d else 0.0 for a, d in zip(

@@ -15,6 +15,7 @@ import dataclasses
 import math
 import random
 
+import jax
 import numpy as np
 import pytest
 from conftest import build_hf_model, hf_greedy, hf_logits
@@ -428,7 +429,7 @@ def test_a_fault_in_a_speculative_step_leaves_the_others_untouched(fault_clean, 
             return once
 
         def lose_pool(seqs):
-            for leaf in __import__("jax").tree.leaves(engine.runner.kv_pool):
+            for leaf in jax.tree.leaves(engine.runner.kv_pool):
                 leaf.delete()
             raise RuntimeError("injected failure: pool lost")
         engine.runner.execute = Once(engine.runner.execute, verify_step, lose_pool)
@@ -717,7 +718,7 @@ def test_a_fault_in_a_draft_step_leaves_every_request_untouched(fault_clean, dra
     def install(engine):
         def fail(seqs, is_decode, token_ids=None):
             if lose_pool:
-                for leaf in __import__("jax").tree.leaves(runner.kv_pool):
+                for leaf in jax.tree.leaves(runner.kv_pool):
                     leaf.delete()
             raise RuntimeError("injected failure in a draft step")
 
