@@ -1,16 +1,16 @@
 """Builds, caches and loads jaxpage's CPU kernel library and registers its XLA FFI targets.
 
 The library's C++ sources live in `pallas_kernels/cpu/`: a header per op family (attention,
-set_rows, the small and packed matmuls with the AMX tile path, the layer glue, the decoder layer,
-the greedy draw, and what they share), compiled as one translation unit, `cpu/ffi.cc`, which
-holds the XLA FFI handlers (docs/kernels.md describes the layout); `cpu_ops` holds the JAX
-functions that call it. It is compiled on first use with the machine's C++ compiler (`g++ -O3
--march=native`, about 35 s on a 2-core CPU) into a cache directory, as
+set_rows, the small and packed matmuls with the AMX tile path, the multi-LoRA deltas, the layer
+glue, the decoder layer, the greedy draw, and what they share), compiled as one translation
+unit, `cpu/ffi.cc`, which holds the XLA FFI handlers (docs/kernels.md describes the layout);
+`cpu_ops` holds the JAX functions that call it. It is compiled on first use with the machine's
+C++ compiler (`g++ -O3 -march=native`, about 35 s on a 2-core CPU) into a cache directory, as
 `cpu_kernels-<key>.so`, the key hashing every source file of `cpu/`, the flags, the jaxlib
 version and the CPU; `available()` says whether that worked, and callers fall back to the jnp
 path when it did not (no compiler, another platform). Build-time facts the ops depend on are
-read back from the library: `wide_vectors()` (AVX-512), `bf16_dot_compiled()` (AVX512-BF16)
-and `packed_tiles()` (AMX-BF16 usable by this process).
+read back from the library: `wide_vectors()` (AVX-512), `bf16_dot_compiled()` (AVX512-BF16) and
+`packed_tiles()` (AMX-BF16 usable by this process).
 
 Environment: `JAXPAGE_NO_CPU_KERNEL` (any value) turns the library off; `JAXPAGE_CACHE_DIR`
 (or the older `JAXPAGE_CACHE`) moves the build cache; `JAXPAGE_CPU_KERNEL_LIB` names a
@@ -47,6 +47,7 @@ TARGET_ADD_RMS_NORM = "jaxpage_add_rms_norm"
 TARGET_SILU_MUL = "jaxpage_silu_mul"
 TARGET_QKV_ROPE = "jaxpage_qkv_rope"
 TARGET_DECODER_LAYER = "jaxpage_decoder_layer"
+TARGET_LORA_MATMUL = "jaxpage_lora_matmul"
 
 
 def _cache_dir() -> Path:
@@ -159,7 +160,8 @@ def loaded() -> ctypes.CDLL | None:
         for target, handler in ((TARGET_ADD_RMS_NORM, library.JaxpageAddRmsNorm),
                                 (TARGET_SILU_MUL, library.JaxpageSiluMul),
                                 (TARGET_QKV_ROPE, library.JaxpageQkvRope),
-                                (TARGET_DECODER_LAYER, library.JaxpageDecoderLayer)):
+                                (TARGET_DECODER_LAYER, library.JaxpageDecoderLayer),
+                                (TARGET_LORA_MATMUL, library.JaxpageLoraMatmul)):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     except Exception as e:  # noqa: BLE001 - any failure means: use the jnp path
         warnings.warn(f"jaxpage: CPU attention kernel unavailable, using the jnp path ({e})",

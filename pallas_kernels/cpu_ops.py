@@ -23,7 +23,9 @@ streaming the weights once; `packed_matmul`, weights packed once (`pack_weight`)
 panels, each one sequential stream, for any number of rows (a model's projections on CPU; on
 a CPU with AMX-BF16 it runs bfloat16 on the AMX tiles from 3 live rows on, `packed_tiles()`,
 held to the float64 bound rather than bit for bit; `JAXPAGE_CPU_KERNEL_TILES=0` keeps the
-vector path); `greedy_draw`, each row's argmax and its log-probability in one pass;
+vector path); `lora_matmul`, each row's LoRA adapter delta added to a projection's output, the
+rows grouped by adapter (`pallas_kernels.lora` chooses it on CPU); `greedy_draw`, each row's
+argmax and its log-probability in one pass;
 `set_rows`, narrow-float rows written into a pool in place; the elementwise glue between a
 layer's matmuls (`add_rms_norm`, `silu_mul`, `qkv_rope`); and `decoder_layer`, a whole Llama
 layer in one call on a team of threads.
@@ -430,3 +432,56 @@ def decoder_layer(x: jax.Array, h: jax.Array, layer: dict, cos: jax.Array, sin: 
         layer["gate_up"], layer["down"], next_norm, live, num_heads=np.int64(num_heads),
         eps=np.float32(eps), scale=np.float32(scale), query_tile=np.int64(query_tile),
         key_splits=np.int64(key_splits), bf16_dot=np.int64(_bf16_dot_mode(bf16_dot, tiles)))
+
+
+LORA_DTYPES = (jnp.float32, jnp.bfloat16)  # x, a and b: the kernel's element types
+
+
+def check_lora_operands(y, x, a, b, slots, dtypes=None) -> None:
+    """Raises ValueError unless y [T, N] float32, x [T, K], a [S, K, R], b [S, R, N] (x, a and b
+    of one dtype, one of `dtypes` where given) and slots [T] of an integer dtype agree
+    (`lora_matmul` and `pallas_kernels.lora.lora_matmul_reference`)."""
+    shapes = (f"y {tuple(y.shape)}, x {tuple(x.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)}, "
+              f"slots {tuple(slots.shape)}")
+    if (y.ndim != 2 or x.ndim != 2 or a.ndim != 3 or b.ndim != 3 or slots.ndim != 1
+            or x.shape[0] != y.shape[0] or slots.shape[0] != y.shape[0]
+            or a.shape[1] != x.shape[1] or b.shape[:2] != (a.shape[0], a.shape[2])
+            or b.shape[2] != y.shape[1]):
+        raise ValueError(f"lora_matmul takes y [T, N], x [T, K], a [S, K, R], b [S, R, N] and "
+                         f"slots [T], got {shapes}")
+    names = [jnp.dtype(v.dtype).name for v in (y, x, a, b, slots)]
+    if names[0] != "float32":
+        raise ValueError(f"lora_matmul adds to a float32 y, got {names[0]} ({shapes})")
+    if not names[1] == names[2] == names[3]:
+        raise ValueError(f"lora_matmul takes x, a and b of one dtype, got {names[1]}, {names[2]} "
+                         f"and {names[3]} ({shapes})")
+    if dtypes is not None and jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in dtypes]:
+        allowed = " or ".join(jnp.dtype(d).name for d in dtypes)
+        raise ValueError(f"lora_matmul takes x, a and b of {allowed}, got {names[1]}")
+    if not jnp.issubdtype(slots.dtype, jnp.integer):
+        raise ValueError(f"lora_matmul takes integer slots, got {names[4]}")
+
+
+def lora_matmul(y: jax.Array, x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array,
+                live_rows: jax.Array | int | None = None) -> jax.Array:
+    """y + delta as float32 [T, N], each row's LoRA delta added to a projection's output y
+    [T, N] float32: for each row t < `live_rows` (every row where None) with 0 < slots[t] < S,
+    delta[t] = X(x[t] @ a[slots[t]]) @ b[slots[t]] with x [T, K], a [S, K, R], b [S, R, N] of
+    one dtype X (float32 or bfloat16), products and sums in float32 and the intermediate [R]
+    vector rounded once to X (as PyTorch's bfloat16 `lora_B(lora_A(x))`). Every other row keeps
+    y: slot 0 (or below) is "no adapter"; a slot >= S is out of contract (the caller keeps
+    slots in [0, S)), and the kernel leaves such rows alone rather than read past a or b.
+    `live_rows`: an int32 scalar, traced or not (a bucket's padding rows past it keep y). The
+    kernel groups the rows by slot (cpu/lora.h), reading each adapter once a call; the result
+    is y's buffer, updated in place where XLA can alias it. Within float32 rounding of
+    `pallas_kernels.lora.lora_matmul_reference` (sums in another order; for bfloat16 the
+    intermediate's rounding may then differ by an ulp where a sum lies near a tie), and the
+    same whatever the threads. The kernel must be `available()`."""
+    if not available():
+        raise RuntimeError("the CPU kernel library is not available")
+    check_lora_operands(y, x, a, b, slots, LORA_DTYPES)
+    live = jnp.asarray(x.shape[0] if live_rows is None else live_rows, jnp.int32).reshape(())
+    return jax.ffi.ffi_call(cpu_library.TARGET_LORA_MATMUL,
+                            jax.ShapeDtypeStruct(y.shape, jnp.float32),
+                            input_output_aliases={0: 0})(
+        y, x, a, b, slots.astype(jnp.int32), live)

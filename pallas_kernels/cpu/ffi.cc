@@ -14,6 +14,7 @@
 #include "packed_panels.h"
 #include "amx.h"
 #include "matmul_packed.h"
+#include "lora.h"
 #include "layer_glue.h"
 #include "decoder_layer.h"
 #include "sampling.h"
@@ -92,6 +93,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagePackedMatmul, PackedMatmul,
                                   .Attr<int64_t>("bf16_dot")      // 1: vdpbf16ps, 2: AMX tiles
                                   .Attr<int64_t>("prefetch_bytes")  // 0: by the rows
                                   .Ret<ffi::Buffer<ffi::F32>>());  // [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageLoraMatmul, LoraMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // y [T, N]: the base output
+                                  .Arg<ffi::AnyBuffer>()          // x [T, K]
+                                  .Arg<ffi::AnyBuffer>()          // a [S, K, R]
+                                  .Arg<ffi::AnyBuffer>()          // b [S, R, N]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // slots [T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // live rows []
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y + delta (aliases y)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageAddRmsNorm, AddRmsNorm,
                               ffi::Ffi::Bind()
