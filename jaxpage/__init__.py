@@ -19,6 +19,7 @@ _EXPORTS = {
     "BeamSearchParams": "jaxpage.sampling_params",
     "RequestOutput": "jaxpage.outputs",
     "CompletionOutput": "jaxpage.outputs",
+    "LoRARequest": "jaxpage.lora",
 }
 __all__ = list(_EXPORTS)
 
@@ -33,6 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from jaxpage.config import EngineConfig as EngineConfig
     from jaxpage.engine.engine import LLMEngine as LLMEngine
     from jaxpage.llm import LLM as LLM
+    from jaxpage.lora import LoRARequest as LoRARequest
     from jaxpage.outputs import CompletionOutput as CompletionOutput
     from jaxpage.outputs import RequestOutput as RequestOutput
     from jaxpage.sampling_params import BeamSearchParams as BeamSearchParams

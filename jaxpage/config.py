@@ -100,6 +100,14 @@ class EngineConfig:
     # jaxpage.engine.speculative), e.g. {"method": "ngram", "num_speculative_tokens": 3};
     # None: off
     speculative_config: SpeculativeConfig | None = None
+    # multi-LoRA (jaxpage.lora): requests may name a PEFT adapter (LoRARequest); max_loras
+    # adapters mix in one step (device slots, reused least recently used first), each of rank
+    # at most max_lora_rank; max_cpu_loras adapters stay read in host memory (default
+    # max_loras; those of unfinished requests always stay)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config",
@@ -149,6 +157,15 @@ class EngineConfig:
         check(self.decode_lookahead_rows is None or (is_int(self.decode_lookahead_rows)
                                                      and self.decode_lookahead_rows >= 0),
               "decode_lookahead_rows", self.decode_lookahead_rows, "an integer >= 0 or None")
+        check(isinstance(self.enable_lora, bool), "enable_lora", self.enable_lora,
+              "True or False")
+        check(is_positive_int(self.max_loras), "max_loras", self.max_loras, "an integer >= 1")
+        check(is_positive_int(self.max_lora_rank) and self.max_lora_rank <= 512,
+              "max_lora_rank", self.max_lora_rank, "an integer in [1, 512]")
+        check(self.max_cpu_loras is None or (is_positive_int(self.max_cpu_loras)
+                                             and self.max_cpu_loras >= self.max_loras),
+              "max_cpu_loras", self.max_cpu_loras, f"None or an integer >= max_loras "
+              f"({self.max_loras})")
         for name in ("swap_bandwidth", "prefill_seconds_per_token"):
             value = getattr(self, name)
             check(value is None or (is_real(value) and 0 < value < float("inf")), name, value,

@@ -9,6 +9,7 @@ from typing import Any
 
 from jaxpage.config import EngineConfig
 from jaxpage.engine.data_parallel import build_engine
+from jaxpage.lora import LoRARequest
 from jaxpage.outputs import CompletionOutput, RequestOutput
 from jaxpage.sampling_params import BeamSearchParams, SamplingParams
 from jaxpage.validation import is_int, is_vector
@@ -61,8 +62,11 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for one prompt or many; one SamplingParams for all or one per prompt.
+        """Generate for one prompt or many; one SamplingParams for all or one per prompt,
+        and (an engine built with enable_lora) one LoRA adapter for all or one per prompt
+        (None: the base model).
         A prompt is a string, a list of token ids, or a dict as vLLM takes it:
         `{"prompt": text}` or `{"prompt_token_ids": ids}`, either with `"cache_salt"` (a
         tenant's prefix-cache isolation). Returns one finished RequestOutput per prompt, in
@@ -76,12 +80,22 @@ class LLM:
                 raise ValueError(f"got {len(params_list)} SamplingParams for "
                                  f"{len(prompt_list)} prompts")
 
-        def add(request_id: str, prompt: PromptInput, p: SamplingParams) -> None:
-            prompt, cache_salt = _unpack_prompt(prompt)
-            self.engine.add_request(request_id, prompt, p, cache_salt=cache_salt)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_list = [lora_request] * len(prompt_list)
+        else:
+            lora_list = list(lora_request)
+            if len(lora_list) != len(prompt_list):
+                raise ValueError(f"got {len(lora_list)} LoRA requests for "
+                                 f"{len(prompt_list)} prompts")
 
-        adds = [functools.partial(add, prompt=prompt, p=p)
-                for prompt, p in zip(prompt_list, params_list, strict=True)]
+        def add(request_id: str, prompt: PromptInput, p: SamplingParams,
+                lora: LoRARequest | None) -> None:
+            prompt, cache_salt = _unpack_prompt(prompt)
+            self.engine.add_request(request_id, prompt, p, cache_salt=cache_salt,
+                                    lora_request=lora)
+
+        adds = [functools.partial(add, prompt=prompt, p=p, lora=lora)
+                for prompt, p, lora in zip(prompt_list, params_list, lora_list, strict=True)]
         return self._run(self._add_all("gen", adds), use_tqdm)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, *,
@@ -121,6 +135,18 @@ class LLM:
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check a LoRA adapter now (requests naming it later skip the read);
+        False if it was known already."""
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter no running request uses; False if it was not known."""
+        return self.engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.engine.list_loras()
 
     @property
     def attention_backend(self) -> str:

@@ -41,6 +41,10 @@ _SPECS = {
     "embed": P(MODEL_AXIS, None), "lm_head": P(None, MODEL_AXIS),
     "qkv": P(None, MODEL_AXIS), "qkv_bias": P(MODEL_AXIS), "o": P(MODEL_AXIS, None),
     "gate_up": P(None, MODEL_AXIS), "gate_up_bias": P(MODEL_AXIS), "down": P(MODEL_AXIS, None),
+    # LoRA slot stacks [S, in, R] / [S, R, out] (jaxpage.lora): B split as its projection's
+    # columns, A as its rows; the rest (qkv_a, gate_up_a, o_b, down_b) replicated
+    "qkv_b": P(None, None, MODEL_AXIS), "gate_up_b": P(None, None, MODEL_AXIS),
+    "o_a": P(None, MODEL_AXIS, None), "down_a": P(None, MODEL_AXIS, None),
 }
 # [kv_heads, ...]: split over KV heads, a pool's values (and a quantized pool's scales)
 POOL_SPEC = P(MODEL_AXIS)
@@ -120,22 +124,7 @@ class TensorParallel:
     def tp_layout(self, params: dict) -> dict:
         """The single-device params rearranged so each device's shard is contiguous: fused
         matrices interleaved by device, KV heads replicated, the vocabulary padded."""
-        c, tp = self.config, self.tp
-        q, kv, d = c.q_size, c.kv_size, c.head_dim
-
-        def qkv_columns(a: np.ndarray) -> np.ndarray:  # [..., Q + 2K] -> interleaved
-            lead = a.shape[:-1]
-            parts = [a[..., :q], a[..., q: q + kv], a[..., q + kv:]]
-            qp = parts[0].reshape(*lead, tp, -1)
-            k, v = (np.repeat(x.reshape(*lead, c.num_kv_heads, d), self.kv_replicas,
-                              axis=-2).reshape(*lead, tp, -1) for x in parts[1:])
-            return np.concatenate([qp, k, v], axis=-1).reshape(*lead, -1)
-
-        def gate_up_columns(a: np.ndarray) -> np.ndarray:  # [..., 2I] -> interleaved
-            lead = a.shape[:-1]
-            gate, up = np.split(a, 2, axis=-1)
-            return np.concatenate([gate.reshape(*lead, tp, -1), up.reshape(*lead, tp, -1)],
-                                  axis=-1).reshape(*lead, -1)
+        qkv_columns, gate_up_columns = self._qkv_columns, self._gate_up_columns
 
         def pad_vocab(a: np.ndarray, axis: int) -> np.ndarray:
             pad = [(0, 0)] * a.ndim
@@ -158,6 +147,30 @@ class TensorParallel:
             layers.append(layer)
         out["layers"] = layers
         return out
+
+    def lora_layout(self, layers: list[dict]) -> list[dict]:
+        """A LoRA slot's per-layer arrays (jaxpage.lora.slot_arrays) in the TP layout: the
+        qkv and gate_up B columns interleaved by device as their projections' are."""
+        return [dict(layer, qkv_b=self._qkv_columns(layer["qkv_b"]),
+                     gate_up_b=self._gate_up_columns(layer["gate_up_b"])) for layer in layers]
+
+    def _qkv_columns(self, a: np.ndarray) -> np.ndarray:
+        """[..., Q + 2K] -> [q_0 k_0 v_0 | q_1 k_1 v_1 | ...], KV heads replicated."""
+        c, tp = self.config, self.tp
+        q, kv = c.q_size, c.kv_size
+        lead = a.shape[:-1]
+        parts = [a[..., :q], a[..., q: q + kv], a[..., q + kv:]]
+        qp = parts[0].reshape(*lead, tp, -1)
+        k, v = (np.repeat(x.reshape(*lead, c.num_kv_heads, c.head_dim), self.kv_replicas,
+                          axis=-2).reshape(*lead, tp, -1) for x in parts[1:])
+        return np.concatenate([qp, k, v], axis=-1).reshape(*lead, -1)
+
+    def _gate_up_columns(self, a: np.ndarray) -> np.ndarray:
+        """[..., 2I] -> [gate_0 up_0 | gate_1 up_1 | ...]."""
+        lead = a.shape[:-1]
+        gate, up = np.split(a, 2, axis=-1)
+        return np.concatenate([gate.reshape(*lead, self.tp, -1), up.reshape(*lead, self.tp, -1)],
+                              axis=-1).reshape(*lead, -1)
 
     def layout_shapes(self, shapes: dict) -> dict:
         """`tp_layout`'s effect on param shapes (a pytree of tuples, as `param_shapes`), for

@@ -36,6 +36,8 @@ class SeqInput:
     # sampling holds one row per token, each drawn from the logits at that token (not all
     # at the last one)
     verify: bool = False
+    # the device slot of the LoRA adapter the sequence runs with (0: none; jaxpage.lora)
+    lora_slot: int = 0
 
 
 @dataclasses.dataclass(slots=True)

@@ -67,19 +67,33 @@ class DataParallelEngine:
         return self.replicas[0].tokenize(prompt)
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: Any = None,
-                    *, cache_salt: str | None = None) -> None:
+                    *, cache_salt: str | None = None, lora_request: Any = None) -> None:
         with self._lock:
-            replica = self._route(request_id, prompt, cache_salt)
-            replica.add_request(request_id, prompt, params, cache_salt=cache_salt)
+            adapter = None if lora_request is None else getattr(lora_request, "cache_key", None)
+            replica = self._route(request_id, prompt, cache_salt, adapter)
+            replica.add_request(request_id, prompt, params, cache_salt=cache_salt,
+                                lora_request=lora_request)
             self._where[str(request_id)] = replica
 
     def add_beam_request(self, request_id: str, prompt: str | Sequence[int], params: Any) -> None:
         with self._lock:
-            replica = self._route(request_id, prompt, None)
+            replica = self._route(request_id, prompt, None, None)
             replica.add_beam_request(request_id, prompt, params)
             self._where[str(request_id)] = replica
 
-    def _route(self, request_id: Any, prompt: Any, cache_salt: str | None) -> LLMEngine:
+    def add_lora(self, lora_request: Any) -> bool:
+        with self._lock:
+            return [replica.add_lora(lora_request) for replica in self.replicas][0]
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        with self._lock:
+            return [replica.remove_lora(lora_int_id) for replica in self.replicas][0]
+
+    def list_loras(self) -> list:
+        return self.replicas[0].list_loras()
+
+    def _route(self, request_id: Any, prompt: Any, cache_salt: str | None,
+               adapter: str | None) -> LLMEngine:
         """The replica with the longest cached prefix of the prompt, else the least loaded
         (a prompt that cannot be looked up goes to the least loaded, whose add_request then
         says what is wrong with it)."""
@@ -90,7 +104,8 @@ class DataParallelEngine:
         try:
             token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
             for replica in self.replicas:
-                hit = replica.allocator.lookup(token_ids, cache_salt=cache_salt).num_tokens
+                hit = replica.allocator.lookup(token_ids, cache_salt=cache_salt,
+                                               adapter_id=adapter).num_tokens
                 if hit > best_hit:
                     best, best_hit = replica, hit
         except (ValueError, TypeError):

@@ -23,6 +23,7 @@ import numpy as np
 from jaxpage.engine import gc_tuning
 from jaxpage.engine.beam_search import BeamGroup
 from jaxpage.engine.detokenizer import IncrementalDetokenizer, TextDecoder
+from jaxpage.engine.lora_slots import LoRARegistry
 from jaxpage.engine.output_builder import beam_output, sample_deltas
 from jaxpage.engine.request import Request, RequestGroup
 from jaxpage.engine.runner_api import (
@@ -31,6 +32,7 @@ from jaxpage.engine.runner_api import (
     CopyBlocks,
     DeviceWork,
     FillBlocks,
+    LoadLoRA,
     Runner,
     StepTimer,
     SwapIn,
@@ -45,6 +47,7 @@ from jaxpage.validation import is_int, is_vector
 if TYPE_CHECKING:
     from jaxpage.config import EngineConfig
     from jaxpage.engine.tiered_allocator import TieredAllocator
+    from jaxpage.lora import LoRARequest
 
 
 FINISHED_METRICS_KEPT = 65536  # requests whose latencies stats() summarizes
@@ -102,7 +105,16 @@ class LLMEngine:
             preemption_mode=config.preemption_mode, swap_cost=self.swap_cost,
             window=runner.window, num_window_blocks=runner.num_window_blocks,
             lookahead_rows=runner.lookahead_rows, speculative=config.speculative_config,
+            max_loras=config.max_loras if config.enable_lora else 0,
         )
+        # multi-LoRA: the adapters known and read (the runner holds those in device slots)
+        self.loras = None
+        if config.enable_lora:
+            from jaxpage.lora import read_peft_adapter
+
+            self.loras = LoRARegistry(
+                config.max_cpu_loras or config.max_loras,
+                lambda request: read_peft_adapter(request, model_config, config.max_lora_rank))
         self.requests: dict[str, RequestGroup] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._text_decoder = TextDecoder(tokenizer) if tokenizer is not None else None
@@ -141,9 +153,11 @@ class LLMEngine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request. Raises ValueError (and changes nothing) on bad input: a request
-        accepted here fits every shape it will be packed into and can always be admitted."""
+        """Queue a request (with `lora_request`, under that LoRA adapter). Raises ValueError
+        (and changes nothing) on bad input: a request accepted here fits every shape it will
+        be packed into and can always be admitted."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -152,11 +166,15 @@ class LLMEngine:
             request_id = self._new_request_id(request_id)
             token_ids = self._prompt_token_ids(prompt)
             self._check_request(token_ids, params)
+            if lora_request is not None:
+                self.add_lora(lora_request)
             seed = params.seed if params.seed is not None else self._derive_seed(request_id)
             metrics = RequestMetrics(arrival_time=time.perf_counter())
             parent = Request(request_id, token_ids, params, seed, metrics,
                              prompt=prompt if isinstance(prompt, str) else None,
-                             cache_salt=cache_salt)
+                             cache_salt=cache_salt, lora=lora_request)
+            if lora_request is not None:
+                self.loras.hold(lora_request.lora_int_id)
             group = RequestGroup(request_id, params.n, [parent], forked=params.n == 1)
             parent.group = group
             self.requests[request_id] = group
@@ -189,6 +207,37 @@ class LLMEngine:
             group.scores[id(root)] = 0.0
             self.requests[request_id] = group
             self.scheduler.add(root)
+
+    # ---------------------------------------------------------------- LoRA adapters
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Know a LoRA adapter (read and checked now: a ValueError naming what is wrong);
+        False if it was known already. Requests name it by `lora_request`."""
+        from jaxpage.lora import LoRARequest
+
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got "
+                             f"{type(lora_request).__name__}")
+        if self.loras is None:
+            raise ValueError(f"lora_request {lora_request.lora_name!r} given, but LoRA is off: "
+                             "build the engine with enable_lora=True")
+        with self._lock:
+            known = lora_request.lora_int_id in self.loras.known
+            self.loras.add(lora_request)
+            return not known
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (False if unknown); a ValueError while requests use it."""
+        with self._lock:
+            if self.loras is None or lora_int_id not in self.loras.known:
+                return False
+            self.loras.remove(lora_int_id)
+            self.scheduler.loras.release(lora_int_id)
+            return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters known, by lora_int_id."""
+        return [] if self.loras is None else [self.loras.known[i]
+                                              for i in sorted(self.loras.known)]
 
     def _new_request_id(self, request_id: Any) -> str:
         request_id = str(request_id)
@@ -375,6 +424,8 @@ class LLMEngine:
                    CopyBlocks(scheduled.block_copies),
                    CopyBlocks(scheduled.window_copies, True))
         work += [item for item in planned if item.blocks]  # an item with no blocks: no call
+        work += [LoadLoRA(slot, self.loras.weights(lora_id))
+                 for slot, lora_id in scheduled.lora_loads]
         try:
             while work:  # each item leaves the list once done (a swap-out: once dispatched)
                 work[0].run(self.runner)
@@ -417,7 +468,7 @@ class LLMEngine:
         yet: the swapped-out requests holding one go back to recompute too."""
         unwritten = [host_id for item in self._device_work_due if isinstance(item, SwapOut)
                      for _, host_id in item.copies]
-        self._device_work_due = []
+        self._device_work_due = []  # LoRA slot writes too: every slot is forgotten below
         self.runner.reset_pool()
         self.scheduler.pool_lost(unwritten)
         self.allocator.take_released()  # the new pool holds nothing stale
@@ -467,6 +518,9 @@ class LLMEngine:
         metrics.num_output_tokens = max(lengths, default=0)
         self.finished_metrics.append(metrics)
         del self.requests[group.request_id]
+        lora = group.samples[0].lora if group.samples else None
+        if lora is not None:
+            self.loras.let_go(lora.lora_int_id)
         for sample in group.samples:
             self._detokenizers.pop(sample.seq_id, None)
 

@@ -11,6 +11,7 @@ from jaxpage.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from jaxpage.engine.speculative import Acceptance
+    from jaxpage.lora import LoRARequest
 
 
 class RequestStatus(enum.Enum):
@@ -36,6 +37,7 @@ class Request:
     metrics: RequestMetrics
     prompt: str | None = None
     cache_salt: str | None = None
+    lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
     sample_index: int = 0  # which of the request's n samples this sequence is
     group: RequestGroup | None = None
     token_ids: list[int] = dataclasses.field(default_factory=list)

@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
+from jaxpage import lora as lora_layout
 from jaxpage.attention import (
     RAGGED_BACKENDS,
     build_metadata,
@@ -130,6 +132,12 @@ _GATHER_BLOCKS = jax.jit(_gather_blocks_fn)
 _SCATTER_BLOCKS = jax.jit(_scatter_blocks_fn, donate_argnums=0)
 
 
+def _set_slot_fn(stacks, slot, values):
+    """LoRA stacks with slot `slot` of each set to its `values` (`ModelRunner.load_lora`)."""
+    return jax.tree.map(lambda stack, value: stack.at[slot].set(value.astype(stack.dtype)),
+                        stacks, values)
+
+
 @dataclasses.dataclass(slots=True)
 class _Step:
     """A step on its way: its sequences' count, its draws (sequence index, row), their rows'
@@ -169,7 +177,7 @@ def _same_seq(x: SeqInput, y: SeqInput, block_size: int) -> bool:
     used = -(-(x.num_computed + len(x.token_ids)) // block_size)
     return (x.num_computed == y.num_computed and x.token_ids == y.token_ids
             and x.block_table[:used] == y.block_table[:used] and x.sampling == y.sampling
-            and x.window_block_table == y.window_block_table)
+            and x.window_block_table == y.window_block_table and x.lora_slot == y.lora_slot)
 
 
 def _ahead_rows(ahead: list[SeqInput], seqs: list[SeqInput], block_size: int
@@ -426,6 +434,13 @@ class ModelRunner:
         self._executables: dict[tuple, Any] = {}  # the store's executables by shape key
         # the forward's shape keys start "forward", or the draft's name (`_Draft.name`)
         self._forward_name = "forward"
+        # multi-LoRA: per layer, each projection's stack of max_loras + 1 adapter slots
+        # (slot 0 zeros: no adapter; jaxpage.lora), written by `load_lora`
+        self.lora_stacks = None
+        if config.enable_lora:
+            self._lora_dims = (model_config, config.max_lora_rank, dtype)
+            self._lora_config = config
+            self.lora_stacks = self._new_lora_stacks(model, config)
 
     @property
     def compiles(self) -> int:
@@ -448,6 +463,8 @@ class ModelRunner:
         ahead = rows + rows ** 2 + rows ** 3
         if self._draft is not None:  # its steps: the target's shapes, its own executables
             forward *= 2
+        if self.lora_stacks is not None:  # steps with adapters, and the slot writes
+            forward = 2 * forward + 1
         if self.draft_pool is not None:  # and its own pool's copies, fills and swaps
             groups += 1
             swaps *= 2
@@ -565,16 +582,20 @@ class ModelRunner:
         return [self.host_kv] + ([] if self.draft_host_kv is None else [self.draft_host_kv])
 
     def pool_lost(self) -> bool:
-        """Whether the KV pool's buffers (or the draft's) were freed (a donated call failed
-        mid-way)."""
-        return any(leaf.is_deleted() for leaf in jax.tree.leaves([self.kv_pool,
-                                                                  self.draft_pool]))
+        """Whether the KV pool's buffers (or the draft's, or the LoRA slots') were freed (a
+        donated call failed mid-way)."""
+        return any(leaf.is_deleted() for leaf in jax.tree.leaves([
+            self.kv_pool, self.draft_pool, self.lora_stacks]))
 
     def reset_pool(self) -> None:
-        """A new KV pool (and the draft's), as at start (its old contents are gone)."""
+        """A new KV pool (and the draft's), as at start (its old contents are gone); the LoRA
+        slots too if they were lost (the engine forgets what every slot held either way)."""
         self.kv_pool = self._new_pool()
         if self.draft_pool is not None:
             self.draft_pool = self._new_draft_pool()
+        if self.lora_stacks is not None and any(
+                leaf.is_deleted() for leaf in jax.tree.leaves(self.lora_stacks)):
+            self.lora_stacks = self._new_lora_stacks(self.model, self._lora_config)
         self._ahead = None  # it ran on the old pool
 
     def _new_pool(self):
@@ -589,6 +610,45 @@ class ModelRunner:
                 for i, layer_kv in zip(layers, group, strict=True):
                     pool[i] = layer_kv
         return self._advised(pool)
+
+    def _new_lora_stacks(self, model: Any, config: EngineConfig) -> list[dict]:
+        """Every layer's LoRA slot stacks, zeros, placed as the params are."""
+        if not getattr(getattr(model, "local", model), "supports_lora", False):
+            raise ValueError(f"enable_lora: {type(getattr(model, 'local', model)).__name__} "
+                             "takes no LoRA adapters (Llama-family and Gemma models do)")
+        if jax.process_count() > 1:
+            raise ValueError("enable_lora is not supported with several processes "
+                             "(jax.distributed)")
+        if self._draft is not None and self._draft.layers is not None:
+            raise ValueError("enable_lora with a speculative draft of the target's own first "
+                             "layers (speculative_config.draft_layers) is not supported")
+        num_slots = config.max_loras + 1
+        stacks = [{name: np.zeros((num_slots, *a.shape), a.dtype) for name, a in layer.items()}
+                  for layer in self._lora_slot_arrays(None)]
+        if self.parallel is None:
+            placed = jax.device_put(stacks, self.devices[0])
+            self._set_lora_slot = jax.jit(_set_slot_fn, donate_argnums=0)
+        else:
+            specs = TensorParallel.param_specs({"layers": stacks})["layers"]
+            shardings = jax.tree.map(lambda spec: NamedSharding(self.parallel.mesh, spec), specs)
+            placed = jax.device_put(stacks, shardings)
+            self._set_lora_slot = jax.jit(_set_slot_fn, donate_argnums=0,
+                                          out_shardings=shardings)
+        return placed
+
+    def _lora_slot_arrays(self, weights: Any) -> list[dict]:
+        """An adapter's (None: no adapter's) arrays of one slot, per layer, in this runner's
+        layout."""
+        model_config, max_rank, dtype = self._lora_dims
+        arrays = lora_layout.slot_arrays(weights, model_config, max_rank, dtype)
+        return arrays if self.parallel is None else self.parallel.lora_layout(arrays)
+
+    def load_lora(self, slot: int, weights: Any) -> None:
+        """Write an adapter (jaxpage.lora.LoRAWeights) into slot `slot` of every stack: one
+        compiled call for any adapter and slot."""
+        values = self._lora_slot_arrays(weights)
+        self.lora_stacks = self._call(("load_lora",), self._set_lora_slot,
+                                      (self.lora_stacks, np.int32(slot), values))
 
     def _new_draft_pool(self):
         """The draft model's own pool: its layers' (k, v), num_blocks blocks each."""
@@ -837,11 +897,20 @@ class ModelRunner:
             if self.lookahead_rows:  # on the device, as a run-ahead step's: one compilation
                 token_ids = jax.device_put(token_ids, self._input_sharding)
 
+        params, key = self.params, (self._forward_name, num_tokens, max_query_len, num_seqs,
+                                    width, num_rows)
+        if self.lora_stacks is not None and any(s.lora_slot for s in seqs):
+            # each token's adapter slot (padding: 0); a step without adapters runs as if
+            # LoRA were off (its own executables, the CPU's fused layers)
+            slots = np.zeros(num_tokens, np.int32)
+            slots[:total] = np.repeat([s.lora_slot for s in seqs],
+                                      [len(s.token_ids) for s in seqs])
+            params = dict(params, lora={"slots": slots, "layers": self.lora_stacks})
+            key += ("lora",)
         timer = self.timer
         timer.mark("prepare")
         logits, self.kv_pool = self._call(
-            (self._forward_name, num_tokens, max_query_len, num_seqs, width, num_rows), _FORWARD,
-            (self.params, self.kv_pool, token_ids, positions, attn_md), timer,
+            key, _FORWARD, (params, self.kv_pool, token_ids, positions, attn_md), timer,
             static=(self.model, self.devices[0].platform))
         step = _Step(len(seqs), rows, num_rows)
         if not rows:  # only non-final prompt chunks: nothing to draw
@@ -896,7 +965,7 @@ class ModelRunner:
             return None
         nxt = [SeqInput(s.block_table, s.num_computed + 1, [0], [
             dataclasses.replace(s.sampling[0], step=s.sampling[0].step + 1)],
-            s.window_block_table, True) for s in (seqs[i] for i in going)]
+            s.window_block_table, True, lora_slot=s.lora_slot) for s in (seqs[i] for i in going)]
         self.timer.mark("prepare")
         steps, picks = served.steps, [served.rows[i] for i in going]
         if len(steps) == 1 and steps[0].num_seqs == len(picks) and all(

@@ -121,6 +121,10 @@ class Runner(Protocol):
     def reset_pool(self) -> None:
         """A new, empty KV pool."""
 
+    def load_lora(self, slot: int, weights: Any) -> None:
+        """Write a LoRA adapter's weights (jaxpage.lora.LoRAWeights) into device slot
+        `slot` of every projection's stack."""
+
     def warmup(self, shapes: int | None = None) -> tuple[int, float]:
         """Compile the first shapes a server meets (the first `shapes` of them, if given):
         (compilations, seconds)."""
@@ -205,3 +209,19 @@ class FillBlocks(DeviceWork):
             runner.fill_blocks(self.block_ids, self.value, True)
         else:
             runner.fill_blocks(self.block_ids, self.value)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoadLoRA(DeviceWork):
+    """Write a LoRA adapter into a device slot before the step that first runs it."""
+
+    slot: int
+    weights: Any  # jaxpage.lora.LoRAWeights
+    kind: ClassVar[str] = "load_lora"
+
+    @property
+    def blocks(self) -> list:
+        return [self.slot]
+
+    def run(self, runner: Runner) -> None:
+        runner.load_lora(self.slot, self.weights)

@@ -30,6 +30,7 @@ from jaxpage.engine.batch import SeqInput, SeqResult
 from jaxpage.engine.beam_search import BeamGroup, BeamPlan, NextBeam
 from jaxpage.engine.block_hashing import encode_extra_keys
 from jaxpage.engine.kv_groups import WindowedAllocator, window_blocks_per_seq
+from jaxpage.engine.lora_slots import LoRASlots
 from jaxpage.engine.request import Request, RequestGroup, RequestStatus
 from jaxpage.engine.speculative import (
     DRAFT_SLOT,
@@ -80,6 +81,8 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (host, device)
     # the window group's copy-on-write copies (sliding layers' pool), with block_copies
     window_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # LoRA adapters to write into device slots before the step: (slot, lora_int_id)
+    lora_loads: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(slots=True)
@@ -125,6 +128,7 @@ class Scheduler:
         num_window_blocks: int = 0,
         lookahead_rows: int = 0,
         speculative: SpeculativeConfig | None = None,
+        max_loras: int = 0,
     ) -> None:
         kwargs = dict(num_host_blocks=num_host_blocks,
                       enable_host_prefix_cache=enable_host_prefix_cache,
@@ -157,6 +161,8 @@ class Scheduler:
         # speculative_config, and its terms at the last step's batch (StepCost.terms)
         self.step_cost = StepCost() if speculative is not None and speculative.adaptive else None
         self._terms = (1.0, 0.0, 0.0)
+        # multi-LoRA: the adapter each device slot holds (none: no LoRA)
+        self.loras = LoRASlots(max_loras) if max_loras else None
         self.num_steps = 0  # steps scheduled (resting requests try again at the same one)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -245,9 +251,12 @@ class Scheduler:
         # 2. waiting requests in arrival order (not in a step that had to preempt); a
         # parent whose n samples fork at the end of its prefill holds n running slots
         slots = sum(r.num_slots for r in self.running)
+        waiting_for_slots: list[Request] = []  # requests whose adapter found no LoRA slot
         while self.waiting and not preempted and budget > 0:
             request = self.waiting[0]
             if request.status is RequestStatus.SWAPPED:  # back with its swapped samples
+                if not self._lora_slot(request):
+                    break
                 try:
                     admitted = self._swap_in(budget, self.max_num_seqs - slots)
                 except Exception as exc:  # a failed swap_in changed nothing
@@ -265,16 +274,21 @@ class Scheduler:
                 continue
             if slots + request.num_slots > self.max_num_seqs:
                 break
+            if not self._lora_slot(request):  # its adapter waits for a slot; others go on
+                waiting_for_slots.append(self.waiting.popleft())
+                continue
             try:
                 hit = None
+                adapter = request.lora.cache_key if request.lora is not None else None
                 if self.enable_prefix_caching:
                     hit = self.allocator.lookup(request.token_ids,
-                                                cache_salt=request.cache_salt)
+                                                cache_salt=request.cache_salt, adapter_id=adapter)
                 num_cached = hit.num_tokens if hit is not None else 0
                 num_new = min(request.num_tokens - num_cached, budget)
                 admitted = self.allocator.allocate(
                     request.seq_id, num_cached + num_new, hit,
-                    final_num_tokens=request.max_num_tokens, cache_salt=request.cache_salt)
+                    final_num_tokens=request.max_num_tokens, cache_salt=request.cache_salt,
+                    adapter_id=adapter)
             except Exception as exc:  # a failed allocate changed nothing: fail this request
                 self.fail(request.group, exc)
                 continue
@@ -290,6 +304,7 @@ class Scheduler:
             slots += request.num_slots
             scheduled[request] = self._chunk(request, num_new, [])
             budget -= num_new
+        self.waiting.extendleft(reversed(waiting_for_slots))  # in their order, first
 
         # 3. a decode that may run ahead (`_ahead_marks`) and whose next token starts a block takes
         # that block now, a step early, from what this step left free: the step after it can
@@ -313,14 +328,26 @@ class Scheduler:
         return SchedulerOutput(chunks, [self._seq_input(chunk, *marks[chunk.request])
                                         for chunk in chunks], copies,
                                self.max_num_batched_tokens - budget, swap_out, swap_in,
-                               window_copies)
+                               window_copies,
+                               self.loras.take_loads() if self.loras is not None else [])
+
+    def _lora_slot(self, request: Request) -> bool:
+        """Whether `request` may run as far as its LoRA adapter goes: it has none, or the
+        adapter holds a device slot (found now if need be: `LoRASlots.acquire`)."""
+        if request.lora is None:
+            return True
+        in_use = {r.lora.lora_int_id for r in self.running if r.lora is not None}
+        return self.loras.acquire(request.lora.lora_int_id, in_use) is not None
 
     def pool_lost(self, unwritten_host_blocks: list[int]) -> None:
         """The device lost the KV pool: every running request goes back to recompute, and so
         does every swapped-out one whose host copy was never written (its swap-out was
-        still to run); the device prefix cache is forgotten, the rest of the host tier kept."""
+        still to run); the device prefix cache is forgotten, the rest of the host tier kept,
+        and which adapter each LoRA slot held too."""
         while self.running:
             self._preempt(self._newest_group(), swap=False)
+        if self.loras is not None:  # the LoRA slots may be lost too: each is written again
+            self.loras.reset()
         dropped = set(self.allocator.pool_lost(unwritten_host_blocks))
         for request in self.waiting:
             if request.seq_id in dropped:
@@ -472,12 +499,18 @@ class Scheduler:
         if drafts:  # a draw at the last token and at each draft, as if each were drawn
             rows = [self._row(request, 0, j, drafts[:j]) for j in range(len(drafts) + 1)]
             return SeqInput(chunk.block_table, start, [tokens[start], *drafts], rows,
-                            chunk.window_block_table, verify=True)
+                            chunk.window_block_table, verify=True,
+                            lora_slot=self._slot_of(request))
         if chunk.sample:
             rows = [self._row(request, i) for i in range(request.num_draws)]
         return SeqInput(chunk.block_table, start,
                         [tokens[start]] if num_new == 1 else tokens[start : start + num_new],
-                        rows, chunk.window_block_table, goes_on, ends)
+                        rows, chunk.window_block_table, goes_on, ends,
+                        lora_slot=self._slot_of(request))
+
+    def _slot_of(self, request: Request) -> int:
+        """The LoRA slot `request` runs with (0: none)."""
+        return 0 if request.lora is None else self.loras.slot_of(request.lora.lora_int_id)
 
     def _row(self, request: Request, sample: int, ahead: int = 0,
              drafted: list[int] | None = None) -> SamplingRow:
@@ -636,7 +669,7 @@ class Scheduler:
         for index in range(1, count + 1):
             child = Request(parent.request_id, parent.prompt_token_ids, parent.params,
                             sample_seed(parent.seed, index), parent.metrics,
-                            prompt=parent.prompt, cache_salt=parent.cache_salt,
+                            prompt=parent.prompt, cache_salt=parent.cache_salt, lora=parent.lora,
                             sample_index=index, group=parent.group)
             self.add_fork(parent, child)
             parent.group.samples.append(child)
@@ -670,7 +703,8 @@ class Scheduler:
             group.next_index += 1
             child = Request(parent.request_id, parent.prompt_token_ids, parent.params,
                             parent.seed, parent.metrics, prompt=parent.prompt,
-                            cache_salt=parent.cache_salt, sample_index=group.next_index,
+                            cache_salt=parent.cache_salt, lora=parent.lora,
+                            sample_index=group.next_index,
                             group=group, token_ids=list(parent.token_ids))
             child.cumulative_logprob = parent.cumulative_logprob
             self.add_fork(parent, child)

@@ -14,6 +14,7 @@ weights. A family is written once against them and imports no kernel itself.
     rotary      rotary embedding (`cos_sin`, `rotate`, `split_rotate`)
     embedding   the embedding lookup (plain, packed as a tied head, vocabulary-parallel)
     fused       a whole Llama-family layer in one CPU kernel call (`fusable`, `decoder_layer`)
+    lora        the LoRA deltas of tokens under several adapters (`lora_matmul`)
     dispatch    where a layer's elementwise glue runs (`cpu_glue`)
 """
 
@@ -27,12 +28,13 @@ from jaxpage.layers.fused import (
     fusable,
 )
 from jaxpage.layers.linear import SMALL_MATMUL_ROWS, linear, matmul_f32, pack_weight, packable
+from jaxpage.layers.lora import lora_matmul
 from jaxpage.layers.norm import add_rms_norm, rms_norm
 from jaxpage.layers.rotary import cos_sin, rotate, split_rotate
 
 __all__ = [
     "ACTIVATIONS", "FUSED_LAYER_PARAMS", "FUSED_LAYER_ROWS", "FUSED_LAYER_WEIGHTS",
     "SMALL_MATMUL_ROWS", "add_rms_norm", "cos_sin", "decoder_layer", "embed", "fusable",
-    "linear", "matmul_f32", "pack_weight", "packable", "rms_norm", "rotate", "silu_mul",
-    "split_rotate",
+    "linear", "lora_matmul", "matmul_f32", "pack_weight", "packable", "rms_norm", "rotate",
+    "silu_mul", "split_rotate",
 ]

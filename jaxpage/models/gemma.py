@@ -37,7 +37,7 @@ from jaxpage import layers
 from jaxpage.attention import AttentionMetadata, LayerKV
 from jaxpage.models import llama
 from jaxpage.models.config import ModelConfig
-from jaxpage.models.llama import LlamaModel, Params, rope_cos_sin
+from jaxpage.models.llama import LlamaModel, Params, layer_loras, rope_cos_sin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,14 +67,14 @@ class GemmaModel(LlamaModel):
         scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         new_pool = []
         live = metadata.query_start_loc[-1]  # the step's tokens (LlamaModel.forward)
-        for layer, layer_kv, window in zip(params["layers"], kv_pool, cfg.layer_windows,
-                                           strict=True):
+        for layer, layer_kv, window, lora in zip(params["layers"], kv_pool, cfg.layer_windows,
+                                                 layer_loras(params), strict=True):
             cos, sin = global_rope if window is None else local_rope
             attn_out, layer_kv = self._attention(
                 layer, self._norm(x, layer["attn_norm"]), cos, sin, layer_kv, metadata, live,
-                scale=scale, sliding_window=window, soft_cap=cfg.attn_logit_softcap)
+                lora=lora, scale=scale, sliding_window=window, soft_cap=cfg.attn_logit_softcap)
             x = x + self._norm(attn_out, layer["post_attn_norm"])
-            mlp_out = self._mlp(layer, self._norm(x, layer["mlp_norm"]), live)
+            mlp_out = self._mlp(layer, self._norm(x, layer["mlp_norm"]), live, lora=lora)
             x = x + self._norm(mlp_out, layer["post_mlp_norm"])
             new_pool.append(layer_kv)
         return self._output(params, x, metadata), new_pool

@@ -12,6 +12,11 @@ layers out of stacked arrays inside the jitted step costs far more than it saves
      "final_norm": [H],
      "lm_head": [H, V]}            # absent when embeddings are tied
 
+and, in a step where some tokens run under a LoRA adapter (jaxpage.lora), `"lora":
+{"slots": [T] int32 (each token's adapter slot, 0: none), "layers": [{"qkv_a": [S, H, 3R],
+"qkv_b": [S, 3R, Q + 2K], "o_a", "o_b", "gate_up_a", "gate_up_b", "down_a", "down_b"}, ...]}`:
+each projection adds its tokens' adapters' `(x @ A[slot]) @ B[slot]` (`layers.lora_matmul`).
+
 with Q = num_heads * head_dim, K = num_kv_heads * head_dim. Weights are stored
 [in, out] (transposed from HF's nn.Linear layout) and q/k/v and gate/up are fused so a
 layer runs three matmuls instead of seven.
@@ -77,6 +82,8 @@ class LlamaModel:
     tp_axis: str | None = None
     # on CPU, a step of few tokens runs each plain layer as one kernel call (`_fused`)
     fuse_layers: bool = True
+    # its projections take LoRA adapters (params["lora"]: see the module docstring)
+    supports_lora = True
 
     def with_tensor_parallel(self, local_config: ModelConfig, axis: str) -> LlamaModel:
         return dataclasses.replace(self, config=local_config, tp_axis=axis)
@@ -124,9 +131,11 @@ class LlamaModel:
         # sublayer's input norm, and after the last layer the final norm
         next_norms = [layer["attn_norm"] for layer in param_layers[1:]] + [params["final_norm"]]
         x, h = self._add_norm(x, None, param_layers[0]["attn_norm"])
-        for layer, layer_kv, window, next_norm in zip(param_layers, kv_pool, cfg.layer_windows,
-                                                      next_norms, strict=True):
-            if window is None and self._fused(layer, layer_kv, next_norm, x, metadata):
+        for layer, layer_kv, window, next_norm, lora in zip(
+                param_layers, kv_pool, cfg.layer_windows, next_norms, layer_loras(params),
+                strict=True):
+            if (window is None and lora is None
+                    and self._fused(layer, layer_kv, next_norm, x, metadata)):
                 x, h, layer_kv = layers.decoder_layer(
                     x, h, layer, cos, sin, layer_kv, metadata, next_norm,
                     num_heads=cfg.num_heads, eps=cfg.rms_norm_eps, live_rows=live)
@@ -134,9 +143,10 @@ class LlamaModel:
                 continue
             options = {} if window is None else {"sliding_window": window}  # Mistral
             attn_out, layer_kv = self._attention(layer, h, cos, sin, layer_kv, metadata, live,
-                                                 unrounded=True, **options)
+                                                 unrounded=True, lora=lora, **options)
             x, h = self._add_norm(x, attn_out, layer["mlp_norm"])
-            x, h = self._add_norm(x, self._mlp(layer, h, live, unrounded=True), next_norm)
+            x, h = self._add_norm(x, self._mlp(layer, h, live, unrounded=True, lora=lora),
+                                  next_norm)
             new_pool.append(layer_kv)
         return self._logits(params, h, metadata), new_pool
 
@@ -199,14 +209,15 @@ class LlamaModel:
         return out + layer[bias] if bias in layer else out
 
     def _attention(self, layer, h, cos, sin, layer_kv, metadata, live=None, *,
-                   unrounded=False, **attention_options):
+                   unrounded=False, lora=None, **attention_options):
         """Attention of one layer; `live`: the step's tokens (`layers.linear`'s live_rows);
         `attention_options` go to `paged_attention` (scale, sliding_window, soft_cap). With
-        `unrounded`, the output may be the o projection's float32 (`_sublayer_output`)."""
+        `unrounded`, the output may be the o projection's float32 (`_sublayer_output`);
+        `lora`: the layer's LoRA stacks and the tokens' slots (`layer_loras`), or None."""
         cfg = self.config
         num_tokens = h.shape[0]
         # [T, H] x [H, Q + 2K] -> [T, Q + 2K], float32
-        qkv = layers.matmul_f32(h, layer["qkv"], live_rows=live)
+        qkv = add_lora(layers.matmul_f32(h, layer["qkv"], live_rows=live), h, lora, "qkv", live)
         if "qkv_bias" in layer or "q_norm" in layer:
             qkv = qkv.astype(h.dtype)
             if "qkv_bias" in layer:
@@ -224,12 +235,14 @@ class LlamaModel:
         out, layer_kv = paged_attention(q, k, v, layer_kv, metadata,
                                         **attention_options)  # [T, heads, D]
         # [T, Q] x [Q, H] -> [T, H]
-        out = layers.matmul_f32(out.reshape(num_tokens, cfg.q_size), layer["o"], live_rows=live)
+        out = out.reshape(num_tokens, cfg.q_size)
+        out = add_lora(layers.matmul_f32(out, layer["o"], live_rows=live), out, lora, "o", live)
         return self._sublayer_output(out, layer, "o_bias", h.dtype, unrounded), layer_kv
 
-    def _mlp(self, layer, h, live=None, *, unrounded=False):
-        """The gated MLP of one layer (see `_attention` for `live` and `unrounded`)."""
+    def _mlp(self, layer, h, live=None, *, unrounded=False, lora=None):
+        """The gated MLP of one layer (see `_attention` for `live`, `unrounded`, `lora`)."""
         gate_up = layers.matmul_f32(h, layer["gate_up"], live_rows=live)  # [T, H] x [H, 2I]
+        gate_up = add_lora(gate_up, h, lora, "gate_up", live)
         if "gate_up_bias" in layer or self.config.hidden_act != "silu":
             gate_up = gate_up.astype(h.dtype)
             if "gate_up_bias" in layer:
@@ -239,7 +252,27 @@ class LlamaModel:
         else:
             inner = layers.silu_mul(gate_up, h.dtype)
         out = layers.matmul_f32(inner, layer["down"], live_rows=live)  # [T, I] x [I, H] -> [T, H]
+        out = add_lora(out, inner, lora, "down", live)
         return self._sublayer_output(out, layer, "down_bias", h.dtype, unrounded)
+
+
+def layer_loras(params: Params) -> list[tuple[dict, jax.Array] | None]:
+    """Per layer, (its LoRA stacks, the tokens' slots) when the step runs adapters
+    (params["lora"]), else None."""
+    lora = params.get("lora")
+    if lora is None:
+        return [None] * len(params["layers"])
+    return [(stacks, lora["slots"]) for stacks in lora["layers"]]
+
+
+def add_lora(out: jax.Array, x: jax.Array, lora: tuple[dict, jax.Array] | None, target: str,
+             live: jax.Array | None) -> jax.Array:
+    """A projection's float32 output `out` of input `x`, plus its tokens' LoRA deltas."""
+    if lora is None:
+        return out
+    stacks, slots = lora
+    return layers.lora_matmul(out, x, stacks[f"{target}_a"], stacks[f"{target}_b"], slots,
+                              live_rows=live)
 
 
 def param_shapes(config: ModelConfig) -> dict[str, Any]:

@@ -164,10 +164,12 @@ class MoeModel(llama.LlamaModel):
     """
 
     expert_fn: Any = None
+    # LoRA on experts is not served (an adapter's MLP modules have no expert layout here)
+    supports_lora = False
 
-    def _mlp(self, layer, h, live=None, *, unrounded=False):
+    def _mlp(self, layer, h, live=None, *, unrounded=False, lora=None):
         if "router" not in layer:
-            return super()._mlp(layer, h, live, unrounded=unrounded)
+            return super()._mlp(layer, h, live, unrounded=unrounded, lora=lora)
         weights, experts = route(self.config, h, layer["router"])
         expert_fn = self.expert_fn or (tiled_experts if jax.default_backend() == "cpu"
                                        else grouped_experts)

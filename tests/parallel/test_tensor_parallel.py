@@ -74,6 +74,21 @@ def test_speculative_steps_on_the_mesh_equal_one_device(proposer):
         assert result["accepted"] > 10 and result["preemptions"] > 0, (tp, result)
 
 
+def test_lora_adapters_on_the_mesh_equal_one_device():
+    """Four PEFT adapters and base requests mixed in one batch, through 2 device slots, on a
+    pool that preempts: at tp 2 and 4 (KV heads replicated: the adapters' k/v columns too)
+    and over 2 data-parallel replicas, the tokens of one device, which differ from the base
+    model's where an adapter runs."""
+    results = run_worker("lora", "llama8", "2,4")
+    base = results.pop("base")
+    single = results.pop("1")
+    assert single["preemptions"] > 0
+    for tp, result in results.items():
+        assert result["tokens"] == single["tokens"], f"tp {tp} differs from one device"
+    assert [t == b for t, b in zip(single["tokens"], base, strict=True)] == [
+        k % 5 == 4 for k in range(len(base))]
+
+
 def test_each_device_holds_its_share():
     """From the arrays' addressable shards: each device holds 1/tp of the weights (the k/v
     projections times their replication when tp > KV heads) and of the pool, within 1%."""

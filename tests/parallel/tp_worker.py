@@ -23,7 +23,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from conftest import build_hf_model  # noqa: E402
 
-from jaxpage import LLM, BeamSearchParams, SamplingParams  # noqa: E402
+from jaxpage import LLM, BeamSearchParams, LoRARequest, SamplingParams  # noqa: E402
 
 # 8 query / 2 KV heads (KV heads replicated at tp 4 and 8); a SmolLM2-shaped 9 / 3 (tp 3)
 MODELS = {
@@ -249,6 +249,37 @@ def speculative(kind: str, sizes: str, proposer: str = "known") -> dict:
     return results
 
 
+def lora(kind: str, sizes: str) -> dict:
+    """Greedy prompts under four PEFT adapters (ranks 2-16, different target modules) and the
+    base model in one batch, on a pool small enough to preempt, 2 device slots (adapters
+    take turns): {tp: tokens}, "base": every prompt without its adapter on one device."""
+    from engine.test_lora import make_adapters
+
+    spec = dict(MODELS[kind])
+    spec.pop("name")
+    hf_model = build_hf_model("llama", 0, **spec)
+    path = tempfile.mkdtemp()
+    hf_model.save_pretrained(path)
+    adapters = make_adapters(hf_model, tempfile.mkdtemp())
+    requests = [LoRARequest(f"a{i}", i + 1, p) for i, (p, _) in enumerate(adapters)]
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 120, size=int(rng.integers(5, 40))).tolist() for _ in range(10)]
+    loras = [None if k % 5 == 4 else requests[k % 5] for k in range(len(prompts))]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine = dict(ENGINE_FOR_TOKENS, num_blocks=24, enable_lora=True, max_loras=2)
+    results = {"base": [o.outputs[0].token_ids for o in LLM(path, **ENGINE_FOR_TOKENS).generate(
+        prompts, params, use_tqdm=False)]}
+    runs = {str(tp): dict(tensor_parallel_size=tp)
+            for tp in [1] + [int(s) for s in sizes.split(",") if s]}
+    runs["dp2"] = dict(data_parallel_size=2)  # two replicas, each its own slots
+    for name, sizes in runs.items():
+        llm = LLM(path, **sizes, **engine)
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        results[name] = {"tokens": [o.outputs[0].token_ids for o in outs],
+                         "preemptions": llm.stats()["num_preemptions"]}
+    return results
+
+
 def refusals() -> dict:
     path = model_dir("llama8")
     messages = {}
@@ -268,4 +299,5 @@ if __name__ == "__main__":
     case, *args = sys.argv[1:]
     print(json.dumps({"tokens": tokens, "memory": memory, "collectives": collectives,
                       "data_parallel": data_parallel, "export_tpu": export_tpu,
-                      "refusals": refusals, "speculative": speculative}[case](*args)))
+                      "refusals": refusals, "speculative": speculative,
+                      "lora": lora}[case](*args)))
