@@ -4,12 +4,14 @@ Examples:
   python -m jaxpage.generate --chat --prompt "What is the capital of France?"
   python -m jaxpage.generate --prompts-file prompts.txt --max-tokens 64 --json
   python -m jaxpage.generate --chat --stream --temperature 0.8 --top-p 0.95
+  python -m jaxpage.generate --lora ./my-peft-adapter --prompt "SELECT"
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -37,6 +39,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     p.add_argument("--json", action="store_true", help="one JSON object per request")
+    p.add_argument("--lora", metavar="[NAME=]PATH",
+                   help="run every prompt under this PEFT LoRA adapter directory (turns "
+                        "--enable-lora on; --max-lora-rank for ranks over 16)")
     add_engine_args(p, exclude=("seed",))  # --seed is the requests' seed here
     return p.parse_args(argv)
 
@@ -49,6 +54,27 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
             raise ValueError(f"--prompts-file {args.prompts_file!r} has no prompts")
         return prompts
     return args.prompt or [DEFAULT_PROMPT]
+
+
+def lora_request(args: argparse.Namespace):
+    """The `--lora` adapter's LoRARequest (None without the flag): PATH, or NAME=PATH where
+    PATH is not itself a directory."""
+    from jaxpage import LoRARequest
+
+    if args.lora is None:
+        return None
+    name, sep, path = args.lora.partition("=")
+    if os.path.isdir(args.lora) or not sep:
+        path = args.lora
+        name = os.path.basename(os.path.normpath(path)) or "lora"
+    if not name or not path:
+        raise ValueError(f"--lora {args.lora!r}: give PATH or NAME=PATH")
+    if args.enable_lora is False:
+        raise ValueError("--lora needs LoRA on: drop --no-enable-lora")
+    if args.beam_width is not None:
+        raise ValueError("--lora: beam search does not take a LoRA adapter")
+    args.enable_lora = True
+    return LoRARequest(name, 1, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     from jaxpage.llm import chat_token_ids
 
     prompts = read_prompts(args)
+    lora = lora_request(args)
     params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     if args.compile_cache:
@@ -74,6 +101,11 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     llm = LLM(config=engine_config(args))
     load_seconds = time.perf_counter() - start
+    if lora is not None:
+        try:
+            llm.add_lora(lora)  # read and checked before any prompt runs
+        except ValueError as e:
+            raise ValueError(f"--lora: {e}") from e
     gc_tuning.freeze_heap()  # the engine lives as long as the process: see gc_tuning
     if args.chat:
         if llm.tokenizer is None:
@@ -88,9 +120,10 @@ def run(args: argparse.Namespace) -> int:
             beam_width=args.beam_width, max_tokens=args.max_tokens),
             use_tqdm=len(inputs) > 1 and not args.json)
     elif args.stream:
-        outputs = stream(llm, prompts, inputs, params)
+        outputs = stream(llm, prompts, inputs, params, lora)
     else:
-        outputs = llm.generate(inputs, params, use_tqdm=len(inputs) > 1 and not args.json)
+        outputs = llm.generate(inputs, params, use_tqdm=len(inputs) > 1 and not args.json,
+                               **({} if lora is None else {"lora_request": lora}))
     elapsed = time.perf_counter() - start
     if not args.stream or args.beam_width is not None:
         for prompt, out in zip(prompts, outputs, strict=True):
@@ -99,14 +132,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def stream(llm, prompts: list[str], inputs: list[Any], params) -> list:
+def stream(llm, prompts: list[str], inputs: list[Any], params, lora=None) -> list:
     """Print each request's text as it arrives (requests are prefixed when there are many)."""
     from jaxpage.llm import merge_delta
 
     engine = llm.engine
     ids = [f"cli-{i}" for i in range(len(inputs))]
     for request_id, prompt in zip(ids, inputs, strict=True):
-        engine.add_request(request_id, prompt, params)
+        engine.add_request(request_id, prompt, params,
+                           **({} if lora is None else {"lora_request": lora}))
     merged: dict = {}
     finished: dict = {}
     many = len(ids) > 1 or params.n > 1

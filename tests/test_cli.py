@@ -77,6 +77,45 @@ def test_cli_greedy_matches_hf_transformers_on_a_tiny_model(hf_model_dir, tmp_pa
         assert out["outputs"][0]["text"] == tokenizer.decode(got, skip_special_tokens=True)
 
 
+def test_cli_lora_runs_prompts_under_the_adapter(hf_model_dir, tmp_path):
+    """`--lora NAME=PATH` (LoRA turned on by the flag): the prompts' greedy tokens are PEFT's
+    with that adapter, up to EOS; the flag's forms and refusals."""
+    import shutil
+
+    pytest.importorskip("peft")
+    from conftest import byte_level_bpe_tokenizer, hf_greedy
+    from engine.test_lora import make_adapters
+
+    from jaxpage.generate import lora_request, parse_args
+
+    tokenizer = byte_level_bpe_tokenizer()
+    source, model = hf_model_dir("llama", vocab_size=len(tokenizer))
+    directory = tmp_path / "model"
+    shutil.copytree(source, directory)
+    tokenizer.save_pretrained(directory)
+    path, adapted = make_adapters(model, str(tmp_path / "adapters"))[1]
+    prompts = ["The café on the corner", "Zürich, jalapeño"]
+    _, outputs = generate_json(["--model", str(directory), "--max-tokens", "8", "--lora",
+                                f"sql={path}"], prompts, 300)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        ids = tokenizer(prompt)["input_ids"]
+        expected = hf_greedy(adapted, ids, 8, stop_at_eos=True)
+        assert expected != hf_greedy(model, ids, 8, stop_at_eos=True)  # the adapter matters
+        got = out["outputs"][0]["token_ids"]
+        assert got and got == expected[: len(got)], prompt
+        assert len(got) == len(expected) or got[-1] == tokenizer.eos_token_id
+
+    args = parse_args(["--lora", path])
+    lora = lora_request(args)
+    assert (lora.lora_name, lora.lora_path, args.enable_lora) == ("adapter1", path, True)
+    lora = lora_request(parse_args(["--lora", "sql=/no/such"]))
+    assert (lora.lora_name, lora.lora_path) == ("sql", "/no/such")
+    with pytest.raises(ValueError, match="--no-enable-lora"):
+        lora_request(parse_args(["--lora", path, "--no-enable-lora"]))
+    with pytest.raises(ValueError, match="beam search"):
+        lora_request(parse_args(["--lora", path, "--beam-width", "2"]))
+
+
 # The two shortest of the four this test used to run when it was in the default suite
 # (~80 s with four).
 CHAT_PROMPTS = ["Name three colors.", "What is 12 times 7?"]

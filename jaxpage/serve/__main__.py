@@ -3,6 +3,8 @@
 Examples:
   python -m jaxpage.serve                         # the default model on 127.0.0.1:8000
   python -m jaxpage.serve --model ./my-hf-dir --port 8080 --api-key secret
+  python -m jaxpage.serve --model ./my-hf-dir --enable-lora --lora-modules sql=./sql-lora \\
+       --max-lora-rank 64     # requests with "model": "sql" run under that PEFT adapter
   curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
        -d '{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}'
 """
@@ -10,6 +12,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -38,8 +41,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID (process "
                         "0 serves, the others follow it)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--lora-modules", nargs="+", type=lora_module, default=None,
+                   metavar="NAME=PATH",
+                   help="PEFT LoRA adapters served under their names (a request's model), "
+                        "as NAME=PATH or JSON '{\"name\": NAME, \"path\": PATH}'; ids 1, 2, "
+                        "... in order; needs --enable-lora")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 does); needs --enable-lora")
     add_engine_args(p)
     return p.parse_args(argv)
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """One `--lora-modules` value, vLLM's forms: NAME=PATH or '{"name": ..., "path": ...}'."""
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {e}") from e
+        unknown = set(spec) - {"name", "path"}
+        if unknown:
+            raise argparse.ArgumentTypeError(f"{text!r}: unknown keys {sorted(unknown)} (an "
+                                             "adapter is {\"name\": ..., \"path\": ...})")
+        name, path = spec.get("name"), spec.get("path")
+    else:
+        name, _, path = text.partition("=")
+    if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=PATH or "
+                                         "'{\"name\": NAME, \"path\": PATH}'")
+    return name, path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,6 +107,9 @@ def load(args: argparse.Namespace):
         distributed.initialize()
     start = time.perf_counter()
     config = engine_config(args)
+    for flag in ("--lora-modules", "--allow-runtime-lora-updating"):
+        if getattr(args, flag[2:].replace("-", "_")) and not config.enable_lora:
+            raise ValueError(f"{flag} needs --enable-lora (LoRA is off)")
     # the steps the last warm-up of this configuration used load while the model does
     prefetch = (None if args.no_warmup or args.distributed
                 else executables.prefetch_warmup(config))
@@ -93,6 +127,13 @@ def load(args: argparse.Namespace):
     logger.info("loaded %s in %.1f s: %d KV blocks of %d tokens", config.model,
                 time.perf_counter() - start, engine.stats()["kv_blocks_total"],
                 config.block_size)
+    name = args.served_model_name or config.model
+    try:
+        add_lora_modules(engine, args.lora_modules or [], name)
+    except ValueError:
+        if prefetch is not None:
+            prefetch.finish(None)
+        raise
     if not args.no_warmup:
         compiles, seconds = engine.warmup() if prefetch is None else prefetch.warm_up(engine)
         store = getattr(getattr(engine, "runner", None), "executable_store", None)
@@ -103,14 +144,30 @@ def load(args: argparse.Namespace):
             logger.info("warm-up: %d step shapes compiled in %.1f s%s", compiles, seconds,
                         f" ({store.loaded} loaded from {store.directory})" if store else "")
     gc_tuning.freeze_heap()  # the engine lives as long as the process: see gc_tuning
-    name = args.served_model_name or config.model
 
     def ready() -> None:
         logger.info("ready: serving %s on http://%s:%d (%.1f s after start)", name,
                     args.host, args.port, time.perf_counter() - start)
 
     return build_app(engine, model_name=name, api_key=args.api_key,
-                     max_in_flight=args.max_in_flight, on_ready=ready)
+                     max_in_flight=args.max_in_flight, on_ready=ready,
+                     allow_runtime_lora_updating=args.allow_runtime_lora_updating or None)
+
+
+def add_lora_modules(engine, modules: list[tuple[str, str]], model_name: str) -> None:
+    """Add the `--lora-modules` adapters (ids 1, 2, ...), each read and checked now: a
+    ValueError naming the first bad one."""
+    from jaxpage import LoRARequest
+
+    for lora_id, (name, path) in enumerate(modules, start=1):
+        if name == model_name:
+            raise ValueError(f"--lora-modules {name}={path}: {name!r} is the served model's "
+                             "name")
+        try:
+            engine.add_lora(LoRARequest(name, lora_id, path))
+        except ValueError as e:
+            raise ValueError(f"--lora-modules {name}={path}: {e}") from e
+        logger.info("LoRA adapter %r (id %d) from %s", name, lora_id, path)
 
 
 if __name__ == "__main__":

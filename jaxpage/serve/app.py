@@ -1,12 +1,18 @@
 """The OpenAI-compatible HTTP API over an AsyncEngine (FastAPI).
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
-`GET /metrics`, `POST /tokenize`, `POST /detokenize`, `GET /version`. Streaming answers are
-server-sent events: `data: {json}` chunks, a usage chunk when asked for, `data: [DONE]`.
-Every error has OpenAI's envelope `{"error": {"message", "type", "param", "code"}}`: 400 for
-a bad request (the engine's ValueError, naming the field), 401 for a wrong API key, 404 for
-an unknown model, 503 while overloaded or after the engine died; an unexpected failure is a
-500 whose message says so, never a traceback.
+`GET /metrics`, `POST /tokenize`, `POST /detokenize`, `GET /version`, and with runtime LoRA
+updating on, vLLM's `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter`.
+Streaming answers are server-sent events: `data: {json}` chunks, a usage chunk when asked for,
+`data: [DONE]`. Every error has OpenAI's envelope `{"error": {"message", "type", "param",
+"code"}}`: 400 for a bad request (the engine's ValueError, naming the field), 401 for a wrong
+API key, 404 for an unknown model, 503 while overloaded or after the engine died; an
+unexpected failure is a 500 whose message says so, never a traceback.
+
+Multi-LoRA as vLLM serves it: a request's `model` names the base model or a LoRA adapter
+(the adapters the engine knows when the app is built, and those loaded at run time), and
+`/v1/models` lists the adapters after the base model, each with its path as `root` and the
+base model as `parent`.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import re
 import time
 import uuid
@@ -23,11 +30,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxpage
 from jaxpage.llm import chat_token_ids, merge_delta
+from jaxpage.lora import LoRARequest
 from jaxpage.outputs import CompletionOutput, RequestOutput
 from jaxpage.serve.async_engine import (
     AsyncEngine,
@@ -41,7 +49,9 @@ from jaxpage.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     UnsupportedError,
 )
 
@@ -72,14 +82,39 @@ def _param_of(message: str) -> str | None:
     return match.group(1) if match and match.group(1) in _PARAMS else None
 
 
+RUNTIME_LORA_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def runtime_lora_updating_allowed(environ: Any = None) -> bool:
+    """Whether the environment turns runtime LoRA updating on, as vLLM reads it
+    (`VLLM_ALLOW_RUNTIME_LORA_UPDATING` = 1 / true / yes / on)."""
+    value = (os.environ if environ is None else environ).get(RUNTIME_LORA_UPDATING_ENV, "")
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
 def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
-              max_in_flight: int = 4096, on_ready: Callable[[], None] | None = None) -> FastAPI:
+              max_in_flight: int = 4096, on_ready: Callable[[], None] | None = None,
+              allow_runtime_lora_updating: bool | None = None) -> FastAPI:
     """The server's app over an LLMEngine `engine`; its engine thread starts and stops with
-    the app (uvicorn's lifespan), and `on_ready()` is called once it runs."""
+    the app (uvicorn's lifespan), and `on_ready()` is called once it runs.
+
+    The LoRA adapters the engine knows now (`engine.list_loras()`) are served under their
+    names; `allow_runtime_lora_updating` (None: from `VLLM_ALLOW_RUNTIME_LORA_UPDATING`) adds
+    the routes that load and unload adapters while serving."""
     metrics = ServerMetrics(model_name, engine.stats)
     async_engine = AsyncEngine(engine, max_in_flight=max_in_flight, on_output=metrics.observe)
     tokenizer = engine.tokenizer
     created = int(time.time())
+    # the adapters a request's `model` may name, in the order /v1/models lists them; changed
+    # on the event loop only, under lora_lock
+    loras: dict[str, LoRARequest] = {}
+    for lora in getattr(engine, "list_loras", list)():
+        if lora.lora_name == model_name:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r} has the served model's name")
+        loras[lora.lora_name] = lora
+    lora_lock = asyncio.Lock()
+    if allow_runtime_lora_updating is None:
+        allow_runtime_lora_updating = runtime_lora_updating_allowed()
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -146,11 +181,16 @@ def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
                                                code="invalid_api_key"), 401)
         return await call_next(request)
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves "
-                                f"{model_name!r}", "invalid_request_error", "model",
-                           "model_not_found")
+    def check_model(name: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names (None: the base model); a 404 for a name
+        this server does not serve, as vLLM's."""
+        if name is None or name == model_name:
+            return None
+        lora = loras.get(name)
+        if lora is None:
+            raise APIError(404, f"The model `{name}` does not exist.", "invalid_request_error",
+                           "model", "model_not_found")
+        return lora
 
     def need_tokenizer() -> Any:
         if tokenizer is None:
@@ -183,9 +223,69 @@ def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": created, "owned_by": "jaxpage",
-            "root": engine.config.model, "max_model_len": engine.max_model_len}]}
+        base = {"id": model_name, "object": "model", "created": created, "owned_by": "jaxpage",
+                "root": engine.config.model, "max_model_len": engine.max_model_len}
+        adapters = [{"id": name, "object": "model", "created": created, "owned_by": "jaxpage",
+                     "root": os.fspath(lora.lora_path), "parent": model_name,
+                     "max_model_len": engine.max_model_len} for name, lora in loras.items()]
+        return {"object": "list", "data": [base, *adapters]}
+
+    # ------------------------------------------------------------ LoRA adapters at run time
+    if allow_runtime_lora_updating:
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+            if not body.lora_name or not body.lora_path:
+                raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.",
+                               "invalid_request_error",
+                               "lora_path" if body.lora_name else "lora_name")
+            # shielded, as is unloading: a client that goes away mid-way does not leave the
+            # engine and `loras` disagreeing
+            await asyncio.shield(load_lora(body.lora_name, body.lora_path))
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added "
+                                     f"successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+            await asyncio.shield(unload_lora(body.lora_name))
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed "
+                                     f"successfully.")
+
+    async def load_lora(name: str, path: str) -> None:
+        async with lora_lock:
+            if name in loras:
+                raise APIError(400, f"The lora adapter '{name}' has already been loaded.",
+                               "invalid_request_error", "lora_name")
+            if name == model_name:
+                raise APIError(400, f"'{name}' is the served model's name",
+                               "invalid_request_error", "lora_name")
+            lora_id = max((lora.lora_int_id for lora in loras.values()), default=0) + 1
+            lora = LoRARequest(name, lora_id, path)
+            try:
+                await async_engine.add_lora(lora)  # read and checked on the engine thread
+            except ValueError as exc:  # what is wrong with the adapter
+                raise APIError(400, str(exc), "invalid_request_error", "lora_path") from exc
+            loras[name] = lora
+        logger.info("loaded LoRA adapter %r (id %d) from %s", name, lora_id, path)
+
+    async def unload_lora(name: str) -> None:
+        async with lora_lock:
+            lora = loras.get(name)
+            if lora is None:
+                raise APIError(404, f"The lora adapter '{name}' cannot be found.",
+                               "invalid_request_error", "lora_name", "model_not_found")
+            # A request naming it from now on is a 404; one that named it before has reached
+            # the engine thread's inbox ahead of the removal, and keeps the adapter in use.
+            listed = dict(loras)
+            del loras[name]
+            try:
+                await async_engine.remove_lora(lora.lora_int_id)
+            except BaseException as exc:
+                loras.clear()
+                loras.update(listed)  # served again, in its place
+                if isinstance(exc, ValueError):  # requests still use it
+                    raise APIError(400, str(exc), "invalid_request_error", "lora_name") from exc
+                raise
+        logger.info("unloaded LoRA adapter %r (id %d)", name, lora.lora_int_id)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -212,7 +312,7 @@ def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
     # ------------------------------------------------------------ generation
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        check_model(body.model)
+        lora = check_model(body.model)
         prompts = []
         for prompt in body.prompts():
             ids = engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
@@ -223,25 +323,27 @@ def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
         engine_requests = [
             EngineRequest(f"{base}-{i}", ids,
                           body.to_sampling_params(len(ids), engine.max_model_len),
-                          body.cache_salt)
+                          body.cache_salt, lora)
             for i, (ids, _text) in enumerate(prompts)]
         stream = await async_engine.submit(engine_requests)
-        view = _CompletionView(base, model_name, body, prompts, tokenizer, engine_requests)
+        view = _CompletionView(base, lora.lora_name if lora else model_name, body, prompts,
+                               tokenizer, engine_requests)
         if body.stream:
             return _sse(view.chunks(stream))
         return await _unless_disconnected(request, stream, view.response)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        check_model(body.model)
+        lora = check_model(body.model)
         ids = chat_token_ids(need_tokenizer(), [m.as_template_input() for m in body.messages])
         check_length(len(ids), "messages")
         base = f"chatcmpl-{uuid.uuid4().hex}"
         engine_requests = [EngineRequest(
             f"{base}-0", ids, body.to_sampling_params(len(ids), engine.max_model_len),
-            body.cache_salt)]
+            body.cache_salt, lora)]
         stream = await async_engine.submit(engine_requests)
-        view = _ChatView(base, model_name, body, len(ids), tokenizer)
+        view = _ChatView(base, lora.lora_name if lora else model_name, body, len(ids),
+                         tokenizer)
         if body.stream:
             return _sse(view.chunks(stream))
         return await _unless_disconnected(request, stream, view.response)
@@ -294,7 +396,11 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _token_text(tokenizer: Any, token_id: int) -> str:
+def _token_text(tokenizer: Any, token_id: int, as_id: bool = False) -> str:
+    """A token as log-probs show it: its text, or vLLM's `token_id:<id>` when the request
+    asked for return_tokens_as_token_ids (a byte fragment's text says nothing)."""
+    if as_id:
+        return f"token_id:{token_id}"
     return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
 
 
@@ -307,6 +413,10 @@ class _View:
     def __init__(self, base: str, model: str, tokenizer: Any) -> None:
         self.id, self.model, self.tokenizer = base, model, tokenizer
         self.created = int(time.time())
+
+    def token_text(self, token_id: int) -> str:
+        return _token_text(self.tokenizer, token_id,
+                           bool(self.body.return_tokens_as_token_ids))
 
     def header(self, chunk: bool) -> dict[str, Any]:
         return {"id": self.id, "object": self.chunk_name if chunk else self.object_name,
@@ -373,10 +483,10 @@ class _CompletionView(_View):
             return None
         tokens, token_logprobs, top, offsets = [], [], [], []
         for token_id, entry in zip(completion.token_ids, completion.logprobs, strict=True):
-            text = _token_text(self.tokenizer, token_id)
+            text = self.token_text(token_id)
             tokens.append(text)
             token_logprobs.append(entry[token_id])
-            top.append({_token_text(self.tokenizer, t): lp for t, lp in entry.items()})
+            top.append({self.token_text(t): lp for t, lp in entry.items()})
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
@@ -423,7 +533,7 @@ class _ChatView(_View):
             return None
 
         def item(token_id: int, logprob: float) -> dict[str, Any]:
-            text = _token_text(self.tokenizer, token_id)
+            text = self.token_text(token_id)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
         content = []

@@ -2,7 +2,9 @@
 
 One engine thread owns the engine: it is the only thread that calls it. New requests and
 aborts reach it through a thread-safe inbox; it runs `step()` while any request is
-unfinished and sleeps on an event when idle. Each HTTP request's outputs reach its
+unfinished and sleeps on an event when idle. LoRA adapters are added and removed through the
+same inbox (`add_lora`, `remove_lora`), in order with the requests: a request queued before
+an adapter's removal is added first. Each HTTP request's outputs reach its
 coroutine through its own `asyncio.Queue`, handed to the event loop once per step (one
 `call_soon_threadsafe` for the whole step, not one per output).
 
@@ -21,10 +23,13 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxpage.outputs import RequestOutput
 from jaxpage.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxpage.lora import LoRARequest
 
 logger = logging.getLogger("jaxpage.serve")
 
@@ -39,12 +44,14 @@ class OverloadedError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class EngineRequest:
-    """One prompt for the engine (an HTTP request may carry several)."""
+    """One prompt for the engine (an HTTP request may carry several), with the LoRA adapter it
+    runs under (None: the base model)."""
 
     request_id: str
     prompt: str | Sequence[int]
     params: SamplingParams
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -116,6 +123,25 @@ class AsyncEngine:
             raise item
         return handle
 
+    # ---------------------------------------------------------------- LoRA adapters
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """`engine.add_lora` on the engine thread (the adapter is read and checked there): its
+        ValueError naming what is wrong with the adapter is raised here."""
+        return await self._call(self.engine.add_lora, lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """`engine.remove_lora` on the engine thread: a ValueError while requests use it."""
+        return await self._call(self.engine.remove_lora, lora_int_id)
+
+    async def _call(self, fn: Callable, *args: Any) -> Any:
+        """fn(*args) on the engine thread, between steps; its result, or its exception."""
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._submit(("call", (fn, args), stream), 0)
+        item = await stream.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
     def _submit(self, message: tuple, count: int) -> None:
         with self._lock:
             if self.error is not None or self._stopping:
@@ -166,6 +192,13 @@ class AsyncEngine:
                 return
             if kind == "add":
                 self._add(payload, stream)
+            elif kind == "call":
+                fn, args = payload
+                try:
+                    result = fn(*args)
+                except Exception as exc:  # the caller's to answer (a bad adapter: a 400)
+                    result = exc
+                _send(stream.loop, stream.queue.put_nowait, result)
             else:
                 for request_id in payload:
                     if self._streams.pop(request_id, None) is not None:
@@ -175,8 +208,9 @@ class AsyncEngine:
         added = []
         try:
             for r in requests:
+                lora = {} if r.lora_request is None else {"lora_request": r.lora_request}
                 self.engine.add_request(r.request_id, r.prompt, r.params,
-                                        cache_salt=r.cache_salt)
+                                        cache_salt=r.cache_salt, **lora)
                 added.append(r.request_id)
         except Exception as exc:  # a bad request: none of the batch runs
             for request_id in added:
@@ -222,7 +256,7 @@ class AsyncEngine:
                 kind, _payload, stream = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if kind == "add":
+            if kind in ("add", "call"):
                 _send(stream.loop, stream.queue.put_nowait, error)
         for stream in {id(s): s for s in self._streams.values()}.values():
             _send(stream.loop, stream.queue.put_nowait, error)

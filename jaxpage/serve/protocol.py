@@ -53,6 +53,7 @@ class _SamplingRequest(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None
+    return_tokens_as_token_ids: bool | None = None  # log-probs' tokens as "token_id:<id>"
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         if self.logit_bias:
@@ -153,3 +154,17 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's `POST /v1/load_lora_adapter` body."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's `POST /v1/unload_lora_adapter` body (its optional `lora_int_id` is ignored: the
+    name says which)."""
+
+    lora_name: str
