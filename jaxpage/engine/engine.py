@@ -589,6 +589,13 @@ class LLMEngine:
             # None with it off
             "spec_decode": (self.scheduler.spec_stats.summary()
                             if self.config.speculative_config is not None else None),
+            # multi-LoRA, or None with it off: adapters known, holding device slots (least
+            # recently used first) and read in host memory, and the slot writes so far
+            "lora": None if self.loras is None else {
+                "known": len(self.loras.known),
+                "resident": self.scheduler.loras.resident(),
+                "in_host_memory": self.loras.read_ids(),
+                "slot_writes": self.scheduler.loras.num_loads},
         }
 
 

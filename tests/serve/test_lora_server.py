@@ -19,8 +19,8 @@ import types
 
 import httpx
 import pytest
-from conftest import build_hf_model, byte_level_bpe_tokenizer, hf_greedy
-from test_server import API_KEY, CHAT_TEMPLATE, MODEL, auth, running_server
+from conftest import hf_greedy
+from test_server import API_KEY, MODEL, auth, running_server, save_chat_model
 
 pytest.importorskip("peft")
 from engine.test_lora import make_adapters  # noqa: E402  (PEFT adapters of the tiny model)
@@ -40,12 +40,8 @@ AS_IDS = {"return_tokens_as_token_ids": True, "ignore_eos": True}
 def tiny(tmp_path_factory):
     """The model directory (weights, tokenizer, chat template), the HF model and its four
     PEFT adapters [(path, PEFT model)]."""
-    tokenizer = byte_level_bpe_tokenizer()
-    tokenizer.chat_template = CHAT_TEMPLATE
-    model = build_hf_model("llama", 0, vocab_size=len(tokenizer))
     path = tmp_path_factory.mktemp("lora_serve_model")
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
+    model, tokenizer = save_chat_model(path)
     adapters = make_adapters(model, str(tmp_path_factory.mktemp("lora_serve_adapters")))
     return types.SimpleNamespace(path=str(path), model=model, tokenizer=tokenizer,
                                  adapters=adapters)

@@ -35,14 +35,21 @@ ENGINE = dict(block_size=4, num_blocks=160, max_model_len=512, max_num_seqs=16,
 PROMPTS = ["The café on the corner", "Plain English text about", "日本語のテキスト"]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def save_chat_model(path) -> tuple[object, object]:
+    """A tiny llama with a byte-level BPE tokenizer and CHAT_TEMPLATE, saved to `path`;
+    returns (the HF model, the tokenizer)."""
     tokenizer = byte_level_bpe_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
     model = build_hf_model("llama", 0, vocab_size=len(tokenizer))
-    path = tmp_path_factory.mktemp("serve_model")
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("serve_model")
+    save_chat_model(path)
     return str(path)
 
 
