@@ -381,3 +381,30 @@ def test_bench_gpu_engine_plumbing(tmp_path):
             # warm-up steps, then the mean of 8 timed steps
             d["batch"] * 2 * 2 * 2 * 16 * 4 * (24 + 1 + 2 + 3.5))
         assert 0 <= d["window"]["busy_s"] <= d["window"]["wall_s"]
+
+
+def test_lora_bench_core(tmp_path):
+    """bench_lora's adapters load and serve, each request its output length, and its FLOP
+    accounting is a hand count: SmolLM2-shaped 576 / 960 / 1536 widths at rank 16."""
+    import bench_lora
+
+    from jaxpage import LLM, LoRARequest
+    from jaxpage.models.config import ModelConfig
+
+    path = bench_common.write_hf_llama(str(tmp_path / "model"), num_hidden_layers=2)
+    llm = LLM(path, enable_lora=True, max_loras=2, max_lora_rank=8, num_blocks=64)
+    config = llm.engine.model.config
+    paths = bench_lora.write_adapters(str(tmp_path / "adapters"), config, 3, 8)
+    requests = [LoRARequest(f"x{i}", i + 1, p) for i, p in enumerate(paths)]
+    prompts, lens = bench_common.make_trace(5, 0, config.vocab_size)
+    lens = [min(n, 6) for n in lens]
+    loras = bench_lora.assignments(requests, 3, len(prompts))
+    assert [r.lora_name for r in loras] == ["x0", "x1", "x2", "x0", "x1"]
+    assert bench_lora.run_trace(llm, prompts, lens, loras) > 0
+    assert len(llm.list_loras()) == 3
+    smollm = ModelConfig(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576,
+                         intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
+                         head_dim=64, max_position_embeddings=2048)
+    per_layer = 2 * (576 * 48 + 48 * 960 + 576 * 16 + 16 * 576 + 576 * 32 + 32 * 3072
+                     + 1536 * 16 + 16 * 576)
+    assert bench_lora.lora_flops_per_token(smollm, 16) == 30 * per_layer
