@@ -28,7 +28,8 @@ dtypes, a packed matmul's wrong output shape or weight) and checks each is an er
 runs `small_matmul` (both weight layouts, float32 and bfloat16 on both bfloat16 paths, odd
 sizes) and `packed_matmul` (weights packed by `pack_weight`, the same dtypes and paths)
 against float64 NumPy, and `greedy_draw` (rows with ties, NaN and infinities, vocabularies with
-and without a tail) against NumPy's argmax and float64 log-sum-exp, and the layer glue
+and without a tail) against NumPy's argmax and float64 log-sum-exp, `lora_matmul` (slots out
+of range, rows past live_rows, vector tails) against float64 NumPy, and the layer glue
 (`add_rms_norm`, `silu_mul`, `qkv_rope`; float32 and bfloat16, a NaN row, rows shared among
 the threads) against float64 NumPy, and `decoder_layer` (a decode step of three sequences and
 a padding row, and a lone long sequence, float32 and bfloat16) against the unfused calls it
@@ -467,6 +468,46 @@ def check_small_matmul(rng) -> int:
     return calls
 
 
+def check_lora_matmul(rng) -> int:
+    """`lora_matmul` (y + round(x @ a[slot]) @ b[slot] per row) in float32, eagerly and under
+    jit, slots out of range (-1, S) and rows past live_rows left as y, vector tails in K, R
+    and N, against float64 NumPy within the float32 bound of both products. Returns the
+    calls."""
+    import jax
+    import numpy as np
+
+    from pallas_kernels import cpu_ops
+
+    calls = 0
+    jitted = jax.jit(cpu_ops.lora_matmul)
+    for t, s, k, r, n in ((1, 2, 7, 1, 5), (9, 5, 33, 17, 70), (40, 17, 64, 16, 96),
+                          (13, 3, 100, 48, 33)):
+        y = rng.standard_normal((t, n)).astype(np.float32)
+        x = rng.standard_normal((t, k)).astype(np.float32)
+        a = rng.standard_normal((s, k, r)).astype(np.float32)
+        b = rng.standard_normal((s, r, n)).astype(np.float32)
+        slots = rng.integers(-1, s + 1, t).astype(np.int32)
+        live = np.int32(max(1, t - 2))
+        rows = (slots > 0) & (slots < s) & (np.arange(t) < live)
+        clipped = np.clip(slots, 0, s - 1)
+        a64, b64, x64 = (np.asarray(v, np.float64) for v in (a, b, x))
+        mid = np.einsum("tk,tkr->tr", x64, a64[clipped])
+        mid_bound = (k + 2) * 2.0**-24 * np.einsum("tk,tkr->tr", np.abs(x64),
+                                                   np.abs(a64[clipped]))
+        want = y + np.where(rows[:, None], np.einsum("tr,trn->tn", mid, b64[clipped]), 0)
+        bound = ((r + 2) * 2.0**-24 * np.einsum("tr,trn->tn", np.abs(mid) + mid_bound,
+                                                np.abs(b64[clipped]))
+                 + np.einsum("tr,trn->tn", mid_bound, np.abs(b64[clipped])))
+        bound = np.where(rows[:, None], bound, 0) + 2.0**-24 * np.abs(want) + 1e-30
+        for fn in (cpu_ops.lora_matmul, jitted):
+            out = np.asarray(fn(y, x, a, b, slots, live))
+            if not np.all(np.abs(out - want) <= bound):
+                raise AssertionError(f"lora_matmul {(t, s, k, r, n)}: max |error| "
+                                     f"{np.max(np.abs(out - want))}")
+            calls += 1
+    return calls
+
+
 def check_packed_matmul(rng) -> int:
     """`packed_matmul` on weights packed by `pack_weight` (float32, and bfloat16 on both paths
     and on AMX tiles where `packed_tiles()`), an odd K (bfloat16's last pair padded), one panel
@@ -760,6 +801,8 @@ def child(seeds: int, deadline: float) -> int:
     packed_matmul_calls = check_packed_matmul(rng)
     progress("greedy_draw")
     greedy_draw_calls = check_greedy_draw(rng)
+    progress("lora_matmul")
+    lora_matmul_calls = check_lora_matmul(rng)
     progress("layer glue")
     layer_glue_calls = check_layer_glue(rng)
     progress("decoder_layer")
@@ -781,7 +824,8 @@ def child(seeds: int, deadline: float) -> int:
                       "quantized_max_error": worst_quantized, "set_rows": set_rows_calls,
                       "small_matmul": small_matmul_calls,
                       "packed_matmul": packed_matmul_calls,
-                      "greedy_draw": greedy_draw_calls, "layer_glue": layer_glue_calls,
+                      "greedy_draw": greedy_draw_calls, "lora_matmul": lora_matmul_calls,
+                      "layer_glue": layer_glue_calls,
                       "decoder_layer": decoder_layer_calls}),
           flush=True)
     return 0
