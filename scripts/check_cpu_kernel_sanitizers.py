@@ -924,6 +924,7 @@ def main() -> int:
           f"pool writes (set_rows) equal to NumPy's, {summary['small_matmul']} small matmuls "
           f"and {summary['packed_matmul']} packed matmuls within float32's bound of float64, "
           f"{summary['greedy_draw']} greedy draws as NumPy's argmax and log-sum-exp, "
+          f"{summary['lora_matmul']} LoRA deltas within float32's bound of float64, "
           f"{summary['layer_glue']} layer glue calls (add + RMSNorm, SiLU, rope) as float64's, "
           f"{summary['decoder_layer']} decoder layer calls as the unfused calls bit for bit, "
           f"{summary['rejected']} bad inputs "
