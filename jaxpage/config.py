@@ -59,6 +59,8 @@ class EngineConfig:
     """
 
     model: str = constants.DEFAULT_MODEL
+    # a Hugging Face Hub id's branch, tag or commit (default: main); local paths ignore it
+    revision: str | None = None
     dtype: str = "float32"
     kv_cache_dtype: str = "auto"
     block_size: int = 16
@@ -112,6 +114,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.of(self.speculative_config))
+        check(self.revision is None or (isinstance(self.revision, str) and self.revision),
+              "revision", self.revision, "None or a non-empty branch, tag or commit")
         check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
         check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,
               f"one of {KV_CACHE_DTYPES}")

@@ -21,9 +21,10 @@ PromptInput = Prompt | dict  # dicts: {"prompt" | "prompt_token_ids": ..., "cach
 class LLM:
     """Load a model and generate from batches of prompts.
 
-    `model` is "smollm2-135m-instruct" (default), an HF directory, a .gguf file or a
-    jaxpage checkpoint; or pass a model object with `params` (and optionally `tokenizer`)
-    to serve your own model. Other keyword arguments are EngineConfig fields.
+    `model` is "smollm2-135m-instruct" (default), an HF directory, a .gguf file, a
+    jaxpage checkpoint or a Hugging Face Hub id ("org/name", at `revision`); or pass a model
+    object with `params` (and optionally `tokenizer`) to serve your own model. Other keyword
+    arguments are EngineConfig fields.
     """
 
     def __init__(self, model: Any = None, *, params: Any = None, tokenizer: Any = None,
@@ -35,8 +36,8 @@ class LLM:
 
             if config is None:
                 config = EngineConfig(model=model or DEFAULT_MODEL, **engine_kwargs)
-            model_config, params, loaded_tokenizer = load_model(config.model, config.dtype,
-                                                                config.cache_gguf)
+            model_config, params, loaded_tokenizer = load_model(
+                config.model, config.dtype, config.cache_gguf, config.revision)
             model = build_model(model_config)
             tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
         else:

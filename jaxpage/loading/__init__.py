@@ -1,4 +1,5 @@
-"""Model loading: HF safetensors dirs, GGUF files, jaxpage (orbax) checkpoints.
+"""Model loading: HF safetensors dirs, GGUF files, jaxpage (orbax) checkpoints, and Hugging
+Face Hub ids fetched into the Hub's cache (`jaxpage.loading.hub`).
 
 `load_model(name_or_path, dtype)` is the one entry the engine uses; it returns numpy
 params in the layout of the model's family (`jaxpage.models`; converted from HF names by
@@ -63,11 +64,21 @@ def default_model_path() -> str:
     return path
 
 
-def resolve_model(name_or_path: str) -> tuple[str, str]:
-    """(kind, path) for a model name or path; kind is "hf", "gguf" or "checkpoint"."""
+def resolve_model(name_or_path: str, revision: str | None = None) -> tuple[str, str]:
+    """(kind, path) for a model name, path or Hugging Face Hub id ("org/name", at `revision`;
+    a local path of that spelling wins); kind is "hf", "gguf" or "checkpoint"."""
     if name_or_path.lower() == DEFAULT_MODEL:
         return "gguf", default_model_path()
     path = os.path.expanduser(name_or_path)
+    if not os.path.exists(path):
+        from jaxpage.loading import hub
+
+        if hub.is_repo_id(name_or_path):
+            path = hub.snapshot(name_or_path, revision)
+            if not os.path.isfile(os.path.join(path, "config.json")):
+                raise ValueError(f"model {name_or_path!r} (Hub snapshot {path}) has no "
+                                 "config.json: not an HF transformers model")
+            return "hf", path
     if os.path.isfile(path):
         if path.endswith(".gguf"):
             return "gguf", path
@@ -84,7 +95,7 @@ def resolve_model(name_or_path: str) -> tuple[str, str]:
         )
     raise FileNotFoundError(
         f"model {name_or_path!r} not found: expected {DEFAULT_MODEL!r}, an HF model directory, "
-        "a .gguf file or a jaxpage checkpoint directory (there is no model hub access)"
+        "a .gguf file, a jaxpage checkpoint directory or a Hugging Face Hub id (org/name)"
     )
 
 
@@ -106,14 +117,15 @@ def load_tokenizer(kind: str, path: str) -> Any | None:
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_model(name_or_path: str, dtype: Any = "float32",
-               cache_gguf: bool = True) -> tuple[ModelConfig, dict, Any]:
-    """(config, numpy params, tokenizer or None) for a model name or path.
+def load_model(name_or_path: str, dtype: Any = "float32", cache_gguf: bool = True,
+               revision: str | None = None) -> tuple[ModelConfig, dict, Any]:
+    """(config, numpy params, tokenizer or None) for a model name, path or Hub id (at
+    `revision`: `jaxpage.loading.hub`).
 
     A GGUF file is converted once to a jaxpage checkpoint in the cache directory and read
     from there afterwards (`jaxpage.loading.gguf_cache`); `cache_gguf=False` dequantizes
     the file every time and writes nothing."""
-    kind, path = resolve_model(name_or_path)
+    kind, path = resolve_model(name_or_path, revision)
     if kind == "gguf" and cache_gguf:
         from jaxpage.loading.gguf_cache import load_gguf_cached
 
