@@ -144,6 +144,18 @@ def test_data_parallel_replicas_serve_the_same_tokens_and_route_by_prefix():
     assert 0.99 * result["step_seconds"] <= sum(phases.values()) <= result["step_seconds"]
 
 
+@pytest.mark.slow  # ~60 s; the default suite keeps to its 15 minutes
+def test_data_parallel_replicas_of_a_sliding_window_model():
+    """Gemma 2 (16-token windows on alternate layers: both KV groups per replica) as 2
+    replicas of 2 devices: one device's tokens through preemption and prefix hits, and the
+    prompt sharing a cached prefix routed to the replica holding it."""
+    result = run_worker("data_parallel", "gemma2", "cpp", "2", "2")
+    single, replicated = result["single"], result["replicated"]
+    assert single["preemptions"] > 0 and single["hits"] > 0
+    assert replicated["tokens"] == single["tokens"]
+    assert replicated["again_cached"] == 20 and result["replica_hits"][1] >= 20
+
+
 def test_bad_sizes_are_refused_naming_the_numbers():
     messages = run_worker("refusals")
     assert "data_parallel_size 3 x tensor_parallel_size 4 = 12 devices" in messages["dp3"]
