@@ -6,6 +6,9 @@ per layer one all-reduce after the attention output projection and one after the
 down projection, plus one all-reduce for the embedding lookup and one all-gather of the
 logits per step.
 
+- A mixture of experts' layer puts E / tp whole experts on each device (expert parallelism):
+  every device routes every token, runs only its experts' (token, expert) pairs, and one
+  all-reduce sums the devices' outputs, as after a dense MLP.
 - q/k/v and gate/up are split by output columns, o_proj and down_proj by input rows, so
   each device's attention and MLP need no communication until their last matmul.
   The fused `qkv` ([H, Q + 2K]) and `gate_up` ([H, 2I]) matrices are stored interleaved by
@@ -45,6 +48,9 @@ _SPECS = {
     # columns, A as its rows; the rest (qkv_a, gate_up_a, o_b, down_b) replicated
     "qkv_b": P(None, None, MODEL_AXIS), "gate_up_b": P(None, None, MODEL_AXIS),
     "o_a": P(None, MODEL_AXIS, None), "down_a": P(None, MODEL_AXIS, None),
+    # a MoE layer's experts [E, ...]: E / tp whole experts on each device; the router
+    # replicated (expert parallelism: jaxpage.models.moe)
+    "experts_gate_up": P(MODEL_AXIS, None, None), "experts_down": P(MODEL_AXIS, None, None),
 }
 # [kv_heads, ...]: split over KV heads, a pool's values (and a quantized pool's scales)
 POOL_SPEC = P(MODEL_AXIS)
@@ -56,9 +62,9 @@ def valid_tp_sizes(config: Any, max_size: int) -> list[int]:
 
 
 def _refusal(config: Any, tp: int) -> str | None:
-    if tp > 1 and getattr(config, "num_experts", 0):  # the layout shards dense MLPs only
-        return (f"{config.architecture} is a mixture of experts, which has no "
-                f"tensor-parallel layout")
+    num_experts = getattr(config, "num_experts", 0)
+    if num_experts and num_experts % tp:  # whole experts on each device
+        return f"num_experts {num_experts} is not a multiple of it"
     if config.num_heads % tp:
         return f"num_heads {config.num_heads} is not a multiple of it"
     if config.num_kv_heads % tp and tp % config.num_kv_heads:

@@ -85,7 +85,7 @@ def grouped_experts(h: jax.Array, weights: jax.Array, experts: jax.Array,
     h: [T, H]; weights, experts: [T, k]; gate_up: [E, H, 2I]; down: [E, I, H]. Returns [T, H].
     """
     _, order, token, sizes = _sorted_pairs(experts, gate_up.shape[0])
-    group_sizes = sizes.astype(jnp.int32)
+    group_sizes = sizes[:-1].astype(jnp.int32)  # rows past them (no expert here): zeros
     gate, up = jnp.split(jax.lax.ragged_dot(h[token], gate_up, group_sizes), 2, axis=-1)
     out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down, group_sizes)  # [T * k, H]
     return _combine(out, weights, order, token, h)
@@ -93,18 +93,34 @@ def grouped_experts(h: jax.Array, weights: jax.Array, experts: jax.Array,
 
 def _sorted_pairs(experts: jax.Array, num_experts: int):
     """The T * k routed (token, expert) pairs sorted by expert: (flat [T * k] experts, the
-    sorting order, each sorted pair's token, the pairs per expert [E])."""
+    sorting order, each sorted pair's token, the pairs per expert [E + 1]). Expert index E
+    is no expert here (`local_experts`: a pair routed to another device's expert); its
+    pairs sort last, in the last count."""
     flat = experts.reshape(-1)  # pair p = token p // k, its (p % k)-th choice
     order = jnp.argsort(flat, stable=True)
-    return flat, order, order // experts.shape[1], jnp.bincount(flat, length=num_experts)
+    return flat, order, order // experts.shape[1], jnp.bincount(flat, length=num_experts + 1)
 
 
 def _combine(out: jax.Array, weights: jax.Array, order: jax.Array, token: jax.Array,
              h: jax.Array) -> jax.Array:
     """The sorted pairs' expert outputs [T * k, H] weighted by their routing weights and
-    summed onto their tokens in float32, in h's dtype and shape."""
-    out = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    summed onto their tokens in float32, in h's dtype and shape (a pair of weight 0, such as
+    one on no expert here, adds nothing, whatever its row holds)."""
+    w = weights.reshape(-1)[order][:, None]
+    out = jnp.where(w != 0, out.astype(jnp.float32) * w, 0.0)
     return jnp.zeros(h.shape, jnp.float32).at[token].add(out).astype(h.dtype)
+
+
+def local_experts(weights: jax.Array, experts: jax.Array, num_local: int, axis: str
+                  ) -> tuple[jax.Array, jax.Array]:
+    """Expert parallelism: the routing of this device's experts, the `num_local` experts
+    from axis_index * num_local on. A pair routed elsewhere gets weight 0 and index
+    `num_local` (no expert here), so no expert function computes it; the devices' outputs
+    then add up (an all-reduce) to every pair's."""
+    first = jax.lax.axis_index(axis) * num_local
+    mine = (experts >= first) & (experts < first + num_local)
+    return (jnp.where(mine, weights, 0.0),
+            jnp.where(mine, experts - first, num_local).astype(experts.dtype))
 
 
 def tiled_experts(h: jax.Array, weights: jax.Array, experts: jax.Array,
@@ -117,12 +133,12 @@ def tiled_experts(h: jax.Array, weights: jax.Array, experts: jax.Array,
     """
     num_experts, hidden = gate_up.shape[0], h.shape[1]
     flat, order, token, sizes = _sorted_pairs(experts, num_experts)
-    padded = -(-sizes // tile) * tile
+    padded = -(-sizes // tile) * tile  # the last group, no expert here, is never run
     # sorted pair j, the r-th of its expert e's, goes to padded row padded_start[e] + r
     sorted_expert = flat[order]
     rank = jnp.arange(flat.shape[0]) - (jnp.cumsum(sizes) - sizes)[sorted_expert]
     row = (jnp.cumsum(padded) - padded)[sorted_expert] + rank  # [T * k]
-    num_rows = -(-(flat.shape[0] + num_experts * (tile - 1)) // tile) * tile  # static bound
+    num_rows = -(-(flat.shape[0] + (num_experts + 1) * (tile - 1)) // tile) * tile  # bound
     x = jnp.zeros((num_rows, hidden), h.dtype).at[row].set(h[token])
     tile_expert = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(0, num_rows, tile),
                                    side="right")  # [num_rows / tile]
@@ -134,7 +150,7 @@ def tiled_experts(h: jax.Array, weights: jax.Array, experts: jax.Array,
         return jax.lax.dynamic_update_slice_in_dim(out, (jax.nn.silu(gate) * up) @ down[e],
                                                    t * tile, axis=0)
 
-    out = jax.lax.fori_loop(0, jnp.sum(padded) // tile, run_tile, jnp.zeros_like(x))
+    out = jax.lax.fori_loop(0, jnp.sum(padded[:-1]) // tile, run_tile, jnp.zeros_like(x))
     return _combine(out[row], weights, order, token, h)
 
 
@@ -159,8 +175,11 @@ class MoeModel(llama.LlamaModel):
     `tiled_experts`, since XLA:CPU lowers ragged_dot to every expert over every routed pair
     (scripts/bench_moe.py: at 1 / 16 / 64 tokens the tiled step was 20x / 7.9x / 8.5x faster
     than ragged_dot's and 13.5x / 4x / 2.8x faster than all experts densely). Pass
-    `dense_experts` to compare. Tensor parallelism is refused for it (`jaxpage.parallel`
-    shards dense MLPs only).
+    `dense_experts` to compare. Under tensor parallelism the experts are split over the
+    devices (expert parallelism: E / tp whole experts each, `local_experts`): every device
+    routes every token (its activations are the same on all), runs its own experts' pairs,
+    and one all-reduce adds the devices' outputs, where a dense layer all-reduces after its
+    down projection.
     """
 
     expert_fn: Any = None
@@ -171,9 +190,12 @@ class MoeModel(llama.LlamaModel):
         if "router" not in layer:
             return super()._mlp(layer, h, live, unrounded=unrounded, lora=lora)
         weights, experts = route(self.config, h, layer["router"])
+        gate_up, down = layer["experts_gate_up"], layer["experts_down"]
+        if self.tp_axis is not None:  # this device's experts
+            weights, experts = local_experts(weights, experts, gate_up.shape[0], self.tp_axis)
         expert_fn = self.expert_fn or (tiled_experts if jax.default_backend() == "cpu"
                                        else grouped_experts)
-        return expert_fn(h, weights, experts, layer["experts_gate_up"], layer["experts_down"])
+        return self._all_reduce(expert_fn(h, weights, experts, gate_up, down))
 
 
 def param_shapes(config: ModelConfig) -> dict[str, Any]:

@@ -3,6 +3,7 @@ and the grouped (ragged_dot) experts compute what running every expert does."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -288,11 +289,14 @@ def test_gguf_without_expert_metadata_fails_clearly(hf_model_dir, tmp_path):
         load_gguf(file, "float32")
 
 
-def test_tensor_parallel_refused(hf_model_dir):
+def test_tensor_parallel_splits_whole_experts(hf_model_dir):
+    """Expert parallelism puts whole experts on each device: 8 experts split over 2 (the
+    6 / 2 heads rule out 3 and 4), and 3 experts over 2 devices are refused, naming them."""
     config, _ = load_hf_dir(hf_model_dir("mixtral")[0], "float32")
-    assert valid_tp_sizes(config, 4) == [1]
-    with pytest.raises(ValueError, match="MixtralForCausalLM is a mixture of experts"):
-        TensorParallel.create(config, 2, jax.devices() * 2)
+    assert valid_tp_sizes(config, 4) == [1, 2]
+    odd = dataclasses.replace(config, num_experts=3, num_experts_per_tok=2)
+    with pytest.raises(ValueError, match="num_experts 3 is not a multiple of it"):
+        TensorParallel.create(odd, 2, jax.devices() * 2)
 
 
 # ----------------------------------------------------------------------------------------

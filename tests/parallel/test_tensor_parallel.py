@@ -50,6 +50,10 @@ def assert_same_tokens(results: dict) -> None:
     # 2-core Zen 3
     pytest.param("llama8", "pallas_tpu", "4", "recompute",
                  marks=[pytest.mark.slow, pytest.mark.kernels]),
+    # mixtures of experts, 8 experts split over the devices (expert parallelism); Qwen3-MoE
+    # with dense layers between its MoE ones (slow: ~40 s each)
+    pytest.param("mixtral8", "cpp", "2,4", "recompute", marks=pytest.mark.slow),
+    pytest.param("qwen3_moe8", "cpp", "2,4", "recompute", marks=pytest.mark.slow),
 ])
 def test_tokens_equal_one_device(model, backend, sizes, preemption):
     """A mixed workload (chunked prefill, preemption, n=2 seeded samples, a prefix-cache
@@ -108,12 +112,14 @@ def test_each_device_holds_its_share():
         assert got["pool"] == [pool * replicas // tp] * tp
 
 
-@pytest.mark.parametrize("tp", [pytest.param("2", marks=pytest.mark.slow), "8"])
-def test_the_step_holds_the_designed_collectives_and_no_pool_copy(tp):
-    """Per step: an all-reduce after each layer's o_proj and down_proj plus one for the
-    embedding, one all-gather of the logits, nothing else; the pool is donated (every
-    buffer aliased to an output) and never copied."""
-    result = run_worker("collectives", "llama8", tp)
+@pytest.mark.parametrize("model, tp", [pytest.param("llama8", "2", marks=pytest.mark.slow),
+                                       ("llama8", "8"), ("mixtral8", "2")])
+def test_the_step_holds_the_designed_collectives_and_no_pool_copy(model, tp):
+    """Per step: an all-reduce after each layer's o_proj and down_proj (a MoE layer's: after
+    its experts, each device's own) plus one for the embedding, one all-gather of the
+    logits, nothing else; the pool is donated (every buffer aliased to an output) and never
+    copied."""
+    result = run_worker("collectives", model, tp)
     layers = result.pop("num_layers")
     for step, ops in result.items():
         assert ops.pop("all-reduce") == 2 * layers + 1, step

@@ -36,6 +36,11 @@ MODELS = {
 }
 # alternating 16-token sliding windows and global layers: both KV groups sharded
 MODELS["gemma2"] = dict(name="gemma2")
+# mixtures of experts, 8 experts split over the devices (expert parallelism); Qwen3-MoE with
+# dense layers between its MoE ones
+MODELS["mixtral8"] = dict(name="mixtral", num_attention_heads=8, num_key_value_heads=2)
+MODELS["qwen3_moe8"] = dict(name="qwen3_moe_sparse", num_attention_heads=8,
+                            num_key_value_heads=2)
 PREFIX = list(range(40, 60))  # shared by two prompts: prefix-cache hits
 
 
@@ -47,6 +52,10 @@ def model_dir(kind: str) -> str:
         from models.gemma_models import build_gemma
 
         build_gemma(name, 0, **spec).save_pretrained(path)
+    elif name.startswith(("mixtral", "qwen3_moe")):
+        from models.moe_models import build_moe_model
+
+        build_moe_model(name, 0, **spec).save_pretrained(path)
     else:
         build_hf_model(name, 0, **spec).save_pretrained(path)
     return path
