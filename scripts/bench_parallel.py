@@ -56,11 +56,18 @@ UTILIZATION = 0.9  # EngineConfig.gpu_memory_utilization's default
 ACCELERATORS = (("v5e", 16 * GiB, "v5e-8", 8), ("H100", 80 * GiB, "8xH100", 8))
 CPU_KV_BUDGET = 1 * GiB  # the runner's pool on CPU (jaxpage.engine.runner._CPU_KV_BUDGET)
 
-# name: (layers, hidden, intermediate, heads, KV heads, head_dim, vocab, tied embeddings)
+# name: (layers, hidden, intermediate, heads, KV heads, head_dim, vocab, tied embeddings[,
+# a mixture of experts' architecture and fields: its experts split over the devices])
 MODELS = {
     "SmolLM2-135M": (30, 576, 1536, 9, 3, 64, 49152, True),
     "Llama-3-8B": (32, 4096, 14336, 32, 8, 128, 128256, False),
     "Llama-3-70B": (80, 8192, 28672, 64, 8, 128, 128256, False),
+    "Mixtral-8x7B": (32, 4096, 14336, 32, 8, 128, 32000, False,
+                     dict(architecture="MixtralForCausalLM", num_experts=8,
+                          num_experts_per_tok=2, moe_intermediate_size=14336)),
+    "Qwen3-30B-A3B": (48, 2048, 6144, 32, 4, 128, 151936, False,
+                      dict(architecture="Qwen3MoeForCausalLM", num_experts=128,
+                           num_experts_per_tok=8, moe_intermediate_size=768, qk_norm=True)),
 }
 # the step benchmark's model, and the memory check's tiny model (vocabulary padded at tp 4, 8)
 STEP_MODEL = (4, 256, 512, 8, 2, 32, 1024, False)
@@ -70,12 +77,13 @@ CHECK_MODEL = (2, 64, 128, 8, 2, 8, 130, False)
 def model_config(shape: tuple, max_position_embeddings: int = 8192):
     from jaxpage.models.config import ModelConfig
 
-    layers, hidden, inter, heads, kv_heads, head_dim, vocab, tied = shape
-    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=vocab, hidden_size=hidden,
+    layers, hidden, inter, heads, kv_heads, head_dim, vocab, tied, *moe = shape
+    fields = {"architecture": "LlamaForCausalLM", **(moe[0] if moe else {})}
+    return ModelConfig(vocab_size=vocab, hidden_size=hidden,
                        intermediate_size=inter, num_layers=layers, num_heads=heads,
                        num_kv_heads=kv_heads, head_dim=head_dim,
                        max_position_embeddings=max_position_embeddings,
-                       tie_word_embeddings=tied, eos_token_ids=(1,))
+                       tie_word_embeddings=tied, eos_token_ids=(1,), **fields)
 
 
 # ------------------------------------------------------------------------- memory arithmetic
@@ -91,8 +99,9 @@ def plan(config, tp: int):
 
 def layout_shapes(config, tp: int) -> dict:
     """Shapes of the params the runner places: `param_shapes` after `tp_layout` (tp 1: the
-    single-device params as they are)."""
-    from jaxpage.models.llama import param_shapes
+    single-device params as they are; a mixture of experts' experts as they are, split by
+    their spec)."""
+    from jaxpage.models import param_shapes
 
     shapes = param_shapes(config)
     return shapes if tp == 1 else plan(config, tp).layout_shapes(shapes)
