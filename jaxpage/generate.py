@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         outputs = stream(llm, prompts, inputs, params, lora)
     else:
         outputs = llm.generate(inputs, params, use_tqdm=len(inputs) > 1 and not args.json,
-                               **({} if lora is None else {"lora_request": lora}))
+                               lora_request=lora)
     elapsed = time.perf_counter() - start
     if not args.stream or args.beam_width is not None:
         for prompt, out in zip(prompts, outputs, strict=True):
@@ -139,8 +139,7 @@ def stream(llm, prompts: list[str], inputs: list[Any], params, lora=None) -> lis
     engine = llm.engine
     ids = [f"cli-{i}" for i in range(len(inputs))]
     for request_id, prompt in zip(ids, inputs, strict=True):
-        engine.add_request(request_id, prompt, params,
-                           **({} if lora is None else {"lora_request": lora}))
+        engine.add_request(request_id, prompt, params, lora_request=lora)
     merged: dict = {}
     finished: dict = {}
     many = len(ids) > 1 or params.n > 1

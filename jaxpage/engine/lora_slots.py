@@ -33,14 +33,18 @@ class LoRASlots:
         """The slot `lora_id` holds (0 for None: the base model)."""
         return 0 if lora_id is None else self._slots[lora_id]
 
+    def holds(self, lora_id: int) -> bool:
+        return lora_id in self._slots
+
     def resident(self) -> list[int]:
         """The adapters holding a slot, least recently used first."""
         return list(self._slots)
 
-    def acquire(self, lora_id: int, in_use: Collection[int]) -> int | None:
+    def acquire(self, lora_id: int, in_use: Callable[[], Collection[int]]) -> int | None:
         """A slot holding `lora_id` for a request about to run: its own (marked most
         recently used), a free one, or the least recently used one whose adapter is not
-        `in_use` (by a running request), to be written (`take_loads`); None if none is."""
+        `in_use()` (by a running request: asked only when a slot must be taken), to be
+        written (`take_loads`); None if none is."""
         slot = self._slots.get(lora_id)
         if slot is not None:
             self._slots.move_to_end(lora_id)
@@ -49,7 +53,8 @@ class LoRASlots:
         if free:
             slot = min(free)
         else:
-            victim = next((other for other in self._slots if other not in in_use), None)
+            users = in_use()
+            victim = next((other for other in self._slots if other not in users), None)
             if victim is None:
                 return None
             slot = self._slots.pop(victim)

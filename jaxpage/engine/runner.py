@@ -438,9 +438,19 @@ class ModelRunner:
         # (slot 0 zeros: no adapter; jaxpage.lora), written by `load_lora`
         self.lora_stacks = None
         if config.enable_lora:
-            self._lora_dims = (model_config, config.max_lora_rank, dtype)
-            self._lora_config = config
-            self.lora_stacks = self._new_lora_stacks(model, config)
+            _check_lora(model, self._draft)
+            # what a slot's arrays are laid out from: the (global) model config, the rank
+            # and dtype (`_lora_slot_arrays`), and the slots' count
+            self._lora_layout = (model_config, config.max_lora_rank, dtype, config.max_loras)
+            self._lora_shardings = None
+            if self.parallel is not None:
+                specs = TensorParallel.param_specs(
+                    {"layers": self._lora_slot_arrays(None)})["layers"]
+                self._lora_shardings = jax.tree.map(
+                    lambda spec: NamedSharding(self.parallel.mesh, spec), specs)
+            self._set_lora_slot = jax.jit(_set_slot_fn, donate_argnums=0,
+                                          out_shardings=self._lora_shardings)
+            self.lora_stacks = self._new_lora_stacks()
 
     @property
     def compiles(self) -> int:
@@ -595,7 +605,7 @@ class ModelRunner:
             self.draft_pool = self._new_draft_pool()
         if self.lora_stacks is not None and any(
                 leaf.is_deleted() for leaf in jax.tree.leaves(self.lora_stacks)):
-            self.lora_stacks = self._new_lora_stacks(self.model, self._lora_config)
+            self.lora_stacks = self._new_lora_stacks()
         self._ahead = None  # it ran on the old pool
 
     def _new_pool(self):
@@ -611,35 +621,17 @@ class ModelRunner:
                     pool[i] = layer_kv
         return self._advised(pool)
 
-    def _new_lora_stacks(self, model: Any, config: EngineConfig) -> list[dict]:
+    def _new_lora_stacks(self) -> list[dict]:
         """Every layer's LoRA slot stacks, zeros, placed as the params are."""
-        if not getattr(getattr(model, "local", model), "supports_lora", False):
-            raise ValueError(f"enable_lora: {type(getattr(model, 'local', model)).__name__} "
-                             "takes no LoRA adapters (Llama-family and Gemma models do)")
-        if jax.process_count() > 1:
-            raise ValueError("enable_lora is not supported with several processes "
-                             "(jax.distributed)")
-        if self._draft is not None and self._draft.layers is not None:
-            raise ValueError("enable_lora with a speculative draft of the target's own first "
-                             "layers (speculative_config.draft_layers) is not supported")
-        num_slots = config.max_loras + 1
+        num_slots = self._lora_layout[3] + 1
         stacks = [{name: np.zeros((num_slots, *a.shape), a.dtype) for name, a in layer.items()}
                   for layer in self._lora_slot_arrays(None)]
-        if self.parallel is None:
-            placed = jax.device_put(stacks, self.devices[0])
-            self._set_lora_slot = jax.jit(_set_slot_fn, donate_argnums=0)
-        else:
-            specs = TensorParallel.param_specs({"layers": stacks})["layers"]
-            shardings = jax.tree.map(lambda spec: NamedSharding(self.parallel.mesh, spec), specs)
-            placed = jax.device_put(stacks, shardings)
-            self._set_lora_slot = jax.jit(_set_slot_fn, donate_argnums=0,
-                                          out_shardings=shardings)
-        return placed
+        return jax.device_put(stacks, self._lora_shardings or self.devices[0])
 
     def _lora_slot_arrays(self, weights: Any) -> list[dict]:
         """An adapter's (None: no adapter's) arrays of one slot, per layer, in this runner's
         layout."""
-        model_config, max_rank, dtype = self._lora_dims
+        model_config, max_rank, dtype, _ = self._lora_layout
         arrays = lora_layout.slot_arrays(weights, model_config, max_rank, dtype)
         return arrays if self.parallel is None else self.parallel.lora_layout(arrays)
 
@@ -1010,6 +1002,19 @@ class ModelRunner:
             timer.mark("compile")
         return result
 
+
+
+def _check_lora(model: Any, draft: Any) -> None:
+    """Refuse enable_lora where adapters cannot run, naming why."""
+    served = getattr(model, "local", model)  # a tensor-parallel model: the model it splits
+    if not getattr(served, "supports_lora", False):
+        raise ValueError(f"enable_lora: {type(served).__name__} takes no LoRA adapters "
+                         "(Llama-family and Gemma models do)")
+    if jax.process_count() > 1:
+        raise ValueError("enable_lora is not supported with several processes (jax.distributed)")
+    if draft is not None and draft.layers is not None:
+        raise ValueError("enable_lora with a speculative draft of the target's own first "
+                         "layers (speculative_config.draft_layers) is not supported")
 
 
 @dataclasses.dataclass(frozen=True)

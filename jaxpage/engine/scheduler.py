@@ -163,6 +163,7 @@ class Scheduler:
         self._terms = (1.0, 0.0, 0.0)
         # multi-LoRA: the adapter each device slot holds (none: no LoRA)
         self.loras = LoRASlots(max_loras) if max_loras else None
+        self._no_lora_slot_at = 0  # the step that last found every LoRA slot in use
         self.num_steps = 0  # steps scheduled (resting requests try again at the same one)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -333,11 +334,20 @@ class Scheduler:
 
     def _lora_slot(self, request: Request) -> bool:
         """Whether `request` may run as far as its LoRA adapter goes: it has none, or the
-        adapter holds a device slot (found now if need be: `LoRASlots.acquire`)."""
+        adapter holds a device slot (found now if need be: `LoRASlots.acquire`). Once a step
+        found no slot to give, it looks no more: no slot frees while it admits requests."""
         if request.lora is None:
             return True
-        in_use = {r.lora.lora_int_id for r in self.running if r.lora is not None}
-        return self.loras.acquire(request.lora.lora_int_id, in_use) is not None
+        lora_id = request.lora.lora_int_id
+        if self._no_lora_slot_at == self.num_steps and not self.loras.holds(lora_id):
+            return False
+        def in_use() -> set[int]:
+            return {r.lora.lora_int_id for r in self.running if r.lora is not None}
+
+        if self.loras.acquire(lora_id, in_use) is not None:
+            return True
+        self._no_lora_slot_at = self.num_steps
+        return False
 
     def pool_lost(self, unwritten_host_blocks: list[int]) -> None:
         """The device lost the KV pool: every running request goes back to recompute, and so

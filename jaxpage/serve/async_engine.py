@@ -208,9 +208,8 @@ class AsyncEngine:
         added = []
         try:
             for r in requests:
-                lora = {} if r.lora_request is None else {"lora_request": r.lora_request}
                 self.engine.add_request(r.request_id, r.prompt, r.params,
-                                        cache_salt=r.cache_salt, **lora)
+                                        cache_salt=r.cache_salt, lora_request=r.lora_request)
                 added.append(r.request_id)
         except Exception as exc:  # a bad request: none of the batch runs
             for request_id in added:
