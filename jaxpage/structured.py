@@ -27,6 +27,11 @@ import numpy as np
 from jaxpage.validation import check
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# JSON's whitespace between tokens, by default: any of JSON's four whitespace characters, up to
+# 32 in a row. Unbounded (vLLM's default) lets a small model loop on newlines until max_tokens
+# (SmolLM2-135M does, under 2 of 4 test schemas); 32 still holds pretty-printed JSON's newline
+# and indentation 15 levels deep.
+DEFAULT_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,32}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +44,9 @@ class StructuredOutputsParams:
     dialect, or GBNF/EBNF (`::=` rules, as llama.cpp writes them); json_object: True for any
     JSON object.
     disable_any_whitespace: JSON without whitespace between tokens (by default the grammar
-    lets the model place whitespace where JSON allows it, as vLLM's llguidance backend does);
-    whitespace_pattern: a regex for the whitespace JSON may hold instead.
+    lets the model place whitespace where JSON allows it, as vLLM's llguidance backend does,
+    but at most 32 characters in a row: `DEFAULT_WHITESPACE`); whitespace_pattern: a regex
+    for the whitespace JSON may hold instead.
     """
 
     json: str | dict | None = dataclasses.field(default=None, hash=False)
@@ -112,8 +118,8 @@ class StructuredOutputsParams:
             return LLMatcher.grammar_from_lark(text)
         schema = {"type": "object"} if self.json is None else self.json
         options: dict[str, Any] = {"whitespace_flexible": not self.disable_any_whitespace}
-        if self.whitespace_pattern is not None:
-            options["whitespace_pattern"] = self.whitespace_pattern
+        if not self.disable_any_whitespace:
+            options["whitespace_pattern"] = self.whitespace_pattern or DEFAULT_WHITESPACE
         try:
             return LLMatcher.grammar_from_json_schema(schema, defaults=options)
         except ValueError as exc:
