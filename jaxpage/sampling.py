@@ -98,8 +98,8 @@ class SamplingMetadata:
         if any(r.matcher is not None for r in rows):
             md["grammar_bitmask"] = mask = np.full((num_rows, bitmask_width(vocab_size)), -1,
                                                    np.int32)
-            fill_bitmasks([(r.matcher, i) for i, r in enumerate(rows) if r.matcher is not None],
-                          mask)
+            fill_bitmasks([(r.matcher, i, r.drafted) for i, r in enumerate(rows)
+                           if r.matcher is not None], mask)
         if any(p.allowed_token_ids for p in params):
             md["allowed_bitmask"] = np.stack([
                 _all_tokens(vocab_size) if not p.allowed_token_ids

@@ -187,7 +187,8 @@ class SamplingRow:
     prompt_token_ids: Sequence[int] | None = None  # only with penalties
     output_token_ids: Sequence[int] | None = None
     banned_token_ids: tuple[int, ...] = ()  # e.g. EOS and stop tokens before min_tokens
-    matcher: Any = None  # a structured output's llguidance matcher, at this draw's state
+    matcher: Any = None  # a structured output's llguidance matcher
+    drafted: tuple[int, ...] = ()  # the drafts this draw follows (the matcher has not read)
     forced_token: int = -1  # prompt log-probabilities: the token "drawn" (-1: none)
 
     @property

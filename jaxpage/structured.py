@@ -199,14 +199,24 @@ def token_bitmask(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
     return np.packbits(bits, bitorder="little").view(np.int32)
 
 
-def fill_bitmasks(matchers: Sequence[tuple[Any, int]], bitmask: np.ndarray) -> None:
-    """Fill row i of `bitmask` [R, W] int32 with matcher m's next-token mask for each (m, i).
-    One row at a time: on a 2-core CPU the device's forward runs meanwhile on the other
-    threads, and llguidance's thread pool (`LLExecutor`) would compete with it."""
+def fill_bitmasks(matchers: Sequence[tuple[Any, int, Sequence[int]]],
+                  bitmask: np.ndarray) -> None:
+    """For each (m, i, drafted), fill row i of `bitmask` [R, W] int32 with matcher m's
+    next-token mask after the tokens `drafted` (a speculative step's draws at its drafts: the
+    matcher reads them, then rolls them back). Rows whose drafts the grammar refuses are left
+    as they are (their draws come after a rejected draft: never accepted). One row at a time:
+    on a 2-core CPU the device's forward runs meanwhile on the other threads, and
+    llguidance's thread pool (`LLExecutor`) would compete with it."""
     from llguidance.numpy import fill_next_token_bitmask
 
-    for matcher, row in matchers:
-        fill_next_token_bitmask(matcher, bitmask, row)
+    for matcher, row, drafted in matchers:
+        if not drafted:
+            fill_next_token_bitmask(matcher, bitmask, row)
+            continue
+        read = matcher.try_consume_tokens(list(drafted))
+        if read == len(drafted):
+            fill_next_token_bitmask(matcher, bitmask, row)
+        matcher.rollback(read)
 
 
 def bad_words_token_ids(tokenizer: Any, bad_words: Sequence[str]) -> list[tuple[int, ...]]:

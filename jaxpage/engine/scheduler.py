@@ -461,7 +461,6 @@ class Scheduler:
             if (request.status is not RequestStatus.RUNNING
                     or request.num_computed_tokens + 1 != num_tokens
                     or request.num_draws != 1 or isinstance(request.group, BeamGroup)
-                    or request.matcher is not None  # its masks follow drawn tokens only
                     or (slots and request.params.uses_history)):  # rows need the drafts
                 continue
             k = min(spec.num_speculative_tokens, request.max_num_tokens - num_tokens - 1,
@@ -474,6 +473,8 @@ class Scheduler:
                 continue
             try:
                 drafts = self.proposer.propose(request.token_ids, k)
+                if request.matcher is not None and drafts:  # what its grammar allows
+                    drafts = drafts[: request.matcher.validate_tokens(drafts)]
             except Exception as exc:  # changed nothing: fail this request only
                 self.fail(request.group, exc)
                 continue
@@ -554,7 +555,8 @@ class Scheduler:
         penalties = p.uses_penalties
         return SamplingRow(p, sample_seed(request.seed, sample), num_out,
                            request.prompt_token_ids if penalties else None,
-                           output if penalties else None, banned, request.matcher)
+                           output if penalties else None, banned, request.matcher,
+                           tuple(drafted) if drafted and request.matcher is not None else ())
 
     def _ahead_marks(self, request: Request, num_new: int) -> tuple[bool, bool]:
         """(goes on, ends) of computing `num_new` tokens of `request`, while few enough run

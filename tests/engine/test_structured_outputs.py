@@ -364,3 +364,29 @@ def test_default_model_json_schemas():
         for out in outs:
             for c in out.outputs:
                 check_json(c, schema)
+
+
+def test_speculative_drafts_under_a_constraint(model_dir):
+    """n-gram drafts for constrained requests: trimmed to what the grammar allows, each draft
+    position drawn under the mask after the drafts before it (the matcher reads them, then
+    rolls back). Drafts are accepted, and every request's tokens are those of a run without
+    speculation (greedy and seeded sampling), each output valid."""
+    schema = {"type": "array", "minItems": 6, "maxItems": 10,
+              "items": {"enum": ["ab", "cd", "ab,cd"]}}
+    regex = r"(xy|zw){6,20}!"
+    params = [json_params(schema), json_params(schema, 1.0, seed=4),
+              SamplingParams(max_tokens=48, temperature=0.0, structured_outputs=
+                             StructuredOutputsParams(regex=regex)),
+              SamplingParams(max_tokens=24, temperature=0.0)]
+    prompts = ["the quick brown", "café au lait", "12345 and", "the quick brown fox"]
+    kwargs = dict(max_model_len=512, num_blocks=256, max_num_seqs=8)
+    plain = LLM(model_dir, **kwargs).generate(prompts, params, use_tqdm=False)
+    spec = LLM(model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                              "prompt_lookup_min": 2}, **kwargs)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert spec.stats()["spec_decode"]["num_accepted_tokens"] > 0
+    for want, out in zip(plain, got, strict=True):
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+    for out in got[:2]:
+        check_json(out.outputs[0], schema)
+    assert re.fullmatch(regex, got[2].outputs[0].text)
