@@ -13,6 +13,7 @@
 #include "matmul_small.h"
 #include "packed_panels.h"
 #include "amx.h"
+#include "matmul_int8.h"
 #include "matmul_packed.h"
 #include "lora.h"
 #include "layer_glue.h"
@@ -91,6 +92,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagePackedMatmul, PackedMatmul,
                                   .Arg<ffi::AnyBuffer>()          // w [N / 32, ceil(K / G), 32, G]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // live rows: the rest zeros
                                   .Attr<int64_t>("bf16_dot")      // 1: vdpbf16ps, 2: AMX tiles
+                                  .Attr<int64_t>("prefetch_bytes")  // 0: by the rows
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagePackedMatmulInt8, PackedMatmulInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // x [M, K]
+                                  .Arg<ffi::AnyBuffer>()          // w int8 [N / 32, K, 32, 1]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale [N]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // live rows: the rest zeros
                                   .Attr<int64_t>("prefetch_bytes")  // 0: by the rows
                                   .Ret<ffi::Buffer<ffi::F32>>());  // [M, N]
 
