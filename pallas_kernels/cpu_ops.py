@@ -476,8 +476,11 @@ def decoder_layer(x: jax.Array, h: jax.Array, layer: dict, cos: jax.Array, sin: 
     one), and the pools [KH, blocks, block_size, D] with this step's K/V written at
     `slot_mapping` (in place: the results alias them). `layer` holds "qkv", "o", "gate_up",
     "down" packed (`pack_weight`) and "mlp_norm"; x, h, cos, sin [T, D], the pools and the
-    norms are one dtype, float32 or bfloat16. Bit for bit what the unfused calls give:
-    `packed_matmul`, `qkv_rope`, `set_rows`, `paged_attention_cpu`, `add_rms_norm`,
+    norms are one dtype, float32 or bfloat16. Any of the four weights may instead be int8,
+    packed by `pack_weight_int8`, with its columns' float32 scales [N] in `layer` under its
+    name + "_scale" ("qkv_scale", "o_scale", "gate_up_scale", "down_scale"), run as
+    `packed_matmul_int8` runs it. Bit for bit what the unfused calls give: `packed_matmul` (or
+    `packed_matmul_int8`), `qkv_rope`, `set_rows`, `paged_attention_cpu`, `add_rms_norm`,
     `silu_mul` in `jaxpage.models.llama.LlamaModel.forward`'s order, with the same
     `live_rows`, `query_tile`, `key_splits` and `bf16_dot` / `tiles`. The kernel must be
     `available()`."""
@@ -490,13 +493,22 @@ def decoder_layer(x: jax.Array, h: jax.Array, layer: dict, cos: jax.Array, sin: 
     scale = dim ** -0.5 if scale is None else scale
     live = jnp.asarray(x.shape[0] if live_rows is None else live_rows, jnp.int32).reshape(())
     ints = [a.astype(jnp.int32) for a in (slot_mapping, block_tables, seq_lens, query_start_loc)]
+    scales = []  # an int8 weight's columns' scales; none for a float weight
+    for name in ("qkv", "o", "gate_up", "down"):
+        int8, scaled = jnp.dtype(layer[name].dtype) == jnp.int8, f"{name}_scale" in layer
+        if int8 != scaled:
+            raise ValueError(f"decoder_layer takes {name!r} int8 with {name + '_scale'!r}, or a "
+                             f"float weight without one, got {jnp.dtype(layer[name].dtype).name}"
+                             f" and {'a' if scaled else 'no'} scale")
+        scales.append(jnp.asarray(layer[f"{name}_scale"], jnp.float32) if int8
+                      else jnp.zeros((0,), jnp.float32))
     out = (jax.ShapeDtypeStruct(x.shape, dtype), jax.ShapeDtypeStruct(x.shape, dtype),
            jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype),
            jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype))
     return jax.ffi.ffi_call(cpu_library.TARGET_DECODER_LAYER, out,
                             input_output_aliases={5: 2, 6: 3})(
         x, h, layer["qkv"], cos, sin, k_pool, v_pool, *ints, layer["o"], layer["mlp_norm"],
-        layer["gate_up"], layer["down"], next_norm, live, num_heads=np.int64(num_heads),
+        layer["gate_up"], layer["down"], next_norm, live, *scales, num_heads=np.int64(num_heads),
         eps=np.float32(eps), scale=np.float32(scale), query_tile=np.int64(query_tile),
         key_splits=np.int64(key_splits), bf16_dot=np.int64(_bf16_dot_mode(bf16_dot, tiles)))
 

@@ -162,6 +162,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageDecoderLayer, DecoderLayer,
                                   .Arg<ffi::AnyBuffer>()          // W_down, packed
                                   .Arg<ffi::AnyBuffer>()          // next_norm [H]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // live rows []
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // W_qkv's scales: [N] int8
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // W_o's       (a float
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // W_gate_up's weight's: [0])
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // W_down's
                                   .Attr<int64_t>("num_heads")
                                   .Attr<float>("eps")
                                   .Attr<float>("scale")

@@ -256,3 +256,90 @@ def test_other_builds(march):
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     summary = [line for line in result.stdout.splitlines() if " passed" in line][-1]
     assert "skipped" not in summary, result.stdout[-2000:]  # test_build_target ran
+
+
+def _unfused_layer(x, h, layer, cos, sin, k_pool, v_pool, slots, tables, seq_lens, qsl,
+                   next_norm, num_heads, eps, matmul):
+    """The calls `cpu_ops.decoder_layer` stands for, in its order (cpu/decoder_layer.h)."""
+    dtype = x.dtype
+    kv_heads = k_pool.shape[0]
+    q, k, v = cpu_ops.qkv_rope(matmul("qkv", h), cos, sin, num_heads, kv_heads)
+    k_pool = cpu_ops.set_rows(k_pool, slots, k, token_major=True)
+    v_pool = cpu_ops.set_rows(v_pool, slots, v, token_major=True)
+    a = cpu_ops.paged_attention_cpu(q, k_pool, v_pool, tables, seq_lens, qsl)
+    x1, h1 = cpu_ops.add_rms_norm(x, matmul("o", a.reshape(x.shape[0], -1)), layer["mlp_norm"],
+                                  eps)
+    act = cpu_ops.silu_mul(matmul("gate_up", h1), dtype)
+    x2, h2 = cpu_ops.add_rms_norm(x1, matmul("down", act), next_norm, eps)
+    return x2, h2, k_pool, v_pool
+
+
+# (hidden, heads, kv heads, head_dim, intermediate) in panels of 32 (AVX-512) or 16 columns:
+# head_dim 64, whole panels a head (the qkv stage's rotary epilogue) and an intermediate size
+# of whole panels (gate_up's SiLU epilogue); head_dim 16 and an intermediate size of 1.5
+# panels on AVX-512 (a rotary stage and a SiLU stage of their own)
+LAYER_SHAPES = [(128, 2, 1, 64, 96), (64, 4, 2, 16, 48)]
+
+
+@pytest.mark.parametrize("shape", LAYER_SHAPES, ids=["epilogues", "stages"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_decoder_layer_with_int8_weights_is_the_unfused_calls_bit_for_bit(dtype, shape):
+    # a decode step of three sequences (1, 20 and 37 keys) in the fused layer, its projections
+    # int8 with their scales (the down projection kept float: each weight on its own), against
+    # the unfused calls: outputs and pools byte for byte
+    hidden, heads, kv_heads, dim, inter = shape
+    rng = np.random.default_rng(21)
+    block, blocks = 16, 12
+
+    def normal(*shape_, scale=1.0):
+        return jnp.asarray(rng.standard_normal(shape_) * scale, dtype)
+
+    def int8(k, n):
+        return (rng.integers(-128, 128, (k, n), dtype=np.int8),
+                rng.uniform(1e-3, 2e-2, n).astype(np.float32))
+
+    weights = {"qkv": int8(hidden, (heads + 2 * kv_heads) * dim), "o": int8(heads * dim, hidden),
+               "gate_up": int8(hidden, 2 * inter)}
+    layer = {name: cpu_ops.pack_weight_int8(w) for name, (w, _) in weights.items()}
+    layer |= {f"{name}_scale": s for name, (_, s) in weights.items()}
+    down = normal(inter, hidden, scale=0.05)
+    layer["down"] = cpu_ops.pack_weight(down)
+    layer["mlp_norm"] = normal(hidden)
+    next_norm = normal(hidden)
+    x, h = normal(3, hidden), normal(3, hidden)
+    angles = rng.uniform(0, 2 * np.pi, (3, dim))
+    cos, sin = jnp.asarray(np.cos(angles), dtype), jnp.asarray(np.sin(angles), dtype)
+    k_pool, v_pool = normal(kv_heads, blocks, block, dim), normal(kv_heads, blocks, block, dim)
+    tables = jnp.asarray([[3, 0, 0], [5, 1, 0], [7, 2, 9]], jnp.int32)
+    seq_lens = np.asarray([1, 20, 37], np.int32)
+    pos = seq_lens - 1
+    slots = jnp.asarray(np.asarray(tables)[np.arange(3), pos // block] * block + pos % block,
+                        jnp.int32)
+    qsl = jnp.asarray([0, 1, 2, 3], jnp.int32)
+    args = (x, h, layer, cos, sin, k_pool, v_pool, slots, tables, jnp.asarray(seq_lens), qsl,
+            next_norm)
+
+    def matmul(name, rows):
+        if name == "down":
+            return cpu_ops.packed_matmul(rows, layer["down"])
+        return cpu_ops.packed_matmul_int8(rows, layer[name], layer[f"{name}_scale"])
+
+    fused = jax.jit(lambda *a: cpu_ops.decoder_layer(*a, num_heads=heads, eps=1e-5))(*args)
+    unfused = _unfused_layer(*args, heads, 1e-5, matmul)
+    for ours, theirs in zip(fused, unfused, strict=True):
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+        np.testing.assert_array_equal(np.asarray(ours).view(np.uint8),
+                                      np.asarray(theirs).view(np.uint8))
+    assert np.isfinite(np.asarray(fused[0], np.float32)).all()
+    # an int8 weight without its scale, or a scale beside a float weight: refused
+    with pytest.raises(ValueError, match="'o_scale'"):
+        cpu_ops.decoder_layer(x, h, {k: v for k, v in layer.items() if k != "o_scale"},
+                              *args[3:], num_heads=heads, eps=1e-5)
+    with pytest.raises(ValueError, match="'down_scale'"):
+        cpu_ops.decoder_layer(x, h, layer | {"down_scale": np.ones(hidden, np.float32)},
+                              *args[3:], num_heads=heads, eps=1e-5)
+    # the handler checks a scale's length itself
+    short = layer | {"gate_up_scale": layer["gate_up_scale"][:-1]}
+    with pytest.raises(Exception, match="do not fit"):
+        jax.block_until_ready(cpu_ops.decoder_layer(x, h, short, *args[3:], num_heads=heads,
+                                                    eps=1e-5))
