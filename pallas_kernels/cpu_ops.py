@@ -24,12 +24,12 @@ panels, each one sequential stream, for any number of rows (a model's projection
 a CPU with AMX-BF16 it runs bfloat16 on the AMX tiles from 3 live rows on, `packed_tiles()`,
 held to the float64 bound rather than bit for bit; `JAXPAGE_CPU_KERNEL_TILES=0` keeps the
 vector path); `packed_matmul_int8`, the same for int8 weights (`pack_weight_int8`) with a
-float32 scale per column, a quarter of float32's bytes read; `lora_matmul`, each row's LoRA adapter delta added to a projection's output, the
-rows grouped by adapter (`pallas_kernels.lora` chooses it on CPU); `greedy_draw`, each row's
-argmax and its log-probability in one pass;
-`set_rows`, narrow-float rows written into a pool in place; the elementwise glue between a
-layer's matmuls (`add_rms_norm`, `silu_mul`, `qkv_rope`); and `decoder_layer`, a whole Llama
-layer in one call on a team of threads.
+float32 scale per column, a quarter of float32's bytes read; `lora_matmul`, each row's LoRA
+adapter delta added to a projection's output, the rows grouped by adapter
+(`pallas_kernels.lora` chooses it on CPU); `greedy_draw`, each row's argmax and its
+log-probability in one pass; `set_rows`, narrow-float rows written into a pool in place; the
+elementwise glue between a layer's matmuls (`add_rms_norm`, `silu_mul`, `qkv_rope`); and
+`decoder_layer`, a whole Llama layer in one call on a team of threads.
 """
 
 from __future__ import annotations
