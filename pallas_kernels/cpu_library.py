@@ -1,23 +1,27 @@
 """Builds, caches and loads jaxpage's CPU kernel library and registers its XLA FFI targets.
 
 The library's C++ sources live in `pallas_kernels/cpu/`: a header per op family (attention,
-set_rows, the small and packed matmuls with the AMX tile path, the multi-LoRA deltas, the layer
-glue, the decoder layer, the greedy draw, and what they share), compiled as one translation
-unit, `cpu/ffi.cc`, which holds the XLA FFI handlers (docs/kernels.md describes the layout);
-`cpu_ops` holds the JAX functions that call it. It is compiled on first use with the machine's
-C++ compiler (`g++ -O3 -march=native`, about 35 s on a 2-core CPU) into a cache directory, as
-`cpu_kernels-<key>.so`, the key hashing every source file of `cpu/`, the flags, the jaxlib
-version and the CPU; `available()` says whether that worked, and callers fall back to the jnp
-path when it did not (no compiler, another platform). Build-time facts the ops depend on are
-read back from the library: `wide_vectors()` (AVX-512), `bf16_dot_compiled()` (AVX512-BF16) and
-`packed_tiles()` (AMX-BF16 usable by this process).
+set_rows, the small and packed matmuls (float and int8 weights) with the AMX tile path, the
+multi-LoRA deltas, the layer glue, the decoder layer, the greedy draw, and what they share),
+compiled as one translation unit, `cpu/ffi.cc`, which holds the XLA FFI handlers
+(docs/kernels.md describes the layout); `cpu_ops` holds the JAX functions that call it. It is
+compiled on first use with the machine's C++ compiler (`g++ -O3 -march=native`, about 35 s on
+a 2-core CPU) into a cache directory, as `cpu_kernels-<key>.so`, the key hashing every source
+file of `cpu/`, the flags, the jaxlib version and the CPU; `available()` says whether that
+worked, and callers fall back to the jnp path when it did not (no compiler, another platform).
+Build-time facts the ops depend on are read back from the library: `wide_vectors()`
+(AVX-512), `bf16_dot_compiled()` (AVX512-BF16) and `packed_tiles()` (AMX-BF16 usable by this
+process).
 
 Environment: `JAXPAGE_NO_CPU_KERNEL` (any value) turns the library off; `JAXPAGE_CACHE_DIR`
 (or the older `JAXPAGE_CACHE`) moves the build cache; `JAXPAGE_CPU_KERNEL_LIB` names a
 prebuilt shared library of the same sources to register instead of building one (for checks
 that need another build, e.g. `scripts/check_cpu_kernel_sanitizers.py`'s build with ASan and
 UBSan); `JAXPAGE_CPU_KERNEL_STAGE_CLOCK=1` builds the decoder layer's stage clock in
-(`stage_clock`).
+(`stage_clock`); `JAXPAGE_CPU_KERNEL_MARCH` builds for another target than the machine's own
+(`-march=VALUE` for `-march=native`: `x86-64-v3` is AVX2 and FMA, `x86-64` no vector
+extension past SSE2), so that an AVX-512 machine can check the AVX2 and portable code paths
+(a library of its own in the cache; slow tests of the packed matmuls run them).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ TARGET_SET_ROWS = "jaxpage_set_rows"
 TARGET_QUANTIZED = "jaxpage_paged_attention_quantized"
 TARGET_SMALL_MATMUL = "jaxpage_small_matmul"
 TARGET_PACKED_MATMUL = "jaxpage_packed_matmul"
+TARGET_PACKED_MATMUL_INT8 = "jaxpage_packed_matmul_int8"
 TARGET_GREEDY_DRAW = "jaxpage_greedy_draw"
 TARGET_ADD_RMS_NORM = "jaxpage_add_rms_norm"
 TARGET_SILU_MUL = "jaxpage_silu_mul"
@@ -74,12 +79,20 @@ _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
 
 
 def _flags() -> list[str]:
-    """The build's flags: `_FLAGS`, and the decoder layer's stage clock where
-    JAXPAGE_CPU_KERNEL_STAGE_CLOCK=1 (`stage_clock`; a library of its own in the cache)."""
+    """The build's flags: `_FLAGS`, the decoder layer's stage clock where
+    JAXPAGE_CPU_KERNEL_STAGE_CLOCK=1 (`stage_clock`; a library of its own in the cache), and
+    `-march=VALUE` for `-march=native` where JAXPAGE_CPU_KERNEL_MARCH is set."""
     value = os.environ.get("JAXPAGE_CPU_KERNEL_STAGE_CLOCK", "0")
     if value not in ("0", "1"):
         raise ValueError(f"JAXPAGE_CPU_KERNEL_STAGE_CLOCK must be '0' or '1', got {value!r}")
-    return _FLAGS + (["-DJAXPAGE_STAGE_CLOCK"] if value == "1" else [])
+    flags = _FLAGS + (["-DJAXPAGE_STAGE_CLOCK"] if value == "1" else [])
+    march = os.environ.get("JAXPAGE_CPU_KERNEL_MARCH")
+    if march:
+        if not march.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"JAXPAGE_CPU_KERNEL_MARCH must name a GCC -march target, got "
+                             f"{march!r}")
+        flags = [f"-march={march}" if f == "-march=native" else f for f in flags]
+    return flags
 
 
 def _sources_digest(source: Path) -> bytes:
@@ -161,7 +174,8 @@ def loaded() -> ctypes.CDLL | None:
                                 (TARGET_SILU_MUL, library.JaxpageSiluMul),
                                 (TARGET_QKV_ROPE, library.JaxpageQkvRope),
                                 (TARGET_DECODER_LAYER, library.JaxpageDecoderLayer),
-                                (TARGET_LORA_MATMUL, library.JaxpageLoraMatmul)):
+                                (TARGET_LORA_MATMUL, library.JaxpageLoraMatmul),
+                                (TARGET_PACKED_MATMUL_INT8, library.JaxpagePackedMatmulInt8)):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     except Exception as e:  # noqa: BLE001 - any failure means: use the jnp path
         warnings.warn(f"jaxpage: CPU attention kernel unavailable, using the jnp path ({e})",

@@ -23,12 +23,13 @@ streaming the weights once; `packed_matmul`, weights packed once (`pack_weight`)
 panels, each one sequential stream, for any number of rows (a model's projections on CPU; on
 a CPU with AMX-BF16 it runs bfloat16 on the AMX tiles from 3 live rows on, `packed_tiles()`,
 held to the float64 bound rather than bit for bit; `JAXPAGE_CPU_KERNEL_TILES=0` keeps the
-vector path); `lora_matmul`, each row's LoRA adapter delta added to a projection's output, the
-rows grouped by adapter (`pallas_kernels.lora` chooses it on CPU); `greedy_draw`, each row's
-argmax and its log-probability in one pass;
-`set_rows`, narrow-float rows written into a pool in place; the elementwise glue between a
-layer's matmuls (`add_rms_norm`, `silu_mul`, `qkv_rope`); and `decoder_layer`, a whole Llama
-layer in one call on a team of threads.
+vector path); `packed_matmul_int8`, the same for int8 weights (`pack_weight_int8`) with a
+float32 scale per column, a quarter of float32's bytes read; `lora_matmul`, each row's LoRA
+adapter delta added to a projection's output, the rows grouped by adapter
+(`pallas_kernels.lora` chooses it on CPU); `greedy_draw`, each row's argmax and its
+log-probability in one pass; `set_rows`, narrow-float rows written into a pool in place; the
+elementwise glue between a layer's matmuls (`add_rms_norm`, `silu_mul`, `qkv_rope`); and
+`decoder_layer`, a whole Llama layer in one call on a team of threads.
 """
 
 from __future__ import annotations
@@ -332,6 +333,72 @@ def packed_matmul(x: jax.Array, packed: jax.Array, *, live_rows: jax.Array | int
         bf16_dot=np.int64(_bf16_dot_mode(bf16_dot, tiles)), prefetch_bytes=np.int64(prefetch_bytes))
 
 
+def packable_int8(w: jax.Array) -> bool:
+    """Whether `pack_weight_int8` takes w: an int8 [K, N] matrix, N a multiple of
+    `panel_columns()`, and the kernel available."""
+    return (w.ndim == 2 and jnp.dtype(w.dtype) == jnp.int8 and available()
+            and w.shape[1] % panel_columns() == 0)
+
+
+def pack_weight_int8(w: jax.Array) -> jax.Array:
+    """w [K, N] int8 (N a multiple of PANEL = `panel_columns()`) -> [N / PANEL, K, PANEL, 1],
+    the layout `packed_matmul_int8` streams: float32's (`pack_weight`), panel p holding columns
+    p * PANEL.. row after row, a quarter of its bytes (the same bytes as w). A NumPy array in,
+    a NumPy array out."""
+    if not packable_int8(w):
+        panel = panel_columns()  # raises where the kernel is not available
+        raise ValueError(f"pack_weight_int8 takes an int8 [K, N] matrix with N a multiple of "
+                         f"{panel}, got {jnp.dtype(w.dtype).name} {tuple(w.shape)}")
+    k, n = w.shape
+    panel = panel_columns()
+    packed = w.reshape(k, n // panel, panel, 1).transpose(1, 0, 2, 3)
+    return np.ascontiguousarray(packed) if isinstance(w, np.ndarray) else packed
+
+
+def unpack_weight_int8(packed: jax.Array, k: int | None = None) -> jax.Array:
+    """`pack_weight_int8`'s inverse: [P, K, PANEL, 1] -> [K, P * PANEL] (`k`: the first k rows)."""
+    return unpack_weight(packed, k)
+
+
+def packed_matmul_int8(x: jax.Array, packed: jax.Array, scale: jax.Array, *,
+                       live_rows: jax.Array | int | None = None,
+                       prefetch_bytes: int = 0) -> jax.Array:
+    """(x [M, K] @ w) * scale[None, :] as float32 [M, N], given `pack_weight_int8(w)` of an int8
+    w [K, N] and its columns' scales `scale` [N] (cast to float32): x float32 or bfloat16, each
+    int8 widened to float32 (exact) and multiplied by x's float32 value (bfloat16 widened
+    exactly), summed in float32 along K (passes of 1-3 rows in 4 or 2 interleaved chains of k,
+    added at the end; from 4 rows in k's order, bit for bit `packed_matmul` of x as float32 on
+    `pack_weight(w.astype(float32))`), each sum then times its scale (rounded once). Within
+    the float32 bound of the exact product, whatever the rows. Any M: up to 8 rows (6 on a CPU
+    without AVX-512) in one pass over each panel, read from the int8 weight; more rows widen each
+    panel once into float32 scratch and make their passes over that (cpu/matmul_int8.h).
+    `live_rows` and `prefetch_bytes` as `packed_matmul`'s (rows past `live_rows` are zeros).
+    The kernel must be `available()`."""
+    if not available():
+        raise RuntimeError("the CPU kernel library is not available")
+    dtype = jnp.dtype(x.dtype)
+    if dtype not in (jnp.float32, jnp.bfloat16) or jnp.dtype(packed.dtype) != jnp.int8:
+        raise ValueError(f"packed_matmul_int8 takes x float32 or bfloat16 and an int8 packed "
+                         f"weight, got {dtype.name} and {jnp.dtype(packed.dtype).name}")
+    panel = panel_columns()
+    if (x.ndim != 2 or packed.ndim != 4 or packed.shape[2:] != (panel, 1)
+            or x.shape[1] != packed.shape[1]):
+        raise ValueError(f"packed_matmul_int8 takes x [M, K] and a packed int8 weight "
+                         f"[N / {panel}, K, {panel}, 1], got x {tuple(x.shape)} and "
+                         f"{tuple(packed.shape)}")
+    n = packed.shape[0] * panel
+    if tuple(scale.shape) != (n,):
+        raise ValueError(f"packed_matmul_int8 takes a scale [N] = [{n}], one a column, got "
+                         f"{tuple(scale.shape)}")
+    if not 0 <= prefetch_bytes <= MAX_PREFETCH_BYTES:
+        raise ValueError(f"prefetch_bytes must be in [0, {MAX_PREFETCH_BYTES}] (0: by the rows), "
+                         f"got {prefetch_bytes}")
+    live = jnp.asarray(x.shape[0] if live_rows is None else live_rows, jnp.int32).reshape(())
+    return jax.ffi.ffi_call(cpu_library.TARGET_PACKED_MATMUL_INT8,
+                            jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
+        x, packed, jnp.asarray(scale, jnp.float32), live, prefetch_bytes=np.int64(prefetch_bytes))
+
+
 def _bf16_dot_mode(bf16_dot: bool | None, tiles: bool | None) -> int:
     """The packed handler's `bf16_dot`: 0 portable, 1 vdpbf16ps, 2 AMX tiles (each falling back
     to the one before where the build or the process lacks it)."""
@@ -409,8 +476,11 @@ def decoder_layer(x: jax.Array, h: jax.Array, layer: dict, cos: jax.Array, sin: 
     one), and the pools [KH, blocks, block_size, D] with this step's K/V written at
     `slot_mapping` (in place: the results alias them). `layer` holds "qkv", "o", "gate_up",
     "down" packed (`pack_weight`) and "mlp_norm"; x, h, cos, sin [T, D], the pools and the
-    norms are one dtype, float32 or bfloat16. Bit for bit what the unfused calls give:
-    `packed_matmul`, `qkv_rope`, `set_rows`, `paged_attention_cpu`, `add_rms_norm`,
+    norms are one dtype, float32 or bfloat16. Any of the four weights may instead be int8,
+    packed by `pack_weight_int8`, with its columns' float32 scales [N] in `layer` under its
+    name + "_scale" ("qkv_scale", "o_scale", "gate_up_scale", "down_scale"), run as
+    `packed_matmul_int8` runs it. Bit for bit what the unfused calls give: `packed_matmul` (or
+    `packed_matmul_int8`), `qkv_rope`, `set_rows`, `paged_attention_cpu`, `add_rms_norm`,
     `silu_mul` in `jaxpage.models.llama.LlamaModel.forward`'s order, with the same
     `live_rows`, `query_tile`, `key_splits` and `bf16_dot` / `tiles`. The kernel must be
     `available()`."""
@@ -423,13 +493,22 @@ def decoder_layer(x: jax.Array, h: jax.Array, layer: dict, cos: jax.Array, sin: 
     scale = dim ** -0.5 if scale is None else scale
     live = jnp.asarray(x.shape[0] if live_rows is None else live_rows, jnp.int32).reshape(())
     ints = [a.astype(jnp.int32) for a in (slot_mapping, block_tables, seq_lens, query_start_loc)]
+    scales = []  # an int8 weight's columns' scales; none for a float weight
+    for name in ("qkv", "o", "gate_up", "down"):
+        int8, scaled = jnp.dtype(layer[name].dtype) == jnp.int8, f"{name}_scale" in layer
+        if int8 != scaled:
+            raise ValueError(f"decoder_layer takes {name!r} int8 with {name + '_scale'!r}, or a "
+                             f"float weight without one, got {jnp.dtype(layer[name].dtype).name}"
+                             f" and {'a' if scaled else 'no'} scale")
+        scales.append(jnp.asarray(layer[f"{name}_scale"], jnp.float32) if int8
+                      else jnp.zeros((0,), jnp.float32))
     out = (jax.ShapeDtypeStruct(x.shape, dtype), jax.ShapeDtypeStruct(x.shape, dtype),
            jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype),
            jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype))
     return jax.ffi.ffi_call(cpu_library.TARGET_DECODER_LAYER, out,
                             input_output_aliases={5: 2, 6: 3})(
         x, h, layer["qkv"], cos, sin, k_pool, v_pool, *ints, layer["o"], layer["mlp_norm"],
-        layer["gate_up"], layer["down"], next_norm, live, num_heads=np.int64(num_heads),
+        layer["gate_up"], layer["down"], next_norm, live, *scales, num_heads=np.int64(num_heads),
         eps=np.float32(eps), scale=np.float32(scale), query_tile=np.int64(query_tile),
         key_splits=np.int64(key_splits), bf16_dot=np.int64(_bf16_dot_mode(bf16_dot, tiles)))
 

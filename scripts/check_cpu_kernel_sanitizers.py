@@ -24,16 +24,18 @@ bit). It also feeds the kernel inputs its
 handler must reject (wrong output shape, overlapping or decreasing query ranges, too many
 queries for a sequence, block ids outside the pool, a negative window or soft-cap; quantized K
 and V of two types, scales of the wrong shape; a small matmul's wrong output shape or mixed
-dtypes, a packed matmul's wrong output shape or weight) and checks each is an error. It also
-runs `small_matmul` (both weight layouts, float32 and bfloat16 on both bfloat16 paths, odd
-sizes) and `packed_matmul` (weights packed by `pack_weight`, the same dtypes and paths)
+dtypes, a packed matmul's wrong output shape or weight, an int8 one's wrong output, weight or
+scales) and checks each is an error. It also runs `small_matmul` (both weight layouts, float32
+and bfloat16 on both bfloat16 paths, odd sizes), `packed_matmul` (weights packed by
+`pack_weight`, the same dtypes and paths) and `packed_matmul_int8` (int8 weights packed by
+`pack_weight_int8` with per-column scales, float32 and bfloat16 x, one pass and several)
 against float64 NumPy, and `greedy_draw` (rows with ties, NaN and infinities, vocabularies with
 and without a tail) against NumPy's argmax and float64 log-sum-exp, `lora_matmul` (slots out
 of range, rows past live_rows, vector tails) against float64 NumPy, and the layer glue
 (`add_rms_norm`, `silu_mul`, `qkv_rope`; float32 and bfloat16, a NaN row, rows shared among
 the threads) against float64 NumPy, and `decoder_layer` (a decode step of three sequences and
-a padding row, and a lone long sequence, float32 and bfloat16) against the unfused calls it
-stands for, bit for bit.
+a padding row, and a lone long sequence, float32 and bfloat16, float weights and int8 ones)
+against the unfused calls it stands for, bit for bit.
 
 Prints a one-line summary. Exit status: 0 clean; 1 a sanitizer finding (its report is printed),
 a wrong result, or a child that ran past --timeout (then the stages it reached, with their
@@ -293,6 +295,13 @@ def bad_inputs():
         return lambda: call(jnp.ones((2, k), jnp.bfloat16), w, np.int32(2), bf16_dot=np.int64(1),
                             prefetch_bytes=np.int64(0))
 
+    def packed_matmul_int8(out_shape, k=8, scale_n=panel):
+        call = jax.ffi.ffi_call(cpu_library.TARGET_PACKED_MATMUL_INT8,
+                                jax.ShapeDtypeStruct(out_shape, jnp.float32))
+        w = jnp.ones((1, 8, panel, 1), jnp.int8)  # K = 8 packed, N = one panel
+        return lambda: call(jnp.ones((2, k), jnp.float32), w, jnp.ones(scale_n, jnp.float32),
+                            np.int32(2), prefetch_bytes=np.int64(0))
+
     def set_rows(index, values_shape=(1, 1, 8)):
         return lambda: cpu_ops.set_rows(jnp.zeros((1, 6, 4, 8), jnp.bfloat16),
                                               jnp.array(index, jnp.int32),
@@ -377,6 +386,12 @@ def bad_inputs():
          "packed matmul: output"),
         ("packed_matmul: K groups that do not match x", packed_matmul((2, panel), k=12),
          "does not contract"),
+        ("packed_matmul_int8: output of another shape", packed_matmul_int8((2, 2 * panel)),
+         "packed matmul: output"),
+        ("packed_matmul_int8: K that does not match x", packed_matmul_int8((2, panel), k=12),
+         "is not an int8 weight packed for x"),
+        ("packed_matmul_int8: scales of another length",
+         packed_matmul_int8((2, panel), scale_n=panel - 1), "one a column"),
         ("quantized: K and V of two types", attend_quantized(int8, e5m2),
          "K values are int8 but V values float8_e5m2"),
         ("quantized: scales of another shape",
@@ -545,6 +560,40 @@ def check_packed_matmul(rng) -> int:
     return calls
 
 
+def check_packed_matmul_int8(rng) -> int:
+    """`packed_matmul_int8` on int8 weights packed by `pack_weight_int8` with per-column scales,
+    float32 and bfloat16 x, K of one row, a step's tail only, whole steps and a tail; 1 to 40
+    rows (1-3 rows in interleaved chains, one pass read from int8, several passes from the
+    widened scratch panel), one panel and several, against float64 NumPy within the float32
+    bound, and each again with only its first half of the rows live (those rows alone's
+    product, the rest zeros). Returns the calls."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels import cpu_ops
+
+    calls = 0
+    panel = cpu_ops.panel_columns()
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for m, k, n in ((1, 7, panel), (2, 33, 2 * panel), (3, 1, panel), (8, 576, 30 * panel),
+                        (9, 99, 3 * panel), (17, 64, 2 * panel), (40, 15, panel)):
+            x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+            w = rng.integers(-128, 128, (k, n), dtype=np.int8)
+            scale = rng.uniform(1e-3, 2e-2, n).astype(np.float32)
+            packed = cpu_ops.pack_weight_int8(w)
+            out = np.asarray(cpu_ops.packed_matmul_int8(x, packed, scale))
+            if not within_float32_bound(out, x, w.astype(np.float64) * scale):
+                raise AssertionError(f"packed_matmul_int8 {jnp.dtype(dtype).name} {(m, k, n)}")
+            # the live rows are those rows alone's product (a pass of fewer rows may sum in
+            # more chains than the full call's, so not always the full call's rows)
+            live = np.asarray(cpu_ops.packed_matmul_int8(x, packed, scale, live_rows=m // 2))
+            alone = np.asarray(cpu_ops.packed_matmul_int8(x[: m // 2], packed, scale))
+            if not (np.array_equal(live[: m // 2], alone) and not live[m // 2:].any()):
+                raise AssertionError(f"packed_matmul_int8 live_rows {m // 2} of {m}")
+            calls += 3
+    return calls
+
+
 def check_greedy_draw(rng) -> int:
     """`greedy_draw` on vocabularies below a vector, of whole vectors and with a tail, rows with
     tied maxima, NaN, -inf and +inf: the tokens np.argmax's, the log-probabilities within 1e-4
@@ -623,10 +672,10 @@ def check_layer_glue(rng) -> int:
 
 
 def check_decoder_layer(rng) -> int:
-    """`decoder_layer` (float32 and bfloat16, a decode step of 3 sequences with a padding row,
-    and a lone sequence whose keys the kernel cuts among the threads; every pool slot no step
-    writes NaN) against the unfused calls it stands for, bit for bit: logits-free, the layer's
-    two outputs and both pools. Returns the calls."""
+    """`decoder_layer` (float32 and bfloat16, its weights float or int8 with scales, a decode
+    step of 3 sequences with a padding row, and a lone sequence whose keys the kernel cuts among
+    the threads; every pool slot no step writes NaN) against the unfused calls it stands for,
+    bit for bit: logits-free, the layer's two outputs and both pools. Returns the calls."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -634,15 +683,29 @@ def check_decoder_layer(rng) -> int:
 
     hidden, heads, kv_heads, dim, inner, block = 64, 4, 2, 16, 96, 16
     calls = 0
-    for dtype in (jnp.float32, jnp.bfloat16):
+    for dtype, int8 in ((jnp.float32, False), (jnp.bfloat16, False), (jnp.float32, True),
+                        (jnp.bfloat16, True)):
         def weight(k, n, dtype=dtype):
             w = rng.standard_normal((k, n)) / np.sqrt(k)
             return cpu_ops.pack_weight(jnp.asarray(w, dtype))
 
-        layer = {"qkv": weight(hidden, (heads + 2 * kv_heads) * dim),
-                 "o": weight(heads * dim, hidden), "gate_up": weight(hidden, 2 * inner),
-                 "down": weight(inner, hidden),
-                 "mlp_norm": jnp.asarray(rng.standard_normal(hidden), dtype)}
+        shapes = {"qkv": (hidden, (heads + 2 * kv_heads) * dim), "o": (heads * dim, hidden),
+                  "gate_up": (hidden, 2 * inner), "down": (inner, hidden)}
+        layer = {"mlp_norm": jnp.asarray(rng.standard_normal(hidden), dtype)}
+        for name, (k, n) in shapes.items():
+            if int8:  # int8 weights with per-column scales (packed_matmul_int8)
+                layer[name] = cpu_ops.pack_weight_int8(rng.integers(-128, 128, (k, n), np.int8))
+                layer[name + "_scale"] = (rng.uniform(0.5, 1.5, n) / (64 * np.sqrt(k))).astype(
+                    np.float32)
+            else:
+                layer[name] = weight(k, n)
+
+        def matmul(rows, name, live, layer=layer, int8=int8):
+            if int8:
+                return cpu_ops.packed_matmul_int8(rows, layer[name], layer[name + "_scale"],
+                                                  live_rows=live)
+            return cpu_ops.packed_matmul(rows, layer[name], live_rows=live)
+
         next_norm = jnp.asarray(rng.standard_normal(hidden), dtype)
         for lens, tables, rows in (([5, 17, 33], [[1, 0, 0], [2, 3, 0], [4, 5, 6]], 4),
                                    ([600], [list(range(7, 45))], 1)):
@@ -674,21 +737,21 @@ def check_decoder_layer(rng) -> int:
             args = (slots, table_array, seq_lens, qsl)
             fused = cpu_ops.decoder_layer(x, h, layer, cos, sin, k_pool, v_pool, *args, next_norm,
                                      num_heads=heads, eps=1e-5, live_rows=live)
-            qkv = cpu_ops.packed_matmul(h, layer["qkv"], live_rows=live)
+            qkv = matmul(h, "qkv", live)
             q, k, v = cpu_ops.qkv_rope(qkv, cos, sin, heads, kv_heads)
             kp = cpu_ops.set_rows(k_pool, slots, k, token_major=True)
             vp = cpu_ops.set_rows(v_pool, slots, v, token_major=True)
             a = cpu_ops.paged_attention_cpu(q, kp, vp, table_array, seq_lens, qsl)
-            o = cpu_ops.packed_matmul(a.reshape(rows, -1), layer["o"], live_rows=live)
+            o = matmul(a.reshape(rows, -1), "o", live)
             x1, h1 = cpu_ops.add_rms_norm(x, o, layer["mlp_norm"], 1e-5)
-            gate_up = cpu_ops.packed_matmul(h1, layer["gate_up"], live_rows=live)
+            gate_up = matmul(h1, "gate_up", live)
             act = cpu_ops.silu_mul(gate_up, dtype)
-            down = cpu_ops.packed_matmul(act, layer["down"], live_rows=live)
+            down = matmul(act, "down", live)
             x2, h2 = cpu_ops.add_rms_norm(x1, down, next_norm, 1e-5)
             for got, want in zip(fused, (x2, h2, kp, vp), strict=True):
                 if np.asarray(got).tobytes() != np.asarray(want).tobytes():
-                    raise AssertionError(f"decoder_layer {jnp.dtype(dtype).name} {lens}: not "
-                                         f"the unfused calls' result bit for bit")
+                    raise AssertionError(f"decoder_layer {jnp.dtype(dtype).name} int8={int8} "
+                                         f"{lens}: not the unfused calls' result bit for bit")
             if not np.isfinite(np.asarray(fused[1], np.float32)[:live]).all():
                 raise AssertionError(f"decoder_layer {jnp.dtype(dtype).name} {lens}: read NaN")
             calls += 1
@@ -799,6 +862,8 @@ def child(seeds: int, deadline: float) -> int:
     small_matmul_calls = check_small_matmul(rng)
     progress("packed_matmul")
     packed_matmul_calls = check_packed_matmul(rng)
+    progress("packed_matmul_int8")
+    packed_matmul_int8_calls = check_packed_matmul_int8(rng)
     progress("greedy_draw")
     greedy_draw_calls = check_greedy_draw(rng)
     progress("lora_matmul")
@@ -824,6 +889,7 @@ def child(seeds: int, deadline: float) -> int:
                       "quantized_max_error": worst_quantized, "set_rows": set_rows_calls,
                       "small_matmul": small_matmul_calls,
                       "packed_matmul": packed_matmul_calls,
+                      "packed_matmul_int8": packed_matmul_int8_calls,
                       "greedy_draw": greedy_draw_calls, "lora_matmul": lora_matmul_calls,
                       "layer_glue": layer_glue_calls,
                       "decoder_layer": decoder_layer_calls}),
@@ -922,7 +988,8 @@ def main() -> int:
           + f" batches) bit for bit the float32 kernel on their dequantization and within "
           f"{summary['quantized_max_error']:.1e} of float64, {summary['set_rows']} in-place "
           f"pool writes (set_rows) equal to NumPy's, {summary['small_matmul']} small matmuls "
-          f"and {summary['packed_matmul']} packed matmuls within float32's bound of float64, "
+          f"and {summary['packed_matmul']} packed matmuls (and {summary['packed_matmul_int8']} "
+          f"of int8 weights) within float32's bound of float64, "
           f"{summary['greedy_draw']} greedy draws as NumPy's argmax and log-sum-exp, "
           f"{summary['lora_matmul']} LoRA deltas within float32's bound of float64, "
           f"{summary['layer_glue']} layer glue calls (add + RMSNorm, SiLU, rope) as float64's, "

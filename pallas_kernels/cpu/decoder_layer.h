@@ -35,18 +35,27 @@ namespace {
 //   a = attention(q, pools) (as JaxpagePagedAttention[Bf16]); o = a . W_o;
 //   (x1, h1) = add_rms_norm(x, o, mlp_norm); s = silu_mul(h1 . W_gate_up);
 //   (x2, h2) = add_rms_norm(x1, s . W_down, next_norm)
-// and returns x2, h2 and the pools (written in place: the results alias them).
+// and returns x2, h2 and the pools (written in place: the results alias them). Each projection's
+// weight is packed float (T's type) or packed int8 with its columns' float32 scales (a scale
+// buffer of N elements; 0 elements for a float weight), run as JaxpagePackedMatmulInt8 runs it.
 
 ffi::Error InvalidLayer(const std::string& what) {
   return ffi::Error::InvalidArgument("decoder layer: " + what);
 }
 
-// A packed weight's panels if it is [P, ceil(K / G), kPanel, G] for `type`, else -1.
-int64_t packed_panels(ffi::AnyBuffer w, ffi::DataType type, int64_t K) {
+// A packed weight's panels if it is [P, ceil(K / G), kPanel, G] for `type`, or int8 [P, K,
+// kPanel, 1] with a scale of P kPanel elements (a float weight's scale has none), else -1.
+int64_t packed_panels(ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale, ffi::DataType type,
+                      int64_t K) {
+  const int64_t n_scale = static_cast<int64_t>(scale.element_count());
+  if (w.element_type() == ffi::DataType::S8) {
+    const int64_t P = int8_panels(w, K);
+    return P >= 0 && scale.dimensions().size() == 1 && n_scale == P * kPanel ? P : -1;
+  }
   const int64_t G = type == ffi::DataType::F32 ? 1 : 2;
   const auto d = w.dimensions();
   if (w.element_type() != type || d.size() != 4 || d[1] != (K + G - 1) / G || d[2] != kPanel ||
-      d[3] != G)
+      d[3] != G || n_scale != 0)
     return -1;
   return d[0];
 }
@@ -60,6 +69,8 @@ ffi::Error DecoderLayerTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
                              ffi::Buffer<ffi::S32> query_start_loc, ffi::AnyBuffer w_o,
                              ffi::AnyBuffer mlp_norm, ffi::AnyBuffer w_gate_up,
                              ffi::AnyBuffer w_down, ffi::AnyBuffer next_norm, int64_t live_rows,
+                             ffi::Buffer<ffi::F32> s_qkv, ffi::Buffer<ffi::F32> s_o,
+                             ffi::Buffer<ffi::F32> s_gate_up, ffi::Buffer<ffi::F32> s_down,
                              int64_t num_heads, float eps, float scale, int64_t query_tile,
                              int64_t key_splits, int64_t bf16_dot, T* x_out, T* h_out,
                              void* k_out, void* v_out) {
@@ -68,15 +79,19 @@ ffi::Error DecoderLayerTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
   const ffi::DataType type = f32 ? ffi::DataType::F32 : ffi::DataType::BF16;
   const auto xd = x.dimensions(), pd = k_pool.dimensions();
   const int64_t M = xd[0], H = xd[1], KH = pd[0], D = pd[3], Q = num_heads * D;
-  const int64_t P_qkv = packed_panels(w_qkv, type, H), P_o = packed_panels(w_o, type, Q),
-                P_gu = packed_panels(w_gate_up, type, H);
-  const int64_t I = P_gu * kPanel / 2, P_down = packed_panels(w_down, type, I);
+  const int64_t P_qkv = packed_panels(w_qkv, s_qkv, type, H),
+                P_o = packed_panels(w_o, s_o, type, Q),
+                P_gu = packed_panels(w_gate_up, s_gate_up, type, H);
+  const int64_t I = P_gu * kPanel / 2, P_down = packed_panels(w_down, s_down, type, I);
   if (P_qkv * kPanel != Q + 2 * KH * D || P_o * kPanel != H || P_gu < 1 || (P_gu * kPanel) % 2 ||
       P_down * kPanel != H)
     return InvalidLayer("packed weights qkv " + shape_string(w_qkv.dimensions()) + ", o " +
                         shape_string(w_o.dimensions()) + ", gate_up " +
                         shape_string(w_gate_up.dimensions()) + ", down " +
-                        shape_string(w_down.dimensions()) + " do not fit hidden size " +
+                        shape_string(w_down.dimensions()) + " (scales " +
+                        shape_string(s_qkv.dimensions()) + " " + shape_string(s_o.dimensions()) +
+                        " " + shape_string(s_gate_up.dimensions()) + " " +
+                        shape_string(s_down.dimensions()) + ") do not fit hidden size " +
                         std::to_string(H) + ", " + std::to_string(num_heads) + " heads and " +
                         std::to_string(KH) + " KV heads of " + std::to_string(D));
   const int64_t slots_total = pd[1] * pd[2];
@@ -117,14 +132,20 @@ ffi::Error DecoderLayerTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
              x1 = ts(M * H), h1 = ts(M * H), act = ts(M * I);
 
   // a matmul's work over this call's rows, and its units (0: nothing to run)
-  auto packed_work = [&](const void* in, int64_t K, ffi::AnyBuffer w, float* out) {
+  auto packed_work = [&](const void* in, int64_t K, ffi::AnyBuffer w,
+                         ffi::Buffer<ffi::F32> scale, float* out) {
     auto work = std::make_shared<PackedWork>();
-    const int64_t total = prepare_packed(*work, in, f32, M, live, K, w.untyped_data(),
-                                         w.dimensions()[0], out, bf16_dot, 0, threads);
+    const int64_t total =
+        w.element_type() == ffi::DataType::S8
+            ? prepare_packed_int8(*work, in, f32, M, live, K, w.untyped_data(),
+                                  scale.typed_data(), w.dimensions()[0], out, 0, threads)
+            : prepare_packed(*work, in, f32, M, live, K, w.untyped_data(), w.dimensions()[0],
+                             out, bf16_dot, 0, threads);
     return std::make_pair(work, total);
   };
-  auto matmul = [&](const void* in, int64_t K, ffi::AnyBuffer w, float* out) {
-    const auto [work, total] = packed_work(in, K, w, out);
+  auto matmul = [&](const void* in, int64_t K, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
+                    float* out) {
+    const auto [work, total] = packed_work(in, K, w, scale, out);
     if (total) team->stage(work, total);
   };
 
@@ -146,7 +167,7 @@ ffi::Error DecoderLayerTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
   // and v straight to their pool rows, in t order as SetRows does (padding rows share a slot),
   // where a stage of its own read qkv from the other core's cache and this thread then wrote the
   // pools alone (docs/kernels.md). The stage clock then counts the rotation and the writes in qkv.
-  const auto [qkv_work, qkv_units] = packed_work(h.untyped_data(), H, w_qkv, qkv.get());
+  const auto [qkv_work, qkv_units] = packed_work(h.untyped_data(), H, w_qkv, s_qkv, qkv.get());
   if (qkv_units && D % kPanel == 0) {
     T *k_rows = static_cast<T*>(k_out), *v_rows = static_cast<T*>(v_out);
     for (const auto& [out, in] : {std::pair{k_rows, k_pool.untyped_data()},
@@ -202,7 +223,7 @@ ffi::Error DecoderLayerTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
   if (ffi::Error e = FinishAttention(A); e.failure()) return e;
   lap(kAttnFinish);
 
-  matmul(a.get(), Q, w_o, o.get());
+  matmul(a.get(), Q, w_o, s_o, o.get());
   lap(kO);
   const T* x_in = static_cast<const T*>(x.untyped_data());
   const T* mlp_w = static_cast<const T*>(mlp_norm.untyped_data());
@@ -214,7 +235,7 @@ ffi::Error DecoderLayerTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
   // of kPanel; vector panels or AMX tiles): the thread that runs a gate panel runs its up panel and
   // their SiLU, from its own cache, where a stage of its own read half of gate_up from the other
   // thread's (docs/kernels.md). The stage clock then counts SiLU in gate_up.
-  const auto [gate_up_work, gate_up_units] = packed_work(h1.get(), H, w_gate_up, gate_up.get());
+  const auto [gate_up_work, gate_up_units] = packed_work(h1.get(), H, w_gate_up, s_gate_up, gate_up.get());
   if (gate_up_units && I % kPanel == 0) {
     gate_up_work->pair = gate_up_work->panels = P_gu / 2;
     gate_up_work->units = std::min(gate_up_units, P_gu / 2);
@@ -231,7 +252,7 @@ ffi::Error DecoderLayerTyped(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBu
     });
   }
   lap(kSilu);
-  matmul(act.get(), I, w_down, down.get());
+  matmul(act.get(), I, w_down, s_down, down.get());
   lap(kDown);
   const T* next_w = static_cast<const T*>(next_norm.untyped_data());
   rows_stage([&](int64_t r0, int64_t r1) {
@@ -252,7 +273,9 @@ ffi::Error DecoderLayer(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer h
                         ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
                         ffi::AnyBuffer w_o, ffi::AnyBuffer mlp_norm, ffi::AnyBuffer w_gate_up,
                         ffi::AnyBuffer w_down, ffi::AnyBuffer next_norm,
-                        ffi::Buffer<ffi::S32> live, int64_t num_heads, float eps, float scale,
+                        ffi::Buffer<ffi::S32> live, ffi::Buffer<ffi::F32> s_qkv,
+                        ffi::Buffer<ffi::F32> s_o, ffi::Buffer<ffi::F32> s_gate_up,
+                        ffi::Buffer<ffi::F32> s_down, int64_t num_heads, float eps, float scale,
                         int64_t query_tile, int64_t key_splits, int64_t bf16_dot,
                         ffi::Result<ffi::AnyBuffer> x_out, ffi::Result<ffi::AnyBuffer> h_out,
                         ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
@@ -291,7 +314,8 @@ ffi::Error DecoderLayer(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer h
     using T = std::remove_pointer_t<decltype(type_tag)>;
     return DecoderLayerTyped<T>(pool, x, h, w_qkv, cos, sin, k_pool, v_pool, slots, block_tables,
                                 seq_lens, query_start_loc, w_o, mlp_norm, w_gate_up, w_down,
-                                next_norm, live.typed_data()[0], num_heads, eps, scale,
+                                next_norm, live.typed_data()[0], s_qkv, s_o, s_gate_up, s_down,
+                                num_heads, eps, scale,
                                 query_tile, key_splits, bf16_dot,
                                 static_cast<T*>(x_out->untyped_data()),
                                 static_cast<T*>(h_out->untyped_data()), k_out->untyped_data(),

@@ -13,6 +13,7 @@
 #include "matmul_small.h"
 #include "packed_panels.h"
 #include "amx.h"
+#include "matmul_int8.h"
 #include "matmul_packed.h"
 #include "lora.h"
 #include "layer_glue.h"
@@ -94,6 +95,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagePackedMatmul, PackedMatmul,
                                   .Attr<int64_t>("prefetch_bytes")  // 0: by the rows
                                   .Ret<ffi::Buffer<ffi::F32>>());  // [M, N]
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagePackedMatmulInt8, PackedMatmulInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // x [M, K]
+                                  .Arg<ffi::AnyBuffer>()          // w int8 [N / 32, K, 32, 1]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale [N]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // live rows: the rest zeros
+                                  .Attr<int64_t>("prefetch_bytes")  // 0: by the rows
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // [M, N]
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageLoraMatmul, LoraMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -151,6 +162,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageDecoderLayer, DecoderLayer,
                                   .Arg<ffi::AnyBuffer>()          // W_down, packed
                                   .Arg<ffi::AnyBuffer>()          // next_norm [H]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // live rows []
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // W_qkv's scales: [N] int8
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // W_o's       (a float
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // W_gate_up's weight's: [0])
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // W_down's
                                   .Attr<int64_t>("num_heads")
                                   .Attr<float>("eps")
                                   .Attr<float>("scale")

@@ -14,6 +14,7 @@
 
 #include "amx.h"
 #include "common.h"
+#include "matmul_int8.h"
 #include "matmul_small.h"
 #include "packed_panels.h"
 #include "thread_team.h"
@@ -56,8 +57,14 @@ struct PackedWork {
   // embedding).
   int64_t span = 1, pair = 0;
   std::function<void(int64_t)> after_group;
+  // int8 weights (prepare_packed_int8; matmul_int8.h): their columns' scales (null for float
+  // weights), x as float32 rows [M][K] (bfloat16 widened into x_wide), KG = K, the int8 panel
+  // functions by rows in the pass, reading int8 (one pass a panel) or its widened copy (more)
+  const float* scale = nullptr;
+  Int8PanelFn int8_fns[kPackedRows] = {};
 
   void run() {
+    if (scale) return run_int8();
 #ifdef JAXPAGE_TILES
     if (tiles) {
       // this thread's tile registers, released (zeroed) when done
@@ -84,6 +91,28 @@ struct PackedWork {
         const int64_t m0 = b * M / passes, m1 = (b + 1) * M / passes;
         const int64_t ahead = prefetch ? prefetch : packed_prefetch_bytes(m1 - m0);
         fns[m1 - m0 - 1](x, KG, m0, w + p * panel_bytes, w_end, ahead, out, N, p * kPanel);
+      }
+    });
+  }
+
+  void run_int8() {
+    const int64_t passes = (M + kPackedRows - 1) / kPackedRows;
+    const float* xf = static_cast<const float*>(x);
+    if (passes == 1) {
+      const int64_t ahead = prefetch ? prefetch : packed_prefetch_bytes(M);
+      run_groups([&](int64_t p) {
+        int8_fns[M - 1](xf, KG, 0, w + p * panel_bytes, w_end, ahead, scale, out, N, p * kPanel);
+      });
+      return;
+    }
+    float* wide = int8_scratch(KG);
+    const int64_t ahead = prefetch ? prefetch : packed_prefetch_bytes(M);
+    run_groups([&](int64_t p) {
+      widen_panel_int8(reinterpret_cast<const int8_t*>(w + p * panel_bytes), KG, w_end, ahead,
+                       wide);
+      for (int64_t b = 0; b < passes; ++b) {
+        const int64_t m0 = b * M / passes, m1 = (b + 1) * M / passes;
+        int8_fns[m1 - m0 - 1](xf, KG, m0, wide, nullptr, 0, scale, out, N, p * kPanel);
       }
     });
   }
@@ -203,6 +232,83 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
   const int64_t total = prepare_packed(*work, x.untyped_data(), f32, M, live.typed_data()[0], K,
                                        w.untyped_data(), P, out->typed_data(), bf16_dot,
                                        prefetch_bytes, thread_count(pool));
+  if (total) run_shared(pool, work, total);
+  return ffi::Error::Success();
+}
+
+// Sets `work` up for out [M, N] = (x [M, K] . w) * scale, w int8 packed (P panels of K rows;
+// matmul_int8.h) with its columns' float32 scales, x float32 or bfloat16 (`f32`), of which only
+// the first `live` rows are multiplied (the others zeros, as prepare_packed's). Returns the
+// units to run (0: nothing).
+int64_t prepare_packed_int8(PackedWork& work, const void* x, bool f32, int64_t M, int64_t live,
+                            int64_t K, const void* w, const float* scale, int64_t P, float* out,
+                            int64_t prefetch_bytes, int64_t threads) {
+  const int64_t N = P * kPanel;
+  if (M == 0 || N == 0) return 0;
+  const int64_t rows = std::clamp<int64_t>(live, 0, M);
+  std::fill(out + (K == 0 ? 0 : rows) * N, out + M * N, 0.0f);
+  if (K == 0 || rows == 0) return 0;
+  work.x = x;
+  if (!f32) {  // each x element widened once here, not once per panel
+    const bf16* xb = static_cast<const bf16*>(x);
+    work.x_wide.resize(static_cast<size_t>(rows * K));
+    for (int64_t i = 0; i < rows * K; ++i) work.x_wide[i] = widen(xb[i]);
+    work.x = work.x_wide.data();
+  }
+  const bool one_pass = rows <= kPackedRows;  // else each panel widened once into scratch
+  for (int mb = 1; mb <= kPackedRows; ++mb)
+    work.int8_fns[mb - 1] = one_pass ? int8_pick<false>(mb, kPackedRowSeq)
+                                     : int8_pick<true>(mb, kPackedRowSeq);
+  work.scale = scale;
+  work.w = static_cast<const char*>(w);
+  work.panel_bytes = K * kPanel;
+  work.w_end = work.w + P * work.panel_bytes;
+  work.out = out;
+  work.M = rows, work.KG = K, work.N = N, work.panels = P;
+  work.prefetch = prefetch_bytes;
+  work.units = std::min(P, threads * (one_pass ? 1 : kPackedUnitsPerThread));
+  return work.units;
+}
+
+// A packed int8 weight's panels if it is [P, K, kPanel, 1] int8, else -1.
+int64_t int8_panels(ffi::AnyBuffer w, int64_t K) {
+  const auto d = w.dimensions();
+  if (w.element_type() != ffi::DataType::S8 || d.size() != 4 || d[1] != K || d[2] != kPanel ||
+      d[3] != 1)
+    return -1;
+  return d[0];
+}
+
+ffi::Error PackedMatmulInt8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                            ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> live,
+                            int64_t prefetch_bytes, ffi::ResultBuffer<ffi::F32> out) {
+  const ffi::DataType type = x.element_type();
+  if (type != ffi::DataType::F32 && type != ffi::DataType::BF16)
+    return InvalidPacked("x is " + type_name(type) + ", not float32 or bfloat16");
+  const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
+  if (xd.size() != 2)
+    return InvalidPacked("x " + shape_string(xd) + " must be a matrix");
+  const int64_t M = xd[0], K = xd[1], P = int8_panels(w, K), N = P * kPanel;
+  if (P < 0)
+    return InvalidPacked("w " + type_name(w.element_type()) + " " + shape_string(wd) +
+                         " is not an int8 weight packed for x " + shape_string(xd) + ": [panels, " +
+                         std::to_string(K) + ", " + std::to_string(kPanel) + ", 1]");
+  if (scale.dimensions().size() != 1 || scale.dimensions()[0] != N)
+    return InvalidPacked("scale " + shape_string(scale.dimensions()) + " is not [" +
+                         std::to_string(N) + "]: one a column");
+  if (od.size() != 2 || od[0] != M || od[1] != N)
+    return InvalidPacked("output " + shape_string(od) + " is not [" +
+                         std::to_string(M) + ", " + std::to_string(N) + "]");
+  if (prefetch_bytes < 0 || prefetch_bytes > kMaxPrefetchBytes)
+    return InvalidPacked("prefetch_bytes must be in [0, " + std::to_string(kMaxPrefetchBytes) +
+                         "], got " + std::to_string(prefetch_bytes));
+  if (live.element_count() != 1)
+    return InvalidPacked("live rows must be one int32, got " + shape_string(live.dimensions()));
+  auto work = std::make_shared<PackedWork>();
+  const int64_t total = prepare_packed_int8(
+      *work, x.untyped_data(), type == ffi::DataType::F32, M, live.typed_data()[0], K,
+      w.untyped_data(), scale.typed_data(), P, out->typed_data(), prefetch_bytes,
+      thread_count(pool));
   if (total) run_shared(pool, work, total);
   return ffi::Error::Success();
 }
