@@ -15,6 +15,7 @@ Unknown fields are ignored, as OpenAI and vLLM ignore them; fields jaxpage canno
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Any, Literal
@@ -150,12 +151,17 @@ class _SamplingRequest(BaseModel):
                     "allowed_token_ids": self.allowed_token_ids,
                     "bad_words": self.bad_words, "prompt_logprobs": prompt_logprobs,
                     "structured_outputs": structured}
+        optional = {k: v for k, v in optional.items() if v is not None}
+        known = {f.name for f in dataclasses.fields(SamplingParams)}
+        for name in optional.keys() - known:  # an engine that lacks the field
+            raise UnsupportedError("echo" if name == "prompt_logprobs" and getattr(
+                self, "echo", False) else name, "is not supported by this engine")
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, seed=self.seed,
             stop=self.stop or (), stop_token_ids=self.stop_token_ids or (),
             ignore_eos=self.ignore_eos, logprobs=logprobs,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            **{k: v for k, v in optional.items() if v is not None},
+            **optional,
         )
 
     def logit_bias_ids(self, vocab_size: int) -> dict[int, float] | None:
