@@ -149,6 +149,16 @@ def test_prompt_longer_than_the_context_is_a_400(server):
         400, "messages", "max_model_len")
 
 
+def test_auto_tool_choice_needs_the_parser(server):
+    """Tools without tool_choice mean "auto" (vLLM's default), which this server (no
+    --tool-call-parser) cannot parse: a 400 saying which flags turn it on."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    for extra in ({}, {"tool_choice": "auto"}):
+        assert_error(post(server, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}], "tools": tools, **extra}),
+            400, "tool_choice", "--enable-auto-tool-choice", "--tool-call-parser")
+
+
 # ---------------------------------------------------------------- the event loop stays free
 def test_a_large_prompt_being_tokenized_holds_up_nobody(server):
     """A prompt of a few MB (seconds of tokenizing, on a worker thread) is still being
