@@ -33,7 +33,7 @@ TOOLS_TEMPLATE = (
     "</tool_call>{% endfor %}\n{% endfor %}{% if add_generation_prompt %}<s>assistant:"
     "{% endif %}")
 WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "today's weather",
+    "name": "get_weather", "description": "the weather in a city",
     "parameters": {"type": "object", "properties": {
         "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
         "unit": {"type": "string", "enum": ["c", "f"]}},
