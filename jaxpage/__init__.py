@@ -20,6 +20,7 @@ _EXPORTS = {
     "RequestOutput": "jaxpage.outputs",
     "CompletionOutput": "jaxpage.outputs",
     "LoRARequest": "jaxpage.lora",
+    "StructuredOutputsParams": "jaxpage.structured",
 }
 __all__ = list(_EXPORTS)
 
@@ -39,3 +40,4 @@ if TYPE_CHECKING:  # pragma: no cover
     from jaxpage.outputs import RequestOutput as RequestOutput
     from jaxpage.sampling_params import BeamSearchParams as BeamSearchParams
     from jaxpage.sampling_params import SamplingParams as SamplingParams
+    from jaxpage.structured import StructuredOutputsParams as StructuredOutputsParams

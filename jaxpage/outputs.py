@@ -70,3 +70,7 @@ class RequestOutput:
     # why the engine ended the request itself (a failure in one of its steps; its
     # completions then end with finish_reason "abort"); None otherwise
     error: str | None = None
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then for each prompt
+    # token {its id: its log-prob, and the top ones at its position}; in every output once
+    # the prompt is computed (None before, and without prompt_logprobs)
+    prompt_logprobs: list[dict[int, float] | None] | None = None

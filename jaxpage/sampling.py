@@ -1,6 +1,8 @@
 """On-device sampling from per-request parameter arrays.
 
-Order of operations (as vLLM v1): penalties on the raw logits -> temperature -> min-p ->
+Order of operations (as vLLM v1): a structured output's token bitmask (its masked logits are
+the "raw" ones logprobs report, as in vLLM, which masks before its sampler) -> allowed token
+ids, banned tokens (min_tokens, bad words) and logit bias -> penalties -> temperature -> min-p ->
 top-k -> top-p -> a Gumbel-max draw whose noise is a hash of (request seed, output
 position, token), so a seeded request samples the same tokens whatever else is in the
 batch. Rows with temperature 0
@@ -11,6 +13,7 @@ of the model's raw distribution (log-softmax of the unprocessed logits), as in v
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -19,6 +22,7 @@ import numpy as np
 
 from jaxpage.buckets import bucket_for
 from jaxpage.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingRow
+from jaxpage.structured import bitmask_width, fill_bitmasks, token_bitmask
 from pallas_kernels import cpu_ops, lowering
 
 
@@ -32,7 +36,14 @@ class SamplingMetadata:
     prompt_token_ids, output_token_ids: [R, M] int32 padded with -1 (only read when
       use_penalties).
     banned_token_ids: [R, B] int32 padded with -1, or None: tokens that must not be drawn
-      (EOS and stop tokens before min_tokens is reached).
+      (EOS and stop tokens before min_tokens is reached, bad words).
+    grammar_bitmask, allowed_bitmask: [R, ceil(V / 32)] int32 or None: packed next-token
+      masks (bit t % 32 of word t // 32 set: token t may be drawn; all ones for a row without
+      one), of structured outputs and of allowed_token_ids.
+    bias_token_ids [R, B] int32 padded with -1 and bias_values [R, B] float32, or None:
+      logit_bias.
+    forced_token_ids: [R] int32 or None: a row's token when >= 0, whatever the logits say
+      (prompt log-probabilities score the prompt's own next token).
     Static: use_penalties, use_filters (any top-k/top-p/min-p), num_logprobs (0 or 20).
     """
 
@@ -48,6 +59,11 @@ class SamplingMetadata:
     prompt_token_ids: jax.Array | None = None
     output_token_ids: jax.Array | None = None
     banned_token_ids: jax.Array | None = None
+    grammar_bitmask: jax.Array | None = None
+    allowed_bitmask: jax.Array | None = None
+    bias_token_ids: jax.Array | None = None
+    bias_values: jax.Array | None = None
+    forced_token_ids: jax.Array | None = None
     use_penalties: bool = False
     use_filters: bool = False
     num_logprobs: int = 0
@@ -56,11 +72,13 @@ class SamplingMetadata:
 
     @classmethod
     def pack(cls, rows: Sequence[SamplingRow], num_rows: int, *, ban_buckets: list[int],
-             history_buckets: list[int]) -> SamplingMetadata:
+             history_buckets: list[int], vocab_size: int) -> SamplingMetadata:
         """Host-side packing of a step's draws into [num_rows] numpy arrays (rows past
         `len(rows)` are greedy padding). Token-id lists are padded with -1 to the smallest
-        of `ban_buckets` (banned ids) or `history_buckets` (prompt and output ids, only when
-        some row uses penalties) that holds the longest one."""
+        of `ban_buckets` (banned ids, logit bias) or `history_buckets` (prompt and output
+        ids, only when some row uses penalties) that holds the longest one. Rows under a
+        structured output have their matcher's bitmask filled here (the runner packs a step
+        after starting its forward, so this runs while the device does)."""
         rows = list(rows) + [_PADDING_ROW] * (num_rows - len(rows))
         params = [r.params for r in rows]
         md = dict(
@@ -77,6 +95,24 @@ class SamplingMetadata:
         if any(r.banned_token_ids for r in rows):
             width = bucket_for(max(len(r.banned_token_ids) for r in rows), ban_buckets)
             md["banned_token_ids"] = _pad_rows([r.banned_token_ids for r in rows], width)
+        if any(r.matcher is not None for r in rows):
+            md["grammar_bitmask"] = mask = np.full((num_rows, bitmask_width(vocab_size)), -1,
+                                                   np.int32)
+            fill_bitmasks([(r.matcher, i) for i, r in enumerate(rows) if r.matcher is not None],
+                          mask)
+        if any(p.allowed_token_ids for p in params):
+            md["allowed_bitmask"] = np.stack([
+                _all_tokens(vocab_size) if not p.allowed_token_ids
+                else token_bitmask(p.allowed_token_ids, vocab_size) for p in params])
+        if any(p.logit_bias for p in params):
+            width = bucket_for(max(len(p.logit_bias or ()) for p in params), ban_buckets)
+            md["bias_token_ids"] = _pad_rows([tuple(p.logit_bias or ()) for p in params], width)
+            values = np.zeros((num_rows, width), np.float32)
+            for i, p in enumerate(params):
+                values[i, : len(p.logit_bias or ())] = list((p.logit_bias or {}).values())
+            md["bias_values"] = values
+        if any(r.forced_token >= 0 for r in rows):
+            md["forced_token_ids"] = np.array([r.forced_token for r in rows], np.int32)
         if any(p.uses_penalties for p in params):
             longest = max(max(len(r.prompt_token_ids or ()), len(r.output_token_ids or ()))
                           for r in rows)
@@ -95,6 +131,12 @@ class SamplingMetadata:
 _PADDING_ROW = SamplingRow(SamplingParams(temperature=0.0), seed=0, step=0)
 
 
+@functools.cache
+def _all_tokens(vocab_size: int) -> np.ndarray:
+    return np.full(bitmask_width(vocab_size), -1, np.int32)
+
+
+
 def _pad_rows(rows: list, width: int) -> np.ndarray:
     out = np.full((len(rows), width), -1, np.int32)
     for i, row in enumerate(rows):
@@ -106,9 +148,19 @@ jax.tree_util.register_dataclass(
     SamplingMetadata,
     data_fields=["temperature", "top_p", "top_k", "min_p", "seeds", "steps", "presence",
                  "frequency", "repetition", "prompt_token_ids", "output_token_ids",
-                 "banned_token_ids"],
+                 "banned_token_ids", "grammar_bitmask", "allowed_bitmask", "bias_token_ids",
+                 "bias_values", "forced_token_ids"],
     meta_fields=["use_penalties", "use_filters", "num_logprobs", "all_greedy"],
 )
+
+
+def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """[R, V] logits with every token whose bit is clear in its row of the packed [R, W]
+    int32 `bitmask` set to -inf."""
+    vocab_size = logits.shape[-1]
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [R, W, 32]
+    allowed = bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].astype(bool)
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def token_counts(token_ids: jax.Array, vocab_size: int) -> jax.Array:
@@ -192,16 +244,25 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> dict[str, jax.Array]:
       tokens [R] int32; logprob [R] float32 (raw log-probability of the chosen token);
       when md.num_logprobs: top_ids [R, N] int32 and top_logprobs [R, N] float32.
     """
+    if md.grammar_bitmask is not None:
+        logits = apply_bitmask(logits, md.grammar_bitmask)
     raw_logits = logits
+    if md.allowed_bitmask is not None:
+        logits = apply_bitmask(logits, md.allowed_bitmask)
+    rows = jnp.arange(logits.shape[0])[:, None]
     if md.banned_token_ids is not None:
-        rows = jnp.arange(logits.shape[0])[:, None]
         banned = jnp.where(md.banned_token_ids >= 0, md.banned_token_ids, logits.shape[-1])
         logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
+    if md.bias_token_ids is not None:
+        biased = jnp.where(md.bias_token_ids >= 0, md.bias_token_ids, logits.shape[-1])
+        logits = logits.at[rows, biased].add(md.bias_values, mode="drop")
     if md.use_penalties:
         logits = apply_penalties(logits, md)
     if md.all_greedy and not md.num_logprobs and logits is raw_logits:
         return _greedy_outputs(raw_logits)
     greedy_tokens = argmax(logits)
+    if md.forced_token_ids is not None:
+        greedy_tokens = jnp.where(md.forced_token_ids >= 0, md.forced_token_ids, greedy_tokens)
     if md.all_greedy:
         return _outputs(greedy_tokens, raw_logits, md)
     temperature = jnp.where(md.temperature > 0, md.temperature, 1.0)

@@ -6,10 +6,13 @@ import dataclasses
 import hashlib
 import math
 from collections.abc import Sequence
+from typing import Any
 
+from jaxpage.structured import StructuredOutputsParams
 from jaxpage.validation import check, is_int, is_real, is_vector
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value, [-100, 100]
 INT32_MAX = 2**31 - 1  # per-row parameters are packed as int32
 
 
@@ -22,6 +25,14 @@ class SamplingParams:
     `top_k` of -1 (or 0) disables top-k. Penalties follow vLLM: presence/frequency are
     subtracted from the logits of generated tokens; repetition divides positive and
     multiplies negative logits of prompt and generated tokens.
+
+    Also vLLM's: `structured_outputs` constrains the output to a JSON schema, regex, choice
+    or grammar (`jaxpage.structured`); `logit_bias` adds a value in [-100, 100] to a token's
+    logit before the penalties; `allowed_token_ids` restricts every draw to those tokens and
+    `bad_words` bans each word's last token wherever the output ends with the rest of it;
+    `prompt_logprobs` reports, for every prompt token after the first, its log-probability
+    and the top ones at its position. Log-probabilities are the model's, before any of
+    these (but a constraint's mask, as vLLM applies it to the logits first).
     """
 
     n: int = 1
@@ -39,6 +50,11 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = dataclasses.field(default=None, hash=False)
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and a single stop string for convenience; store tuples (hashable).
@@ -74,14 +90,56 @@ class SamplingParams:
         check(is_real(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
               and self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty,
               "finite and > 0")
+        self._check_token_controls()
         # numpy scalars are accepted; store plain Python numbers
-        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs"):
+        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs",
+                     "prompt_logprobs"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    def _check_token_controls(self) -> None:
+        """The checks of the fields that constrain or bias tokens (token ids against the
+        vocabulary: the engine's, `LLMEngine.add_request`)."""
+        check(self.structured_outputs is None
+              or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "structured_outputs", self.structured_outputs, "a StructuredOutputsParams or None")
+        if self.logit_bias is not None:
+            check(isinstance(self.logit_bias, dict), "logit_bias", self.logit_bias,
+                  "a dict of token id -> bias")
+            for token, bias in self.logit_bias.items():
+                check(is_int(token) and token >= 0, "logit_bias", token,
+                      "keyed by token ids (integers >= 0)")
+                check(is_real(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,
+                      f"logit_bias[{token}]", bias,
+                      f"in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+            object.__setattr__(self, "logit_bias", {
+                int(t): float(b) for t, b in self.logit_bias.items()} or None)
+        if self.allowed_token_ids is not None:
+            allowed = _as_tuple(self.allowed_token_ids)
+            check(bool(allowed) and all(is_int(t) and t >= 0 for t in allowed),
+                  "allowed_token_ids", self.allowed_token_ids,
+                  "a non-empty list of token ids (integers >= 0)")
+            object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in allowed))
+        if self.bad_words is not None:
+            words = _as_tuple(self.bad_words)
+            check(words is not None and all(isinstance(w, str) and w.strip() for w in words),
+                  "bad_words", self.bad_words, "a list of non-blank strings")
+            object.__setattr__(self, "bad_words", words or None)
+        check(self.prompt_logprobs is None or (is_int(self.prompt_logprobs)
+                                               and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+              "prompt_logprobs", self.prompt_logprobs,
+              f"None or an integer in [0, {MAX_LOGPROBS}]")
+
+    @property
+    def uses_history(self) -> bool:
+        """Whether a draw depends on the tokens drawn before it (so that no step may run
+        ahead of the one that draws its last token): penalties, bad words, a constraint."""
+        return (self.uses_penalties or self.bad_words is not None
+                or self.structured_outputs is not None)
 
     @property
     def uses_penalties(self) -> bool:
@@ -129,6 +187,8 @@ class SamplingRow:
     prompt_token_ids: Sequence[int] | None = None  # only with penalties
     output_token_ids: Sequence[int] | None = None
     banned_token_ids: tuple[int, ...] = ()  # e.g. EOS and stop tokens before min_tokens
+    matcher: Any = None  # a structured output's llguidance matcher, at this draw's state
+    forced_token: int = -1  # prompt log-probabilities: the token "drawn" (-1: none)
 
     @property
     def num_logprobs(self) -> int:

@@ -38,6 +38,11 @@ class SeqInput:
     verify: bool = False
     # the device slot of the LoRA adapter the sequence runs with (0: none; jaxpage.lora)
     lora_slot: int = 0
+    # prompt log-probabilities: sampling[:num_scores] are rows scoring the prompt tokens
+    # that follow token_ids[score_from:score_from + num_scores], each drawn from the logits
+    # at its token and forced to the prompt's next token (SamplingRow.forced_token)
+    num_scores: int = 0
+    score_from: int = 0
 
 
 @dataclasses.dataclass(slots=True)

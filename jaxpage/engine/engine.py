@@ -115,6 +115,7 @@ class LLMEngine:
             self.loras = LoRARegistry(
                 config.max_cpu_loras or config.max_loras,
                 lambda request: read_peft_adapter(request, model_config, config.max_lora_rank))
+        self.grammars = None  # structured outputs' compiled constraints, made on first use
         self.requests: dict[str, RequestGroup] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._text_decoder = TextDecoder(tokenizer) if tokenizer is not None else None
@@ -166,13 +167,15 @@ class LLMEngine:
             request_id = self._new_request_id(request_id)
             token_ids = self._prompt_token_ids(prompt)
             self._check_request(token_ids, params)
+            matcher, bad_words = self._matcher(params), self._bad_words(params)
             if lora_request is not None:
                 self.add_lora(lora_request)
             seed = params.seed if params.seed is not None else self._derive_seed(request_id)
             metrics = RequestMetrics(arrival_time=time.perf_counter())
             parent = Request(request_id, token_ids, params, seed, metrics,
                              prompt=prompt if isinstance(prompt, str) else None,
-                             cache_salt=cache_salt, lora=lora_request)
+                             cache_salt=cache_salt, lora=lora_request,
+                             matcher=matcher, bad_words=bad_words)
             if lora_request is not None:
                 self.loras.hold(lora_request.lora_int_id)
             group = RequestGroup(request_id, params.n, [parent], forked=params.n == 1)
@@ -295,6 +298,30 @@ class LLMEngine:
                              f"got {params.n}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
+        for name, ids in (("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            for t in ids:
+                if t >= self.vocab_size:
+                    raise ValueError(f"{name} token ids must be in [0, {self.vocab_size}), "
+                                     f"got {t}")
+
+    def _matcher(self, params: SamplingParams):
+        """A structured output's matcher in its start state (None: no constraint); a
+        ValueError naming the field when the constraint does not compile."""
+        if params.structured_outputs is None:
+            return None
+        if self.grammars is None:
+            from jaxpage.structured import Grammars
+
+            self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self.grammars.matcher(params.structured_outputs)
+
+    def _bad_words(self, params: SamplingParams) -> list[tuple[int, ...]] | None:
+        if not params.bad_words:
+            return None
+        from jaxpage.structured import bad_words_token_ids
+
+        return bad_words_token_ids(self.tokenizer, params.bad_words) or None
 
     def _derive_seed(self, request_id: str) -> int:
         digest = hashlib.sha256(f"{self.config.seed}:{self._num_added}:{request_id}".encode())

@@ -34,9 +34,11 @@ def sample_deltas(group: RequestGroup, starts: dict[Request, int],
             sample.stop_reason,
         ))
     parent = group.samples[0]
+    scored = parent.prompt_logprobs
     return RequestOutput(group.request_id, parent.prompt, parent.prompt_token_ids,
                          completions, group.finished if finished is None else finished,
-                         parent.metrics)
+                         parent.metrics, prompt_logprobs=None if scored is None
+                         or len(scored) < len(parent.prompt_token_ids) else scored)
 
 
 def _by_index(item: tuple[Request, int]) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from jaxpage.outputs import RequestMetrics
 from jaxpage.sampling_params import SamplingParams
@@ -52,6 +52,12 @@ class Request:
     stop_reason: str | int | None = None
     # speculative decoding: this sequence's acceptance rate (jaxpage.engine.speculative)
     acceptance: Acceptance | None = None
+    # structured outputs: the llguidance matcher that has read this sequence's output
+    matcher: Any = None
+    bad_words: list[tuple[int, ...]] | None = None  # `bad_words` as token ids
+    # prompt_logprobs: None for the first prompt token, then one dict a prompt token scored
+    # (shared by the request's samples: the prompt is theirs)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     # the allocator's key for this sequence, "<request_id>#<sample_index>" (set once: read
     # several times a step for every running sequence)
     seq_id: str = dataclasses.field(init=False)
@@ -61,6 +67,8 @@ class Request:
             self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
         self.seq_id = f"{self.request_id}#{self.sample_index}"
 
     @property
@@ -92,6 +100,13 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Whether prompt tokens remain to be scored (prompt_logprobs): until then the
+        prompt is computed, not taken from the prefix cache."""
+        return (self.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < len(self.prompt_token_ids))
 
     @property
     def max_num_tokens(self) -> int:

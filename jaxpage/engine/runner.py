@@ -376,14 +376,18 @@ class ModelRunner:
         self.decode_buckets = power_of_two_buckets(smallest_decode, max_num_seqs,
                                                    midpoints=True)
         # a step's draws: one a sequence (n as a prompt's samples fork), or with speculative
-        # decoding one at its last token and at each of its drafts
-        self.row_buckets = self.decode_buckets
+        # decoding one at its last token and at each of its drafts; and with prompt
+        # log-probabilities up to one a token
+        self.row_buckets = self.decode_buckets + [
+            b for b in power_of_two_buckets(smallest_decode, max_num_batched_tokens
+                                            + max_num_seqs, midpoints=True)
+            if b > max_num_seqs]
         if spec is not None:
             most_rows = min(max_num_batched_tokens, max_num_seqs * (spec.num_speculative_tokens
                                                                     + 1))
-            self.row_buckets = self.decode_buckets + [
+            self.row_buckets = sorted(set(self.row_buckets) | {
                 b for b in power_of_two_buckets(smallest_decode, most_rows, midpoints=True)
-                if b > max_num_seqs]
+                if b > max_num_seqs})
         self.prefill_seq_buckets = power_of_two_buckets(min(4, max_num_seqs), max_num_seqs)
         self.width_buckets = power_of_two_buckets(
             min(max(1, 64 // block_size), max_blocks), max_blocks)
@@ -464,8 +468,11 @@ class ModelRunner:
         query_lens = len(self.token_buckets)  # prefill max_query_len <= its token bucket
         forward = (len(self.decode_buckets) + len(self.token_buckets) * query_lens
                    * len(self.prefill_seq_buckets)) * widths * rows
-        # greedy x filters x logprobs x (no penalties + widths) x (no bans + widths)
-        sampling = rows * 2 * 2 * 2 * (1 + len(self.len_buckets)) * (1 + len(self.ban_buckets))
+        # greedy x filters x logprobs x (no penalties + widths) x (no bans + widths) x
+        # (grammar masks or not) x (allowed token ids or not) x (no logit bias + widths) x
+        # (forced tokens or not)
+        sampling = (rows * 2 * 2 * 2 * (1 + len(self.len_buckets)) * (1 + len(self.ban_buckets))
+                    * 2 * 2 * (1 + len(self.ban_buckets)) * 2)
         swaps = len(self.swap_out_buckets) + len(self.copy_buckets) if self.num_host_blocks else 0
         groups = sum(1 for layers in (self.full_layers, self.window_layers) if layers)
         # a run-ahead step's token ids, per decode bucket, and picked out of one or two
@@ -862,9 +869,14 @@ class ModelRunner:
         # or each of a speculative step's tokens
         logits_indices, end = [], 0
         for s in seqs:
-            end += len(s.token_ids)
-            logits_indices += (range(end - len(s.token_ids), end) if s.verify
-                               else [end - 1] * len(s.sampling))
+            start, end = end, end + len(s.token_ids)
+            if s.verify:
+                logits_indices += range(start, end)
+                continue
+            if s.num_scores:  # prompt log-probabilities: the logits at each scored token
+                logits_indices += range(start + s.score_from,
+                                        start + s.score_from + s.num_scores)
+            logits_indices += [end - 1] * (len(s.sampling) - s.num_scores)
         rows = [(i, row) for i, s in enumerate(seqs) for row in s.sampling]
         num_rows = max(least_rows, bucket_for(max(len(rows), 1), self.row_buckets))
         positions, attn_md = build_metadata(
@@ -909,11 +921,15 @@ class ModelRunner:
             return step
         sampling_md = SamplingMetadata.pack([row for _, row in rows], num_rows,
                                             ban_buckets=self.ban_buckets,
-                                            history_buckets=self.len_buckets)
+                                            history_buckets=self.len_buckets,
+                                            vocab_size=logits.shape[-1])
         sampling_key = ("sample", num_rows, sampling_md.use_filters, sampling_md.num_logprobs,
                         sampling_md.all_greedy,
                         *(None if a is None else a.shape[1] for a in (
-                            sampling_md.prompt_token_ids, sampling_md.banned_token_ids)))
+                            sampling_md.prompt_token_ids, sampling_md.banned_token_ids,
+                            sampling_md.grammar_bitmask, sampling_md.allowed_bitmask,
+                            sampling_md.bias_token_ids)),
+                        sampling_md.forced_token_ids is not None)
         timer.mark("prepare")
         step.drawn = self._call(sampling_key, _SAMPLE, (logits, sampling_md), timer)
         return step

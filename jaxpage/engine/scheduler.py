@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterable
 
@@ -44,7 +45,8 @@ from jaxpage.engine.speculative import (
 )
 from jaxpage.engine.swap_cost import SwapCostModel
 from jaxpage.engine.tiered_allocator import TieredAllocator
-from jaxpage.sampling_params import SamplingRow, sample_seed
+from jaxpage.sampling_params import SamplingParams, SamplingRow, sample_seed
+from jaxpage.structured import bad_word_bans
 
 
 @dataclasses.dataclass(slots=True)
@@ -281,7 +283,7 @@ class Scheduler:
             try:
                 hit = None
                 adapter = request.lora.cache_key if request.lora is not None else None
-                if self.enable_prefix_caching:
+                if self.enable_prefix_caching and not request.scoring_prompt:
                     hit = self.allocator.lookup(request.token_ids,
                                                 cache_salt=request.cache_salt, adapter_id=adapter)
                 num_cached = hit.num_tokens if hit is not None else 0
@@ -459,7 +461,8 @@ class Scheduler:
             if (request.status is not RequestStatus.RUNNING
                     or request.num_computed_tokens + 1 != num_tokens
                     or request.num_draws != 1 or isinstance(request.group, BeamGroup)
-                    or (slots and request.params.uses_penalties)):  # rows need the drafts
+                    or request.matcher is not None  # its masks follow drawn tokens only
+                    or (slots and request.params.uses_history)):  # rows need the drafts
                 continue
             k = min(spec.num_speculative_tokens, request.max_num_tokens - num_tokens - 1,
                     self.max_model_len - num_tokens - 1)
@@ -511,12 +514,21 @@ class Scheduler:
             return SeqInput(chunk.block_table, start, [tokens[start], *drafts], rows,
                             chunk.window_block_table, verify=True,
                             lora_slot=self._slot_of(request))
+        scores: list[SamplingRow] = []
+        score_from = 0
+        if request.scoring_prompt:  # the prompt tokens after this chunk's, not yet scored
+            score_from = len(request.prompt_logprobs) - 1 - start
+            end = min(start + num_new, request.num_prompt_tokens - 1)
+            k = request.params.prompt_logprobs
+            scores = [SamplingRow(_score_params(k), 0, 0, forced_token=tokens[p + 1])
+                      for p in range(start + score_from, end)]
         if chunk.sample:
             rows = [self._row(request, i) for i in range(request.num_draws)]
         return SeqInput(chunk.block_table, start,
                         [tokens[start]] if num_new == 1 else tokens[start : start + num_new],
-                        rows, chunk.window_block_table, goes_on, ends,
-                        lora_slot=self._slot_of(request))
+                        scores + rows, chunk.window_block_table, goes_on, ends,
+                        lora_slot=self._slot_of(request), num_scores=len(scores),
+                        score_from=score_from)
 
     def _slot_of(self, request: Request) -> int:
         """The LoRA slot `request` runs with (0: none)."""
@@ -529,16 +541,20 @@ class Scheduler:
         speculative step's draws at its drafts)."""
         p = request.params
         num_out = request.num_output_tokens + ahead
-        banned: tuple[int, ...] = ()
-        if num_out < p.min_tokens:
-            banned = tuple(sorted(set(p.stop_token_ids) | (
-                set() if p.ignore_eos else self.eos_token_ids)))
-        history = p.uses_penalties
+        history = p.uses_history
         output = request.output_token_ids + drafted if history and drafted else (
-            request.output_token_ids)
+            request.output_token_ids if history else None)
+        banned: tuple[int, ...] = ()
+        if num_out < p.min_tokens or request.bad_words:
+            bans = set() if num_out >= p.min_tokens else set(p.stop_token_ids) | (
+                set() if p.ignore_eos else self.eos_token_ids)
+            if request.bad_words:
+                bans |= bad_word_bans(request.bad_words, output)
+            banned = tuple(sorted(bans))
+        penalties = p.uses_penalties
         return SamplingRow(p, sample_seed(request.seed, sample), num_out,
-                           request.prompt_token_ids if history else None,
-                           output if history else None, banned)
+                           request.prompt_token_ids if penalties else None,
+                           output if penalties else None, banned, request.matcher)
 
     def _ahead_marks(self, request: Request, num_new: int) -> tuple[bool, bool]:
         """(goes on, ends) of computing `num_new` tokens of `request`, while few enough run
@@ -547,13 +563,15 @@ class Scheduler:
         the next position, so that the runner may start that step before it reads this one's
         draw: one draw, no penalties (their token history would lack it), no beam, and not
         its last by length. Ends (SeqInput.ends): such a decode (penalties or not) whose draw
-        is its last by length, so that no step follows it."""
+        is its last by length, so that no step follows it. Penalties, bad words and a
+        structured output's mask all need the token the step before drew
+        (`SamplingParams.uses_history`)."""
         if not (num_new == 1 and request.num_computed_tokens + 1 == request.num_tokens
                 and request.num_draws == 1 and not isinstance(request.group, BeamGroup)):
             return False, False
         if request.num_tokens + 1 >= min(request.max_num_tokens, self.max_model_len):
             return False, True
-        return not (request.params.uses_penalties or self._drafts_next(request)), False
+        return not (request.params.uses_history or self._drafts_next(request)), False
 
     def update(self, output: SchedulerOutput, results: list[list[SeqResult]],
                on_token: Callable[[Request], None] | None = None) -> StepUpdate:
@@ -584,9 +602,11 @@ class Scheduler:
         update = StepUpdate()
         beam_groups: dict[BeamGroup, None] = {}
         new_tokens, append = update.new_tokens, self._append_token
-        for chunk, draws in zip(output.chunks, results, strict=True):
+        for chunk, seq, draws in zip(output.chunks, output.seqs, results, strict=True):
             request = chunk.request
             group = request.group
+            if seq.num_scores and request.status is not finished:
+                draws = self._score_prompt(request, draws, seq.num_scores)
             if not draws or request.status is finished:  # nothing drawn, or failed above
                 continue
             if isinstance(group, BeamGroup):
@@ -620,6 +640,18 @@ class Scheduler:
                 if group.finished:
                     update.finished_beams.append(group)
         return update
+
+    @staticmethod
+    def _score_prompt(request: Request, draws: list[SeqResult], num_scores: int
+                      ) -> list[SeqResult]:
+        """Record a chunk's prompt scores (its first `num_scores` draws, each forced to the
+        prompt's next token); returns the draws after them."""
+        k = request.params.prompt_logprobs
+        for score in draws[:num_scores]:
+            entry = dict(list((score.top_logprobs or {}).items())[:k])
+            entry[score.token] = score.logprob
+            request.prompt_logprobs.append(entry)
+        return draws[num_scores:]
 
     def _accept(self, chunk: ScheduledChunk, draws: list[SeqResult], now: float,
                 new_tokens: dict[RequestGroup, dict[Request, int]],
@@ -663,6 +695,13 @@ class Scheduler:
             request.logprobs.append(entry)
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
+        matcher = request.matcher
+        if matcher is not None and token not in self.eos_token_ids:
+            if not matcher.consume_token(token):
+                raise ValueError(f"structured output: token {token} breaks the constraint "
+                                 f"({matcher.get_error()})")
+            if matcher.is_stopped():  # complete: nothing but EOS may follow
+                return self.finish(request, "stop")
         num_out = request.num_output_tokens
         if num_out >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
@@ -680,7 +719,9 @@ class Scheduler:
             child = Request(parent.request_id, parent.prompt_token_ids, parent.params,
                             sample_seed(parent.seed, index), parent.metrics,
                             prompt=parent.prompt, cache_salt=parent.cache_salt, lora=parent.lora,
-                            sample_index=index, group=parent.group)
+                            sample_index=index, group=parent.group,
+                            matcher=None if parent.matcher is None else parent.matcher.deep_copy(),
+                            bad_words=parent.bad_words, prompt_logprobs=parent.prompt_logprobs)
             self.add_fork(parent, child)
             parent.group.samples.append(child)
             children.append(child)
@@ -771,3 +812,10 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
+
+
+@functools.cache
+def _score_params(k: int) -> SamplingParams:
+    """A prompt-scoring row's parameters: greedy (its token is forced anyway), the top `k`
+    log-probabilities reported."""
+    return SamplingParams(temperature=0.0, logprobs=k)

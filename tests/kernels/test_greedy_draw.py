@@ -116,7 +116,7 @@ def test_the_samplers_greedy_rows_equal_its_xla_path(bans):
     rows = [SamplingRow(SamplingParams(temperature=0.0), seed=0, step=0,
                         banned_token_ids=tuple(banned))] * 8
     md = sampling.SamplingMetadata.pack(rows, 8, ban_buckets=[8, 4096],
-                                        history_buckets=[128])
+                                        history_buckets=[128], vocab_size=3000)
     got = jax.jit(sampling.sample)(logits, md)
     processed = logits.at[:, banned].set(-jnp.inf) if bans else logits
     want_tokens = sampling.argmax(processed)
