@@ -15,7 +15,6 @@ Unknown fields are ignored, as OpenAI and vLLM ignore them; fields jaxpage canno
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from typing import Any, Literal
@@ -24,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxpage.sampling_params import SamplingParams
 from jaxpage.serve.tool_parsers import required_schema, tool_parameters
+from jaxpage.structured import StructuredOutputsParams
 
 
 class UnsupportedError(ValueError):
@@ -72,14 +72,13 @@ class StructuredOutputs(BaseModel):
     whitespace_pattern: str | None = None
 
 
-def _structured_params(field: str, **kwargs: Any) -> Any:
-    """StructuredOutputsParams(**kwargs); the engine checks the schema or grammar itself."""
+def _structured_params(field: str, **kwargs: Any) -> StructuredOutputsParams:
+    """StructuredOutputsParams(**kwargs); the engine checks the schema or grammar itself (a
+    ValueError at add_request), its constructor which kinds are given."""
     try:
-        from jaxpage import StructuredOutputsParams
-    except ImportError:  # an engine without structured outputs
-        raise UnsupportedError(field, "structured outputs are not supported by this "
-                                      "engine") from None
-    return StructuredOutputsParams(**kwargs)
+        return StructuredOutputsParams(**kwargs)
+    except ValueError as e:
+        raise UnsupportedError(field, str(e)) from None
 
 
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range: [-100, 100]
@@ -152,10 +151,6 @@ class _SamplingRequest(BaseModel):
                     "bad_words": self.bad_words, "prompt_logprobs": prompt_logprobs,
                     "structured_outputs": structured}
         optional = {k: v for k, v in optional.items() if v is not None}
-        known = {f.name for f in dataclasses.fields(SamplingParams)}
-        for name in optional.keys() - known:  # an engine that lacks the field
-            raise UnsupportedError("echo" if name == "prompt_logprobs" and getattr(
-                self, "echo", False) else name, "is not supported by this engine")
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, seed=self.seed,
             stop=self.stop or (), stop_token_ids=self.stop_token_ids or (),

@@ -7,14 +7,10 @@ Oracles: `jsonschema` (every constrained output validates against its schema, ev
 call's arguments against its function's parameters), `re.fullmatch` for regexes, the exact
 calls a hand-built Hermes text holds, and `LLM` in this process for what the server must
 pass through unchanged (the same greedy tokens, the engine's prompt log-probs).
-
-The tests marked `engine` need the engine's structured outputs, logit_bias and prompt
-log-probs (SamplingParams' fields); on an engine without them they are skipped.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 
@@ -55,10 +51,6 @@ SCHEMAS = [
      "required": ["ok", "tag"], "additionalProperties": False},
 ]
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
-FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-engine = pytest.mark.skipif(
-    not {"structured_outputs", "logit_bias", "prompt_logprobs"} <= FIELDS,
-    reason="the engine has no structured outputs / logit_bias / prompt log-probs yet")
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +196,6 @@ def test_required_tool_choice_with_another_constraint_is_a_400(server):
 
 
 # ---------------------------------------------------------------- structured outputs
-@engine
 @pytest.mark.parametrize("stream", [False, True])
 def test_response_format_json_schema_validates(client, stream):
     """Sampled (n=2, temperature 1) outputs under three schemas: every one validates."""
@@ -224,7 +215,6 @@ def test_response_format_json_schema_validates(client, stream):
             jsonschema.validate(json.loads(text), schema)
 
 
-@engine
 def test_completions_structured_fields(server):
     """Completions with each spelling: guided_regex, guided_choice, structured_outputs
     (regex, choice, json), response_format json_object, guided_json."""
@@ -260,7 +250,6 @@ def test_completions_structured_fields(server):
                 json.loads(text)
 
 
-@engine
 @pytest.mark.parametrize("body", [
     {"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}},
@@ -276,7 +265,6 @@ def test_a_bad_schema_or_grammar_is_a_400(server, body):
 
 
 # ---------------------------------------------------------------- tool calls
-@engine
 @pytest.mark.parametrize("stream", [False, True])
 def test_named_tool_choice(client, stream):
     """A named function: one call of it, arguments valid for its schema; finish_reason
@@ -303,7 +291,6 @@ def test_named_tool_choice(client, stream):
         check_call(name, arguments)
 
 
-@engine
 @pytest.mark.parametrize("stream", [False, True])
 def test_required_tool_choice(client, stream):
     """"required": one call or more, each of a listed function with valid arguments;
@@ -342,7 +329,6 @@ HERMES = (r'Sure\.<tool_call>\{"name": "get_weather", "arguments": \{"city": "(P
           r'"unit": "(c|f)"\}\}</tool_call>')
 
 
-@engine
 @pytest.mark.parametrize("stream", [False, True])
 def test_auto_tool_calls_are_parsed_from_the_text(client, stream):
     """tool_choice "auto" with the hermes parser: the model is made to write a Hermes tool
@@ -367,7 +353,6 @@ def test_auto_tool_calls_are_parsed_from_the_text(client, stream):
 
 
 # ---------------------------------------------------------------- logit_bias, prompt log-probs
-@engine
 def test_logit_bias_moves_greedy_choices(server, oracle):
     """+100 on one token: greedy decoding emits it at every step; -100 on the token greedy
     decoding picks first: it is not picked."""
@@ -384,7 +369,6 @@ def test_logit_bias_moves_greedy_choices(server, oracle):
     assert r.json()["choices"][0]["logprobs"]["tokens"][0] != f"token_id:{first}"
 
 
-@engine
 def test_echo_with_logprobs_puts_the_prompts_first(server, oracle):
     """echo + logprobs: the prompt's tokens come first with the engine's prompt log-probs
     (the first one null), then the completion's; prompt_logprobs as vLLM returns them."""
@@ -417,7 +401,6 @@ def test_echo_with_logprobs_puts_the_prompts_first(server, oracle):
         assert ranks == list(range(1, len(ranks) + 1)) and len(ranks) >= 2
 
 
-@engine
 def test_allowed_token_ids_and_bad_words_pass_through(server, oracle):
     """vLLM's allowed_token_ids and bad_words reach the engine: the server's greedy tokens
     are LLM's under the same parameters, and every one is an allowed token."""
