@@ -3,6 +3,7 @@
 Examples:
   python -m jaxpage.serve                         # the default model on 127.0.0.1:8000
   python -m jaxpage.serve --model ./my-hf-dir --port 8080 --api-key secret
+  python -m jaxpage.serve --model ./qwen --enable-auto-tool-choice --tool-call-parser hermes
   python -m jaxpage.serve --model ./my-hf-dir --enable-lora --lora-modules sql=./sql-lora \\
        --max-lora-rank 64     # requests with "model": "sql" run under that PEFT adapter
   curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
@@ -22,6 +23,8 @@ logger = logging.getLogger("jaxpage.serve")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from jaxpage.engine_args import add_engine_args
+    from jaxpage.serve.app import DEFAULT_MAX_REQUEST_BODY_BYTES
+    from jaxpage.serve.tool_parsers import TOOL_PARSERS
 
     p = argparse.ArgumentParser(prog="python -m jaxpage.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,6 +37,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the model name clients send (default: --model)")
     p.add_argument("--max-in-flight", type=int, default=4096,
                    help="requests accepted and not finished beyond which new ones get 503")
+    p.add_argument("--max-request-body-bytes", type=int,
+                   default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="request bodies larger than this are refused with 413 before they are "
+                        "read (default: 32 MiB)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": tool calls parsed out of the text with '
+                        "--tool-call-parser")
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                   help="the tool-call format the model writes (hermes: <tool_call>{...}"
+                        "</tool_call>; llama3_json: {\"name\": ..., \"parameters\": ...})")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip compiling the common step shapes before serving")
     p.add_argument("--distributed", action="store_true",
@@ -107,6 +120,11 @@ def load(args: argparse.Namespace):
         distributed.initialize()
     start = time.perf_counter()
     config = engine_config(args)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    if args.max_request_body_bytes < 1:
+        raise ValueError(f"--max-request-body-bytes must be >= 1, got "
+                         f"{args.max_request_body_bytes}")
     for flag in ("--lora-modules", "--allow-runtime-lora-updating"):
         if getattr(args, flag[2:].replace("-", "_")) and not config.enable_lora:
             raise ValueError(f"{flag} needs --enable-lora (LoRA is off)")
@@ -151,7 +169,10 @@ def load(args: argparse.Namespace):
 
     return build_app(engine, model_name=name, api_key=args.api_key,
                      max_in_flight=args.max_in_flight, on_ready=ready,
-                     allow_runtime_lora_updating=args.allow_runtime_lora_updating or None)
+                     allow_runtime_lora_updating=args.allow_runtime_lora_updating or None,
+                     max_request_body_bytes=args.max_request_body_bytes,
+                     tool_parser=args.tool_call_parser if args.enable_auto_tool_choice
+                     else None)
 
 
 def add_lora_modules(engine, modules: list[tuple[str, str]], model_name: str) -> None:

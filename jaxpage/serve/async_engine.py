@@ -108,7 +108,8 @@ class AsyncEngine:
     async def submit(self, requests: list[EngineRequest]) -> RequestStream:
         """Queue `requests`, all or none, and return once the engine has taken them: a bad
         one raises its ValueError here (and none runs); too many in flight raise
-        OverloadedError, a dead engine EngineDeadError. Iterate the returned stream for the
+        OverloadedError (more than `max_in_flight` in one call: ValueError, as it never
+        fits), a dead engine EngineDeadError. Iterate the returned stream for the
         outputs; closing it (or leaving its iteration early) aborts what has not finished."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         handle = RequestStream(self, [r.request_id for r in requests], stream)
@@ -146,6 +147,9 @@ class AsyncEngine:
         with self._lock:
             if self.error is not None or self._stopping:
                 raise EngineDeadError(f"the engine has stopped: {self.error}")
+            if count > self.max_in_flight:  # never fits: a bad request, not a busy server
+                raise ValueError(f"prompt: {count} prompts in one request, but the server "
+                                 f"takes at most {self.max_in_flight} in flight")
             if self._in_flight + count > self.max_in_flight:
                 raise OverloadedError(f"the server has {self._in_flight} requests in flight "
                                       f"(at most {self.max_in_flight}); try again later")

@@ -281,7 +281,6 @@ def test_models_tokenize_detokenize_version(server, oracle):
     ({"prompt": "x", "top_p": 1.5}, 400, "top_p", "top_p"),
     ({"prompt": "x", "stop": [""]}, 400, "stop", "stop"),
     ({"prompt": "x", "logprobs": 50}, 400, "logprobs", "logprobs"),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo", "prompt log-probabilities"),
     ({"max_tokens": 3}, 400, "prompt", "required"),
 ])
 def test_completion_errors_use_the_envelope(server, body, status, param, words):
