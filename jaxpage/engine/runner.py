@@ -218,7 +218,10 @@ class ModelRunner:
     from what is left (`num_blocks`, read by the scheduler's allocator) and the host pool
     from `swap_space` (`num_host_blocks`). The host pool is a numpy array of
     `[num_host_blocks, num_layers, 2 (K, V), num_kv_heads, block_size, head_dim]`: one
-    block's K/V of every layer in one contiguous row.
+    block's K/V of every layer in one contiguous row. With sliding-window layers it holds
+    the full-attention layers' K/V, and `window_host_kv` (`num_window_host_blocks` rows)
+    the sliding layers' (jaxpage.engine.kv_groups: its blocks follow the full group's in
+    a swap plan's host ids).
 
     A speculative decoding draft model (`draft`: its model and numpy params, for
     `speculative_config.model`) keeps its K/V in a pool of its own (`draft_pool`, and
