@@ -77,14 +77,21 @@ class PrefixHit:
     adapter_id: str | int | None = None
     host_block_ids: tuple[int, ...] = ()
     # the window group's blocks of the hit's last levels, those its next queries read
-    # (``WindowedAllocator`` only; jaxpage.engine.kv_groups)
+    # (``WindowedAllocator`` only; jaxpage.engine.kv_groups): each a device block, or
+    # NULL_BLOCK where that level comes from the window group's host tier, whose block is
+    # then the same entry of ``window_host_block_ids`` (-1 elsewhere; () with no host level)
     window_block_ids: tuple[int, ...] = ()
+    window_host_block_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.block_ids) + len(self.host_block_ids) != len(self.block_hashes):
             raise ValueError(f"PrefixHit: {len(self.block_ids)} block_ids and "
                              f"{len(self.host_block_ids)} host_block_ids but "
                              f"{len(self.block_hashes)} block_hashes")
+        if self.window_host_block_ids and (
+                len(self.window_host_block_ids) != len(self.window_block_ids)):
+            raise ValueError(f"PrefixHit: {len(self.window_block_ids)} window_block_ids but "
+                             f"{len(self.window_host_block_ids)} window_host_block_ids")
 
 
 @dataclass(slots=True)

@@ -39,7 +39,7 @@ from jaxpage.attention import (
 from jaxpage.buckets import bucket_for, power_of_two_buckets
 from jaxpage.engine import executables, huge_pages
 from jaxpage.engine.batch import SeqInput, SeqResult
-from jaxpage.engine.kv_groups import window_blocks_per_seq
+from jaxpage.engine.kv_groups import window_blocks_per_seq, window_host_blocks
 from jaxpage.engine.runner_api import RUNNER_PHASES, StepTimer
 from jaxpage.engine.speculative import DRAFT_SLOT
 from jaxpage.models.config import layer_windows
@@ -218,7 +218,10 @@ class ModelRunner:
     from what is left (`num_blocks`, read by the scheduler's allocator) and the host pool
     from `swap_space` (`num_host_blocks`). The host pool is a numpy array of
     `[num_host_blocks, num_layers, 2 (K, V), num_kv_heads, block_size, head_dim]`: one
-    block's K/V of every layer in one contiguous row.
+    block's K/V of every layer in one contiguous row. With sliding-window layers it holds
+    the full-attention layers' K/V, and `window_host_kv` (`num_window_host_blocks` rows)
+    the sliding layers' (jaxpage.engine.kv_groups: its blocks follow the full group's in
+    a swap plan's host ids).
 
     A speculative decoding draft model (`draft`: its model and numpy params, for
     `speculative_config.model`) keeps its K/V in a pool of its own (`draft_pool`, and
@@ -310,6 +313,7 @@ class ModelRunner:
                                              self._draft.kv_heads // tp, draft_dim, kv_dtype)
         per_device = block_bytes(len(self.full_layers)) + draft_block
         self.block_bytes = per_device * tp
+        self.window_block_bytes = block_bytes(len(self.window_layers)) * tp  # (a swap)
         try:
             self.num_blocks, self.num_window_blocks = _pool_blocks(
                 config, per_device, block_bytes(len(self.window_layers)), self.window,
@@ -334,15 +338,20 @@ class ModelRunner:
         self.kv_pool = self._new_pool()
         self.draft_pool = self._new_draft_pool() if own else None
         self.max_model_len = max_model_len
-        if config.swap_space and self.window is not None:
-            raise ValueError("swap_space > 0 (a host pool) is not supported for models with "
-                             "sliding-window layers; use swap_space=0")
         if config.swap_space and quantized.is_format(kv_dtype):
             raise ValueError(f"swap_space > 0 (a host pool) is not supported with "
                              f"kv_cache_dtype={config.kv_cache_dtype!r}; use swap_space=0")
-        self.num_host_blocks = num_host_blocks = _num_host_blocks(config, self.block_bytes)
-        self.host_kv = np.zeros((num_host_blocks, model_config.num_layers, 2, pool_kv_heads,
+        # the host pools, one a group (the window group's numbered after the full group's in
+        # the swap plans: jaxpage.engine.kv_groups)
+        self.num_host_blocks = num_host_blocks = _num_host_blocks(
+            config, self.block_bytes, self.window_block_bytes, self.num_blocks,
+            self.num_window_blocks)
+        self.num_window_host_blocks = window_host_blocks(
+            num_host_blocks, self.num_blocks, self.num_window_blocks) if self.window else 0
+        self.host_kv = np.zeros((num_host_blocks, len(self.full_layers), 2, pool_kv_heads,
                                  block_size, pool_dim), kv_dtype)
+        self.window_host_kv = np.zeros((self.num_window_host_blocks, len(self.window_layers),
+                                        2, pool_kv_heads, block_size, pool_dim), kv_dtype)
         self.draft_host_kv = None
         if own:
             bs, heads, dim, _ = self._draft_dims
@@ -398,13 +407,17 @@ class ModelRunner:
         # a step's swap-outs write distinct host blocks; its swap-ins distinct device blocks
         self.swap_out_buckets = power_of_two_buckets(min(8, max(1, num_host_blocks)),
                                                      max(1, num_host_blocks))
+        most_window = max(1, self.num_window_host_blocks)
+        self.window_swap_out_buckets = power_of_two_buckets(min(8, most_window), most_window)
         self.compiled: set[tuple] = set()
         self.compile_seconds = 0.0
         self.device_seconds = 0.0  # wall time inside jitted calls (dispatch to result)
         self.swap_out_blocks = self.swap_in_blocks = 0
-        # swap-outs started and not yet in the host pool: ((device, host) block pairs, the
-        # gathered blocks on their way to the host, dispatch seconds or None if it compiled)
-        self._swaps_in_flight: list[tuple[list, jax.Array, float | None]] = []
+        # swap-outs started and not yet in the host pools: ((device, host) block pairs as
+        # planned, per host pool (the pool, its rows, the gathered blocks on their way), the
+        # bytes, dispatch seconds or None if it compiled)
+        self._swaps_in_flight: list[tuple[list, list[tuple[np.ndarray, list[int], jax.Array]],
+                                          int, float | None]] = []
         # swap-outs that did not compile, timed as the step waited for them (dispatch, and
         # the rest of the transfer and the host write after the forward): the copy
         # bandwidth the "auto" preemption mode measures
@@ -474,6 +487,8 @@ class ModelRunner:
         sampling = (rows * 2 * 2 * 2 * (1 + len(self.len_buckets)) * (1 + len(self.ban_buckets))
                     * 2 * 2 * (1 + len(self.ban_buckets)) * 2)
         swaps = len(self.swap_out_buckets) + len(self.copy_buckets) if self.num_host_blocks else 0
+        window_swaps = (len(self.window_swap_out_buckets) + len(self.copy_buckets)
+                        if self.num_window_host_blocks else 0)
         groups = sum(1 for layers in (self.full_layers, self.window_layers) if layers)
         # a run-ahead step's token ids, per decode bucket, and picked out of one or two
         # steps' draws (out, first, second bucket)
@@ -486,7 +501,7 @@ class ModelRunner:
             groups += 1
             swaps *= 2
         return (forward + sampling + 2 * len(self.copy_buckets) * groups  # copies, fills
-                + swaps + ahead)
+                + swaps + window_swaps + ahead)
 
     def copy_blocks(self, copies: list[tuple[int, int]], window: bool = False) -> None:
         """Copy `(src, dst)` blocks in every layer of the full group, or of the window
@@ -527,76 +542,114 @@ class ModelRunner:
             kv_pool[i] = layer_kv
         self.kv_pool = kv_pool
 
+    def _split_swaps(self, copies: list[tuple[int, int]], host_at: int
+                     ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """A swap plan's pairs by group: host ids from num_host_blocks on are the window
+        group's (jaxpage.engine.kv_groups), renumbered from 0 (`host_at`: the host id's
+        place in a pair)."""
+        full, window, offset = [], [], self.num_host_blocks
+        for pair in copies:
+            if pair[host_at] < offset:
+                full.append(pair)
+            else:
+                pair = list(pair)
+                pair[host_at] -= offset
+                window.append(tuple(pair))
+        return full, window
+
     def swap_out(self, copies: list[tuple[int, int]]) -> None:
-        """Start copying `(device block, host block)` pairs into the host pool: one jitted
-        gather of every block, dispatched before this step's forward (so it reads the
-        blocks before the forward may rewrite them), and one device->host transfer started
-        at once; the transfer overlaps the forward and lands in `finish_swaps`."""
+        """Start copying `(device block, host block)` pairs into the host pools: per group
+        (and the draft's own pool) one jitted gather of its layers' blocks, dispatched
+        before this step's forward (so it reads the blocks before the forward may rewrite
+        them), and one device->host transfer started at once; the transfer overlaps the
+        forward and lands in `finish_swaps`."""
         if not copies:
             return
-        size = bucket_for(len(copies), self.swap_out_buckets)
-        device_ids = np.zeros(size, np.int32)
-        device_ids[: len(copies)] = [device_id for device_id, _ in copies]
-        key = ("swap_out", size)
-        measured, start = key in self.compiled, time.perf_counter()
-        blocks = [self._call(key, _GATHER_BLOCKS, (self.kv_pool, device_ids))]
-        if self.draft_pool is not None:
-            blocks.append(self._call(("draft_swap_out", size), _GATHER_BLOCKS,
-                                     (self.draft_pool, device_ids)))
-        for part in blocks:
+        start, parts, measured, nbytes = time.perf_counter(), [], True, 0
+        groups = [(False, self.host_kv, self.swap_out_buckets, self.block_bytes),
+                  (True, self.window_host_kv, self.window_swap_out_buckets,
+                   self.window_block_bytes)]
+        for (window, host, buckets, block_bytes), pairs in zip(
+                groups, self._split_swaps(copies, 1), strict=True):
+            layers = self.window_layers if window else self.full_layers
+            if not pairs or not (layers or (self.draft_pool is not None and not window)):
+                continue
+            size = bucket_for(len(pairs), buckets)
+            device_ids = np.zeros(size, np.int32)
+            device_ids[: len(pairs)] = [device_id for device_id, _ in pairs]
+            host_ids = [host_id for _, host_id in pairs]
+            name = "window_swap_out" if window else "swap_out"
+            measured &= (name, size) in self.compiled or not layers
+            if layers:
+                parts.append((host, host_ids, self._call(
+                    (name, size), _GATHER_BLOCKS, ([self.kv_pool[i] for i in layers],
+                                                   device_ids))))
+            if self.draft_pool is not None and not window:
+                measured &= ("draft_swap_out", size) in self.compiled
+                parts.append((self.draft_host_kv, host_ids, self._call(
+                    ("draft_swap_out", size), _GATHER_BLOCKS, (self.draft_pool, device_ids))))
+            nbytes += len(pairs) * block_bytes
+        for _, _, part in parts:
             part.copy_to_host_async()
-        self._swaps_in_flight.append((copies, blocks,
+        self._swaps_in_flight.append((copies, parts, nbytes,
                                       time.perf_counter() - start if measured else None))
         self.swap_out_blocks += len(copies)
 
     def finish_swaps(self) -> None:
-        """Write the swap-outs in flight into the host pool (waiting for their transfers).
+        """Write the swap-outs in flight into the host pools (waiting for their transfers).
         The time counted as the copy's is what the step spent on it: dispatch and the wait
         here, not the part the transfer overlapped the forward."""
         while self._swaps_in_flight:
-            copies, blocks, dispatch_seconds = self._swaps_in_flight[0]
+            _, parts, nbytes, dispatch_seconds = self._swaps_in_flight[0]
             start = time.perf_counter()
-            host_ids = [host_id for _, host_id in copies]
-            for host, part in zip(self._host_pools(), blocks, strict=True):
-                host[host_ids] = np.asarray(part)[: len(copies)]
+            for host, host_ids, part in parts:
+                host[host_ids] = np.asarray(part)[: len(host_ids)]
             self._swaps_in_flight.pop(0)
             if dispatch_seconds is not None:
                 self.swap_out_seconds_timed += dispatch_seconds + time.perf_counter() - start
-                self.swap_out_bytes_timed += len(copies) * self.block_bytes
+                self.swap_out_bytes_timed += nbytes
 
     def swaps_in_flight(self) -> list[int]:
         """Host blocks whose swap-out was started and has not landed."""
-        return [host_id for copies, _, _ in self._swaps_in_flight for _, host_id in copies]
+        return [host_id for copies, *_ in self._swaps_in_flight for _, host_id in copies]
 
     def drop_swaps(self) -> list[list[tuple[int, int]]]:
         """Forget the swap-outs in flight (after a failure); returns their copies."""
-        dropped = [copies for copies, _, _ in self._swaps_in_flight]
+        dropped = [copies for copies, *_ in self._swaps_in_flight]
         self._swaps_in_flight.clear()
         return dropped
 
     def swap_in(self, copies: list[tuple[int, int]]) -> None:
-        """Copy `(host block, device block)` pairs into the KV pool: one host->device
-        transfer of every block, one jitted scatter into the donated pool. Swap-outs in
-        flight land first (a block swapped out may be read back in the same step)."""
+        """Copy `(host block, device block)` pairs into the KV pool: per group (and the
+        draft's own pool) one host->device transfer of its blocks, one jitted scatter into
+        its donated layers. Swap-outs in flight land first (a block swapped out may be read
+        back in the same step)."""
         if not copies:
             return
         self.finish_swaps()
-        size = bucket_for(len(copies), self.copy_buckets)
-        host_ids = np.full(size, copies[0][0], np.int64)  # padding: any row, into block 0
-        device_ids = np.zeros(size, np.int32)
-        host_ids[: len(copies)], device_ids[: len(copies)] = zip(*copies, strict=True)
-        blocks = jax.device_put(self.host_kv[host_ids])
-        self.kv_pool = self._call(("swap_in", size), _SCATTER_BLOCKS,
-                                  (self.kv_pool, device_ids, blocks))
-        if self.draft_pool is not None:
-            blocks = jax.device_put(self.draft_host_kv[host_ids])
-            self.draft_pool = self._call(("draft_swap_in", size), _SCATTER_BLOCKS,
-                                         (self.draft_pool, device_ids, blocks))
+        full, window = self._split_swaps(copies, 0)
+        for in_window, pairs, host in ((False, full, self.host_kv),
+                                       (True, window, self.window_host_kv)):
+            if not pairs:
+                continue
+            size = bucket_for(len(pairs), self.copy_buckets)
+            host_ids = np.full(size, pairs[0][0], np.int64)  # padding: any row, into block 0
+            device_ids = np.zeros(size, np.int32)
+            host_ids[: len(pairs)], device_ids[: len(pairs)] = zip(*pairs, strict=True)
+            if self.window_layers if in_window else self.full_layers:
+                self._update_group(in_window, ("window_swap_in" if in_window else "swap_in",
+                                               size), _SCATTER_BLOCKS, device_ids,
+                                   jax.device_put(host[host_ids]))
+            if self.draft_pool is not None and not in_window:
+                blocks = jax.device_put(self.draft_host_kv[host_ids])
+                self.draft_pool = self._call(("draft_swap_in", size), _SCATTER_BLOCKS,
+                                             (self.draft_pool, device_ids, blocks))
         self.swap_in_blocks += len(copies)
 
     def _host_pools(self) -> list[np.ndarray]:
-        """The host pools a swapped block's K/V goes to: the target's, and the draft's."""
-        return [self.host_kv] + ([] if self.draft_host_kv is None else [self.draft_host_kv])
+        """The host pools: the target's full group's and window group's, and the draft's."""
+        return [self.host_kv, self.window_host_kv] + (
+            [] if self.draft_host_kv is None else [self.draft_host_kv])
 
     def pool_lost(self) -> bool:
         """Whether the KV pool's buffers (or the draft's, or the LoRA slots') were freed (a
@@ -1165,14 +1218,34 @@ def _pool_blocks(config: EngineConfig, full_block: int, window_block: int, windo
     return int(num_blocks), num_window
 
 
-def _num_host_blocks(config: EngineConfig, per_block: int) -> int:
-    """Host pool blocks: `swap_space` bytes over one block's bytes (0: no host pool)."""
-    if not config.swap_space:
+def _num_host_blocks(config: EngineConfig, per_block: int, window_block: int = 0,
+                     num_blocks: int = 0, num_window_blocks: int = 0) -> int:
+    """The full group's host pool blocks (0: no host pool): `swap_space` bytes over one
+    block's bytes; with a window group (`window_block` bytes a block, device pools of
+    `num_blocks` and `num_window_blocks`), the most whose window group's share
+    (`window_host_blocks`) fits beside them. A model with no full-attention layer
+    (`per_block` 0) numbers full-group host blocks for the bookkeeping alone."""
+    space = config.swap_space
+    if not space:
         return 0
-    if config.swap_space and config.swap_space < per_block:
-        raise ValueError(f"swap_space {config.swap_space} bytes is smaller than one KV block "
-                         f"({per_block} bytes); use 0 (no host pool) or at least one block")
-    return config.swap_space // per_block
+
+    def cost(n: int) -> int:
+        return n * per_block + window_host_blocks(n, num_blocks, num_window_blocks) * window_block
+
+    smallest = cost(1) if window_block else per_block
+    if space < smallest:
+        raise ValueError(f"swap_space {space} bytes is smaller than one KV block "
+                         f"({smallest} bytes{' over both groups' if window_block else ''}); "
+                         "use 0 (no host pool) or at least one block")
+    if not window_block:
+        return space // per_block
+    low, high = 1, 2  # cost(low) <= space < cost(high)
+    while cost(high) <= space:
+        low, high = high, 2 * high
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if cost(mid) <= space else (low, mid)
+    return low
 
 
 def _packs_weights(model: Any, device: Any, dtype) -> bool:

@@ -208,13 +208,30 @@ class TieredAllocator(BlockAllocator):
         (swap-outs run first): swap out before swapping in or allocating with host hits, as
         the scheduler does (it preempts before it admits). All or nothing: returns False,
         changing nothing, when there is nothing to keep or the host pool lacks room."""
-        tables, counts = self._swap_sources(seqs, pending_copies or {})
+        plan = self._plan_swap_out(seqs, pending_copies or {})
+        if plan is None:
+            return False
+        self._apply_swap_out(seqs, plan)
+        return True
+
+    def _plan_swap_out(self, seqs: Sequence[tuple[Hashable, int]],
+                       pending_copies: dict[int, int]
+                       ) -> tuple[list[list[int]], dict[int, int], dict[int, int]] | None:
+        """``swap_out``'s checks, changing nothing: (per sequence the device blocks read,
+        each distinct one's table entries, those whose content the host holds already ->
+        that host block), or None where it must refuse."""
+        tables, counts = self._swap_sources(seqs, pending_copies)
         found = {b: self.host.find_key(self._block_key[b]) for b in counts
                  if self._block_key[b] is not None}
         found = {b: h for b, h in found.items() if h is not None}
         cached = sum(1 for h in set(found.values()) if self.host.is_cached(h))
         if not counts or len(counts) - len(found) > self.host.num_available - cached:
-            return False
+            return None
+        return tables, counts, found
+
+    def _apply_swap_out(self, seqs: Sequence[tuple[Hashable, int]],
+                        plan: tuple[list[list[int]], dict[int, int], dict[int, int]]) -> None:
+        tables, counts, found = plan
         host_of = {}
         for device_id, host_id in found.items():  # first: taking new blocks may evict them
             self.host.hold(host_id, counts[device_id])
@@ -231,7 +248,6 @@ class TieredAllocator(BlockAllocator):
                 [host_of[b] for b in table], keep, seq.block_hashes[:keep // bs], seq.extra,
                 seq.cache_salt, seq.adapter_id)
             self.free(seq_id)
-        return True
 
     def swap_in(self, seqs: Sequence[tuple[Hashable, int, int | None]]) -> bool:
         """Bring swapped-out sequences back, each as ``(seq_id, num_tokens,
