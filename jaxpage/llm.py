@@ -226,12 +226,15 @@ def merge_delta(merged: dict[int, CompletionOutput], out: RequestOutput) -> list
     return [merged[i] for i in sorted(merged)]
 
 
-def chat_token_ids(tokenizer: Any, conversation: list[dict]) -> list[int]:
-    """Token ids of a conversation under the tokenizer's chat template, ready to generate."""
+def chat_token_ids(tokenizer: Any, conversation: list[dict],
+                   tools: list[dict] | None = None) -> list[int]:
+    """Token ids of a conversation under the tokenizer's chat template, ready to generate
+    (`tools`: the function definitions the template shows the model, OpenAI's form)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template")
+    extra = {} if tools is None else {"tools": tools}
     encoded = tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
-                                            tokenize=True)
+                                            tokenize=True, **extra)
     if hasattr(encoded, "keys"):  # transformers >= 5 returns a BatchEncoding
         encoded = encoded["input_ids"]
     return list(encoded)

@@ -25,6 +25,7 @@ transfers go first in the next one), so a pin never needs to outlive its step.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
 from jaxpage.engine.block_hashing import _EXTRA, _HASH, _PARENT, _TOKENS, _BlockKey, match_block
 
@@ -77,6 +78,24 @@ class HostBlockPool:
         if ref_count == 0:
             self._cached[block_id] = None
         return block_id
+
+    def place(self, counts: dict[int, int], found: dict[int, int],
+              key_of: Callable[[int], _BlockKey | None], copies: dict[int, int]
+              ) -> dict[int, int]:
+        """The host block of each device block of a swap-out, held by ``counts[device]``
+        table entries: the one ``found`` holding its content already (held again first:
+        taking new blocks may evict it), else a new one for ``key_of(device)``, whose copy
+        ``copies`` records (host block -> device block)."""
+        host_of = {}
+        for device_id, host_id in found.items():
+            self.hold(host_id, counts[device_id])
+            host_of[device_id] = host_id
+        for device_id, count in counts.items():
+            if device_id not in host_of:
+                host_id = self.take(key_of(device_id), count)
+                copies[host_id] = device_id
+                host_of[device_id] = host_id
+        return host_of
 
     def hold(self, block_id: int, count: int) -> None:
         """``count`` more table entries hold the block (a cached one leaves the cache)."""

@@ -370,15 +370,7 @@ class WindowGroup:
         """Record the sequences' window host tables (``plan_swap_out``'s plan); the caller
         then frees them."""
         tables, counts, found = plan
-        host_of = {}
-        for device_id, host_id in found.items():  # first: taking new blocks may evict them
-            self.host.hold(host_id, counts[device_id])
-            host_of[device_id] = host_id
-        for device_id, count in counts.items():
-            if device_id not in host_of:
-                host_id = self.host.take(self._key[device_id], count)
-                self._swap_out_plan[host_id] = device_id
-                host_of[device_id] = host_id
+        host_of = self.host.place(counts, found, self._key.__getitem__, self._swap_out_plan)
         for (seq_id, keep), table in zip(seqs, tables, strict=True):
             self._swapped[seq_id] = _WindowSwapped([host_of[b] for b in table], keep)
 

@@ -232,15 +232,8 @@ class TieredAllocator(BlockAllocator):
     def _apply_swap_out(self, seqs: Sequence[tuple[Hashable, int]],
                         plan: tuple[list[list[int]], dict[int, int], dict[int, int]]) -> None:
         tables, counts, found = plan
-        host_of = {}
-        for device_id, host_id in found.items():  # first: taking new blocks may evict them
-            self.host.hold(host_id, counts[device_id])
-            host_of[device_id] = host_id
-        for device_id, count in counts.items():
-            if device_id not in host_of:
-                host_id = self.host.take(self._block_key[device_id], count)
-                self._swap_out_plan[host_id] = device_id
-                host_of[device_id] = host_id
+        host_of = self.host.place(counts, found, self._block_key.__getitem__,
+                                  self._swap_out_plan)
         bs = self.block_size
         for (seq_id, keep), table in zip(seqs, tables, strict=True):
             seq = self._seqs[seq_id]

@@ -384,7 +384,7 @@ def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
         mode, function = body.tool_plan(auto_parser is not None)
         constraint = body.tool_constraint(mode, function)
         conversation = [m.as_template_input() for m in body.messages]
-        ids = await asyncio.to_thread(_chat_ids, need_tokenizer(), conversation,
+        ids = await asyncio.to_thread(chat_token_ids, need_tokenizer(), conversation,
                                       body.tool_dicts())
         check_length(len(ids), "messages")
         base = f"chatcmpl-{uuid.uuid4().hex}"
@@ -404,19 +404,6 @@ def build_app(engine: Any, *, model_name: str, api_key: str | None = None,
 
 
 # ---------------------------------------------------------------- helpers
-def _chat_ids(tokenizer: Any, conversation: list[dict], tools: list[dict] | None) -> list[int]:
-    """The conversation's token ids under the chat template, given the tools if any."""
-    if tools is None:
-        return chat_token_ids(tokenizer, conversation)
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("messages: this model's tokenizer has no chat template")
-    encoded = tokenizer.apply_chat_template(conversation, tools=tools,
-                                            add_generation_prompt=True, tokenize=True)
-    if hasattr(encoded, "keys"):  # transformers >= 5 returns a BatchEncoding
-        encoded = encoded["input_ids"]
-    return list(encoded)
-
-
 class BodyLimit:
     """ASGI middleware: a request body over `max_bytes` is a 413 in OpenAI's envelope. A
     Content-Length over it is refused before a byte of the body is read; a body without one
@@ -526,10 +513,6 @@ def _lp(value: float) -> float:
     return max(value, -9999.0)
 
 
-def _prompt_logprobs(out: RequestOutput) -> list | None:
-    return getattr(out, "prompt_logprobs", None)
-
-
 class _View:
     """What both endpoints share: the response header fields and merging deltas."""
 
@@ -553,7 +536,7 @@ class _View:
 
     def note(self, out: RequestOutput) -> None:
         """Keep a request's prompt log-probs (the engine sends them once)."""
-        lps = _prompt_logprobs(out)
+        lps = out.prompt_logprobs
         if lps is not None:
             self.prompt_lps[out.request_id] = lps
 
