@@ -31,6 +31,7 @@ from jaxpage.layers.fused import (
 )
 from jaxpage.layers.linear import SMALL_MATMUL_ROWS, linear, matmul_f32, pack_weight, packable
 from jaxpage.layers.lora import lora_matmul
+from jaxpage.layers.norm import add_rms_norm, rms_norm
 from jaxpage.layers.quantized_linear import (
     QUANTIZATIONS,
     QuantizedWeight,
@@ -41,7 +42,6 @@ from jaxpage.layers.quantized_linear import (
     quantize,
     ragged_matmul,
 )
-from jaxpage.layers.norm import add_rms_norm, rms_norm
 from jaxpage.layers.rotary import cos_sin, rotate, split_rotate
 
 __all__ = [

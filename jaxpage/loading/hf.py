@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxpage.loading.errors import WeightsError
 from jaxpage.loading import quantization as quant
+from jaxpage.loading.errors import WeightsError
 from jaxpage.loading.hf_families import TensorGetter, params_from_hf_tensors
 from jaxpage.models.config import ModelConfig
 

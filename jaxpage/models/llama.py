@@ -45,8 +45,9 @@ def pack_params(params: Params) -> Params:
     a tied `embed` as [H, V]) packed where `layers.packable` (`layers.pack_weight`), and
     int8 projections (`layers.QuantizedWeight`) where the kernel library packs int8
     (`quantized_linear.packable`): the layout a CPU runner keeps them in, so that every matmul
-    of them streams its weights in order. `layers.matmul_f32` and `layers.embed` take packed weights as they take the
-    others; the engine packs only where the kernel library is available."""
+    of them streams its weights in order. `layers.matmul_f32` and `layers.embed` take packed
+    weights as they take the others; the engine packs only where the kernel library is
+    available."""
     def pack(name, w):  # NumPy params pack on the host; the others are kept
         if name not in PACKED_WEIGHTS:
             return w
