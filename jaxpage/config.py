@@ -18,12 +18,14 @@ DTYPES = ("float32", "bfloat16")
 # the KV pool's storage: "auto" is the model dtype; the 8-bit formats keep a float32 scale per
 # KV head and token (pallas_kernels/quantized.py)
 KV_CACHE_DTYPES = ("auto", *DTYPES, "float8_e4m3fn", "float8_e5m2", "int8")
+# weight-only quantization of the decoder's projections (jaxpage.loading.quantization)
+QUANTIZATIONS = ("int8", "fp8")
 
 
 def choices(field: str) -> tuple | None:
     """The allowed values of an EngineConfig field that takes one of a fixed list (for the
     command-line flags), else None."""
-    return {"dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES,
+    return {"dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "quantization": QUANTIZATIONS,
             "attention_backend": ATTENTION_BACKENDS,
             "reservation_policy": RESERVATION_POLICIES,
             "preemption_mode": PREEMPTION_MODES}.get(field)
@@ -37,6 +39,13 @@ class EngineConfig:
       "bfloat16"; "float8_e4m3fn", "float8_e5m2", "int8": 8-bit values with a float32 scale
       per KV head and token, set when the token is written (pallas_kernels/quantized.py):
       3.76x the tokens of a float32 pool per byte at head_dim 64, 3.88x at 128.
+
+    quantization: the decoder's projections (qkv, o, gate_up, down, MoE experts) in 8 bits
+      with a float32 scale per output column, quantized while loading; the activations, the
+      embedding, the norms and the LM head stay in `dtype` (weight-only, W8A16). "int8":
+      symmetric int8; "fp8": float8_e4m3fn. None: full width, unless the checkpoint is stored
+      quantized (compressed-tensors int8 / fp8), which loads as stored
+      (jaxpage.loading.quantization).
 
     num_blocks: KV pool size in blocks (block 0 is reserved); if None, sized from
       kv_cache_memory (bytes), else from a default budget (1 GiB on CPU; on an accelerator
@@ -63,6 +72,7 @@ class EngineConfig:
     revision: str | None = None
     dtype: str = "float32"
     kv_cache_dtype: str = "auto"
+    quantization: str | None = None
     block_size: int = 16
     num_blocks: int | None = None
     num_window_blocks: int | None = None
@@ -119,6 +129,8 @@ class EngineConfig:
         check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
         check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,
               f"one of {KV_CACHE_DTYPES}")
+        check(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
+              self.quantization, f"None or one of {QUANTIZATIONS}")
         check(is_positive_int(self.block_size), "block_size", self.block_size, "an integer >= 1")
         check(self.num_blocks is None
               or (is_positive_int(self.num_blocks) and self.num_blocks >= 2),

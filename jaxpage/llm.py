@@ -37,7 +37,8 @@ class LLM:
             if config is None:
                 config = EngineConfig(model=model or DEFAULT_MODEL, **engine_kwargs)
             model_config, params, loaded_tokenizer = load_model(
-                config.model, config.dtype, config.cache_gguf, config.revision)
+                config.model, config.dtype, config.cache_gguf, config.revision,
+                config.quantization)
             model = build_model(model_config)
             tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
         else:
@@ -48,6 +49,9 @@ class LLM:
             validate_model(model, params)
             if config is None:
                 config = EngineConfig(model=type(model).__name__, **engine_kwargs)
+            if config.quantization is not None:
+                raise ValueError(f"quantization {config.quantization!r} applies to a model "
+                                 "jaxpage loads; a model object's params are served as given")
         self.engine = build_engine(config, model, params, tokenizer)
         self.tokenizer = tokenizer
         self._next_id = 0

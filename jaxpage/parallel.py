@@ -37,6 +37,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpage.layers import quantized_linear
+
 MODEL_AXIS = "model"
 
 # PartitionSpecs by param name (anything else, e.g. norms and output biases, is replicated)
@@ -52,6 +54,11 @@ _SPECS = {
     # replicated (expert parallelism: jaxpage.models.moe)
     "experts_gate_up": P(MODEL_AXIS, None, None), "experts_down": P(MODEL_AXIS, None, None),
 }
+# An 8-bit weight (`quantized_linear.QuantizedWeight`) is sharded as its name says for its
+# values, and its per-column scale [..., N] as the values' columns: split with the columns of
+# a column-split weight (qkv, gate_up), whole for a row-split one (o, down: every device holds
+# all N columns), by expert for a MoE layer's stacks (`_scale_spec`).
+
 # [kv_heads, ...]: split over KV heads, a pool's values (and a quantized pool's scales)
 POOL_SPEC = P(MODEL_AXIS)
 
@@ -73,6 +80,13 @@ def _refusal(config: Any, tp: int) -> str | None:
     if config.intermediate_size % tp:
         return f"intermediate_size {config.intermediate_size} is not a multiple of it"
     return None
+
+
+def _scale_spec(spec: P) -> P:
+    """The spec of an 8-bit weight's scales [..., N] given its values' [..., K, N]: the values'
+    without the K axis, so the scales split with the columns (or experts) they scale."""
+    parts = tuple(spec)
+    return P(*parts[:-2], *parts[-1:]) if len(parts) >= 2 else spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,13 +157,14 @@ class TensorParallel:
             out["lm_head"] = pad_vocab(np.asarray(params["lm_head"]), 1)
         layers = []
         for layer in params["layers"]:
-            layer = {k: np.asarray(v) for k, v in layer.items()}
+            layer = {k: jax.tree.map(np.asarray, v) for k, v in layer.items()}
+            # an 8-bit weight's scales move with its columns (`quantized_linear.map_columns`)
             for name in ("qkv", "qkv_bias"):
                 if name in layer:
-                    layer[name] = qkv_columns(layer[name])
+                    layer[name] = quantized_linear.map_columns(layer[name], qkv_columns)
             for name in ("gate_up", "gate_up_bias"):
                 if name in layer:
-                    layer[name] = gate_up_columns(layer[name])
+                    layer[name] = quantized_linear.map_columns(layer[name], gate_up_columns)
             layers.append(layer)
         out["layers"] = layers
         return out
@@ -195,8 +210,12 @@ class TensorParallel:
     @staticmethod
     def param_specs(params: dict) -> dict:
         def spec(path, _leaf) -> P:
-            name = path[-1].key if hasattr(path[-1], "key") else None
-            return _SPECS.get(name, P())
+            last, field = path[-1], None
+            if isinstance(last, jax.tree_util.GetAttrKey):  # a QuantizedWeight's array
+                last, field = path[-2], last.name
+            name = last.key if hasattr(last, "key") else None
+            spec = _SPECS.get(name, P())
+            return _scale_spec(spec) if field == "scale" else spec
 
         return jax.tree_util.tree_map_with_path(spec, params)
 

@@ -581,6 +581,12 @@ class LLMEngine:
             # per kind of layer; sliding layers hold a token only while it is in the window
             "kv_bytes_per_token": dict(self.runner.kv_bytes_per_token),
             "kv_cache_dtype": self.runner.kv_dtype.name,
+            # the params' bytes as loaded, and of those the 8-bit projections' (values and
+            # scales), in the format `quantization` (EngineConfig.quantization, or as the
+            # checkpoint stored them; None: full width)
+            "weight_bytes": self.runner.weight_bytes,
+            "quantized_weight_bytes": self.runner.quantized_weight_bytes,
+            "quantization": self.runner.quantization,
             "sliding_window": self.runner.window,
             "kv_window_blocks_total": usage.get("window_num_blocks", 0),
             "kv_window_blocks_used": usage.get("window_used", 0),

@@ -42,6 +42,7 @@ from jaxpage.engine.batch import SeqInput, SeqResult
 from jaxpage.engine.kv_groups import window_blocks_per_seq, window_host_blocks
 from jaxpage.engine.runner_api import RUNNER_PHASES, StepTimer
 from jaxpage.engine.speculative import DRAFT_SLOT
+from jaxpage.layers import quantized_linear
 from jaxpage.models.config import layer_windows
 from jaxpage.parallel import TensorParallel, TensorParallelModel
 from jaxpage.sampling import SamplingMetadata, sample
@@ -252,7 +253,12 @@ class ModelRunner:
                                       dtype=kv_dtype)
         self.ragged = self.backend in RAGGED_BACKENDS
         self.interpret = config.kernel_interpret
-        params = jax.tree.map(lambda a: _cast_float(a, dtype), params)
+        params = _cast_params(params, dtype)
+        # the params' bytes as loaded (an 8-bit projection's values and scales: jaxpage.layers.
+        # quantized_linear), before any device's layout: what the model weighs
+        self.weight_bytes = quantized_linear.weight_bytes(params)
+        self.quantized_weight_bytes = quantized_linear.weight_bytes(params, quantized_only=True)
+        self.quantization = quantized_linear.weight_format(params)
         # tensor parallel: the model runs under shard_map on its mesh, each device holding
         # its share of the params and of the pool's KV heads (jaxpage.parallel)
         # `devices` (default: the first tensor_parallel_size) are this runner's alone: a
@@ -1145,7 +1151,7 @@ def _build_draft(model: Any, params: Any, config: EngineConfig, draft: tuple[Any
         raise ValueError(f"{field} takes the attention backend {draft_backend!r} (head_dim "
                          f"{draft_config.head_dim}), the target {backend!r}: both must run on "
                          "one")
-    draft_params = jax.tree.map(lambda a: _cast_float(a, dtype), draft_params)
+    draft_params = _cast_params(draft_params, dtype)
     device = devices[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if stats and "bytes_limit" in stats:  # its share of each device's memory
@@ -1257,6 +1263,13 @@ def _packs_weights(model: Any, device: Any, dtype) -> bool:
             and hasattr(model, "pack_params")
             and os.environ.get("JAXPAGE_CPU_PACKED_WEIGHTS", "1") != "0"
             and cpu_ops.available())
+
+
+def _cast_params(params: Any, dtype) -> Any:
+    """`_cast_float` over a params pytree; an 8-bit weight (values and float32 scales) is kept
+    as loaded."""
+    return jax.tree.map(lambda a: a if quantized_linear.is_quantized(a) else _cast_float(a, dtype),
+                        params, is_leaf=quantized_linear.is_quantized)
 
 
 def _cast_float(leaf: Any, dtype) -> Any:

@@ -9,6 +9,8 @@ platform, as the runner does, else by `jax.lax.platform_dependent`); packed or p
 weights. A family is written once against them and imports no kernel itself.
 
     linear      matmuls and the packed weight layout (`matmul_f32`, `linear`, `pack_weight`)
+    quantized_linear  8-bit weights with per-column scales (`QuantizedWeight`, `quantize`)
+                and their matmuls, a MoE layer's experts' included
     norm        RMSNorm, alone and fused with the residual add before it
     activation  the gated MLP's activations (`silu_mul`)
     rotary      rotary embedding (`cos_sin`, `rotate`, `split_rotate`)
@@ -30,11 +32,22 @@ from jaxpage.layers.fused import (
 from jaxpage.layers.linear import SMALL_MATMUL_ROWS, linear, matmul_f32, pack_weight, packable
 from jaxpage.layers.lora import lora_matmul
 from jaxpage.layers.norm import add_rms_norm, rms_norm
+from jaxpage.layers.quantized_linear import (
+    QUANTIZATIONS,
+    QuantizedWeight,
+    dequantize,
+    expert_einsum,
+    expert_matmul,
+    is_quantized,
+    quantize,
+    ragged_matmul,
+)
 from jaxpage.layers.rotary import cos_sin, rotate, split_rotate
 
 __all__ = [
     "ACTIVATIONS", "FUSED_LAYER_PARAMS", "FUSED_LAYER_ROWS", "FUSED_LAYER_WEIGHTS",
-    "SMALL_MATMUL_ROWS", "add_rms_norm", "cos_sin", "decoder_layer", "embed", "fusable",
-    "linear", "lora_matmul", "matmul_f32", "pack_weight", "packable", "rms_norm", "rotate",
-    "silu_mul", "split_rotate",
+    "QUANTIZATIONS", "SMALL_MATMUL_ROWS", "QuantizedWeight", "add_rms_norm", "cos_sin",
+    "decoder_layer", "dequantize", "embed", "expert_einsum", "expert_matmul", "fusable",
+    "is_quantized", "linear", "lora_matmul", "matmul_f32", "pack_weight", "packable",
+    "quantize", "ragged_matmul", "rms_norm", "rotate", "silu_mul", "split_rotate",
 ]

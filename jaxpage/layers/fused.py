@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import jax
 
-from jaxpage.layers import dispatch
+from jaxpage.layers import dispatch, quantized_linear
 from pallas_kernels import cpu_ops
 
 if TYPE_CHECKING:
@@ -32,11 +32,15 @@ def fusable(layer: dict, layer_kv: LayerKV, next_norm: jax.Array, x: jax.Array,
     """Whether the kernel runs this layer (SiLU, one device: the caller's to check): a step of
     at most FUSED_LAYER_ROWS tokens on the C++ attention backend, a plain layer
     (FUSED_LAYER_PARAMS, its projections packed), float32 or bfloat16 throughout (pools
-    included: not quantized, not padded past head_dim), the library built."""
+    included: not quantized, not padded past head_dim), the library built. The kernel takes
+    float weights only: a layer of 8-bit weights (`quantized_linear.QuantizedWeight`) runs
+    unfused, its matmuls one call each."""
     dtype = x.dtype
     return (metadata.backend == "cpp"
             and x.shape[0] <= FUSED_LAYER_ROWS and dispatch.glue_dtype(dtype)
             and set(layer) == FUSED_LAYER_PARAMS
+            and not any(quantized_linear.is_quantized(layer[name])
+                        for name in FUSED_LAYER_WEIGHTS)
             and all(layer[name].ndim == 4 and layer[name].dtype == dtype
                     for name in FUSED_LAYER_WEIGHTS)
             and layer["mlp_norm"].dtype == dtype and next_norm.dtype == dtype

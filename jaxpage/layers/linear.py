@@ -1,6 +1,7 @@
 """Matmuls of activations by weights, and the weight layout each backend streams fastest.
 
-`matmul_f32` picks the implementation: a packed weight (`pack_weight`, CPU only) goes
+`matmul_f32` picks the implementation: an 8-bit weight (`quantized_linear.QuantizedWeight`)
+goes through `quantized_linear.matmul_f32`; a packed weight (`pack_weight`, CPU only)
 through the kernel library's packed matmul; on CPU, few rows of float32/bfloat16 through its
 small_matmul where it is built for AVX-512; everywhere else XLA's dot.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxpage.layers import quantized_linear
 from pallas_kernels import cpu_ops, lowering
 
 # rows up to which a CPU matmul takes the kernel library's small_matmul (decode steps and
@@ -60,7 +62,11 @@ def matmul_f32(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
     few rows; without AVX-512 the walks lose to XLA: `cpu_ops.wide_vectors`); elsewhere,
     and on every other platform, jnp's dot. Only the packed path reads `live_rows` (x's rows
     past it are padding): it multiplies only the live rows, the others are zeros there and
-    whatever the dot gives elsewhere; no one reads them."""
+    whatever the dot gives elsewhere; no one reads them. An 8-bit weight
+    (`quantized_linear.QuantizedWeight`, never transposed) takes `quantized_linear.matmul_f32`:
+    the CPU kernel's int8 packed matmul where packed, else XLA's dot."""
+    if quantized_linear.is_quantized(w):
+        return quantized_linear.matmul_f32(x, w, live_rows=live_rows)
     if w.ndim == 4:
         return cpu_ops.packed_matmul(x, w, live_rows=live_rows)
 

@@ -1,9 +1,10 @@
 """Model loading: HF safetensors dirs, GGUF files, jaxpage (orbax) checkpoints, and Hugging
 Face Hub ids fetched into the Hub's cache (`jaxpage.loading.hub`).
 
-`load_model(name_or_path, dtype)` is the one entry the engine uses; it returns numpy
-params in the layout of the model's family (`jaxpage.models`; converted from HF names by
-`jaxpage.loading.hf_families`), which the runner moves to the device.
+`load_model(name_or_path, dtype, quantization=...)` is the one entry the engine uses; it
+returns numpy params in the layout of the model's family (`jaxpage.models`; converted from HF
+names by `jaxpage.loading.hf_families`), the decoder's projections in 8 bits where asked or
+stored so (`jaxpage.loading.quantization`), which the runner moves to the device.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any
 
 from jaxpage.constants import DEFAULT_MODEL
 from jaxpage.models.config import ModelConfig
+
+logger = logging.getLogger("jaxpage.loading")
 
 # What transformers logs (as an "advisory" warning) when it is imported without PyTorch:
 # 5.x "PyTorch was not found. Models won't be available and only tokenizers, ...", 4.x
@@ -118,31 +121,48 @@ def load_tokenizer(kind: str, path: str) -> Any | None:
 
 
 def load_model(name_or_path: str, dtype: Any = "float32", cache_gguf: bool = True,
-               revision: str | None = None) -> tuple[ModelConfig, dict, Any]:
+               revision: str | None = None, quantization: str | None = None
+               ) -> tuple[ModelConfig, dict, Any]:
     """(config, numpy params, tokenizer or None) for a model name, path or Hub id (at
     `revision`: `jaxpage.loading.hub`).
 
     A GGUF file is converted once to a jaxpage checkpoint in the cache directory and read
     from there afterwards (`jaxpage.loading.gguf_cache`); `cache_gguf=False` dequantizes
-    the file every time and writes nothing."""
+    the file every time and writes nothing.
+
+    `quantization` ("int8" / "fp8"): the decoder's projections are quantized as they are
+    loaded (`jaxpage.loading.quantization`); a compressed-tensors checkpoint loads in its own
+    8-bit format whatever is asked (another one is refused). A GGUF file (its conversion,
+    cached or not) and a jaxpage checkpoint are read in float32 and quantized a layer at a
+    time: a Q8_0 file's weights are then its Q8_0 values exactly (a float16 scale times an
+    int8 is a float32), requantized per column."""
+    from jaxpage.loading import quantization as quant
+
+    quant.resolve(quantization, None, name_or_path)
+    read_dtype = "float32" if quantization is not None else dtype
     kind, path = resolve_model(name_or_path, revision)
     if kind == "gguf" and cache_gguf:
         from jaxpage.loading.gguf_cache import load_gguf_cached
 
-        return load_gguf_cached(path, dtype)
-    if kind == "hf":
+        config, params, tokenizer = load_gguf_cached(path, read_dtype)
+    elif kind == "hf":
         from jaxpage.loading.hf import load_hf_dir
 
-        config, params = load_hf_dir(path, dtype)
-        return config, params, load_tokenizer(kind, path)
-    if kind == "gguf":
+        config, params = load_hf_dir(path, dtype, quantization)
+        tokenizer = load_tokenizer(kind, path)
+    elif kind == "gguf":
         from jaxpage.loading.gguf import load_gguf
 
-        config, params = load_gguf(path, dtype)
-        return config, params, load_tokenizer(kind, path)
-    from jaxpage.loading.checkpoint import load_checkpoint
+        config, params = load_gguf(path, read_dtype)
+        tokenizer = load_tokenizer(kind, path)
+    else:
+        from jaxpage.loading.checkpoint import load_checkpoint
 
-    return load_checkpoint(path, dtype)
+        config, params, tokenizer = load_checkpoint(path, read_dtype)
+    if kind != "hf":
+        params = quant.quantize_params(params, quantization, dtype)
+    logger.info("loaded %s: %s", name_or_path, quant.describe(params))
+    return config, params, tokenizer
 
 
 def load_draft(name_or_path: str, target: ModelConfig, tokenizer: Any, dtype: Any = "float32",

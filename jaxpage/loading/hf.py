@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from typing import Any
 
 import numpy as np
 
+from jaxpage.loading import quantization as quant
 from jaxpage.loading.errors import WeightsError
 from jaxpage.loading.hf_families import TensorGetter, params_from_hf_tensors
 from jaxpage.models.config import ModelConfig
@@ -61,15 +63,44 @@ def open_safetensors(files: list[str]) -> TensorGetter:
             return None
         handle, file = where[name]
         try:
+            if handle.get_slice(name).get_dtype() in _RAW_DTYPES:
+                return _read_raw(file, name)
             return handle.get_tensor(name)
-        except (SafetensorError, OSError) as e:
+        except (SafetensorError, OSError, ValueError) as e:
             raise WeightsError(f"cannot read tensor {name!r} from {file!r}: {e}") from e
 
     return get
 
 
-def load_hf_dir(path: str, dtype) -> tuple[ModelConfig, dict[str, Any]]:
-    """(config, numpy params) from an HF model directory."""
-    config = ModelConfig.from_hf(read_hf_config(path))
-    params = params_from_hf_tensors(config, open_safetensors(safetensors_files(path)), dtype)
+# safetensors dtypes its NumPy reader does not map (it looks for numpy.float8_e4m3fn), read
+# here from the file: an 8-byte little-endian header length, the JSON header, the data
+_RAW_DTYPES = {"F8_E4M3": "float8_e4m3fn"}
+
+
+def _read_raw(file: str, name: str) -> np.ndarray:
+    import ml_dtypes
+
+    with open(file, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        entry = json.loads(f.read(length))[name]
+        start, end = entry["data_offsets"]
+        f.seek(8 + length + start)
+        data = f.read(end - start)
+    dtype = np.dtype(getattr(ml_dtypes, _RAW_DTYPES[entry["dtype"]]))
+    return np.frombuffer(data, dtype).reshape(entry["shape"])
+
+
+def load_hf_dir(path: str, dtype, quantization: str | None = None
+                ) -> tuple[ModelConfig, dict[str, Any]]:
+    """(config, numpy params) from an HF model directory; the decoder's projections as a
+    compressed-tensors checkpoint stores them in 8 bits, or quantized to `quantization` as
+    they are read (`jaxpage.loading.quantization`)."""
+    hf_config = read_hf_config(path)
+    config = ModelConfig.from_hf(hf_config)
+    stored = quant.stored_quantization(hf_config)
+    quant.resolve(quantization, stored, path)
+    # a quantized checkpoint is read as stored (a projection it left full width stays so, as
+    # vLLM runs it); a full-width one is quantized as asked
+    params = params_from_hf_tensors(config, open_safetensors(safetensors_files(path)), dtype,
+                                    None if stored else quantization)
     return config, params

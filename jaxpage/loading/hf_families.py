@@ -6,6 +6,12 @@ a GGUF file renamed to them, `jaxpage.loading.gguf`) and hands a getter to
 like `jaxpage.models.FAMILIES`): it fetches each tensor, checks its shape against the config,
 transposes nn.Linear's [out, in] to jaxpage's [in, out] and fuses q/k/v and gate/up as the
 family's params layout has them. The model families know no file format.
+
+The decoder's projections are read through `linear(..., projection=True)`: an 8-bit tensor of
+a compressed-tensors checkpoint (with its `weight_scale`) becomes a `layers.QuantizedWeight`
+as stored, and with a `quantization` asked for a full-width one is quantized as it is read
+(`jaxpage.loading.quantization`). Every other nn.Linear (a MoE router, the LM head) is full
+width, dequantized if the checkpoint stored it in 8 bits.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpage.layers import quantized_linear
+from jaxpage.loading import quantization as quant
 from jaxpage.loading.errors import WeightsError
 from jaxpage.models import FAMILIES
 from jaxpage.models.config import ModelConfig
@@ -25,10 +33,13 @@ from jaxpage.models.config import ModelConfig
 TensorGetter = Callable[[str], "np.ndarray | None"]
 
 
-def hf_fetchers(config: ModelConfig, get: TensorGetter):
-    """(fetch(name, shape), linear(name, in_dim, out_dim)): HF tensors checked against the
-    shape the config expects (naming the first one missing or of the wrong shape); `linear`
-    also transposes nn.Linear's [out, in] to jaxpage's [in, out]."""
+def hf_fetchers(config: ModelConfig, get: TensorGetter, quantization: str | None = None):
+    """(fetch(name, shape), linear(name, in_dim, out_dim, projection=False)): HF tensors
+    checked against the shape the config expects (naming the first one missing or of the
+    wrong shape); `linear` also transposes nn.Linear's [out, in] to jaxpage's [in, out]. A
+    `projection` (a decoder projection's weight) comes as stored when stored in 8 bits, else
+    quantized to `quantization` when one is given; any other weight stored in 8 bits is
+    dequantized to float32 (module doc)."""
 
     def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray:
         tensor = get(name)
@@ -41,8 +52,15 @@ def hf_fetchers(config: ModelConfig, get: TensorGetter):
             )
         return np.asarray(tensor)
 
-    def linear(name: str, in_dim: int, out_dim: int) -> np.ndarray:
-        return fetch(name, (out_dim, in_dim)).T  # nn.Linear [out, in] -> [in, out]
+    def linear(name: str, in_dim: int, out_dim: int, projection: bool = False) -> Any:
+        tensor = fetch(name, (out_dim, in_dim))
+        if quant.is_stored_quantized(tensor):
+            scale_name = name.removesuffix("weight") + "weight_scale"
+            w = quant.stored_weight(tensor, get(scale_name), name)
+            return w if projection else quantized_linear.dequantize(w)
+        if projection and quantization is not None:
+            return quantized_linear.quantize(tensor.T, quantization)
+        return tensor.T  # nn.Linear [out, in] -> [in, out]
 
     return fetch, linear
 
@@ -53,10 +71,10 @@ def attention_params(config: ModelConfig, fetch, linear, prefix: str) -> dict[st
     h, d, q, kv = config.hidden_size, config.head_dim, config.q_size, config.kv_size
     p = prefix + "self_attn."
     params = {
-        "qkv": np.concatenate([linear(p + "q_proj.weight", h, q),
-                               linear(p + "k_proj.weight", h, kv),
-                               linear(p + "v_proj.weight", h, kv)], axis=1),
-        "o": linear(p + "o_proj.weight", q, h),
+        "qkv": quant.join_columns([linear(p + "q_proj.weight", h, q, projection=True),
+                                   linear(p + "k_proj.weight", h, kv, projection=True),
+                                   linear(p + "v_proj.weight", h, kv, projection=True)]),
+        "o": linear(p + "o_proj.weight", q, h, projection=True),
     }
     if config.qkv_bias:
         params["qkv_bias"] = np.concatenate([fetch(p + "q_proj.bias", (q,)),
@@ -88,9 +106,9 @@ def mlp_from_hf(config: ModelConfig, fetch, linear, prefix: str, width: int,
     `names` are its gate, up and down projections' HF names."""
     h = config.hidden_size
     gate, up, down = (prefix + name for name in names)
-    mlp = {"gate_up": np.concatenate([linear(gate + ".weight", h, width),
-                                      linear(up + ".weight", h, width)], axis=1),
-           "down": linear(down + ".weight", width, h)}
+    mlp = {"gate_up": quant.join_columns([linear(gate + ".weight", h, width, projection=True),
+                                          linear(up + ".weight", h, width, projection=True)]),
+           "down": linear(down + ".weight", width, h, projection=True)}
     if config.mlp_bias:
         mlp["gate_up_bias"] = np.concatenate([fetch(gate + ".bias", (width,)),
                                               fetch(up + ".bias", (width,))])
@@ -111,10 +129,11 @@ def decoder_from_hf(config: ModelConfig, fetch, linear, layers: list[dict]) -> d
     return params
 
 
-def llama_params(config: ModelConfig, get: TensorGetter) -> dict[str, Any]:
+def llama_params(config: ModelConfig, get: TensorGetter, quantization: str | None = None
+                 ) -> dict[str, Any]:
     """LlamaForCausalLM (and Mistral, Qwen2, Qwen3) tensors -> `jaxpage.models.llama`'s
     layout."""
-    fetch, linear = hf_fetchers(config, get)
+    fetch, linear = hf_fetchers(config, get, quantization)
     layers = [{**attention_from_hf(config, fetch, linear, n),
                **mlp_from_hf(config, fetch, linear, f"model.layers.{n}.mlp.",
                              config.intermediate_size)}
@@ -122,10 +141,11 @@ def llama_params(config: ModelConfig, get: TensorGetter) -> dict[str, Any]:
     return decoder_from_hf(config, fetch, linear, layers)
 
 
-def gemma_params(config: ModelConfig, get: TensorGetter) -> dict[str, Any]:
+def gemma_params(config: ModelConfig, get: TensorGetter, quantization: str | None = None
+                 ) -> dict[str, Any]:
     """Gemma2ForCausalLM / Gemma3ForCausalLM tensors -> `jaxpage.models.gemma`'s layout: the
     Llama layout with the sandwich norms around each sublayer."""
-    fetch, linear = hf_fetchers(config, get)
+    fetch, linear = hf_fetchers(config, get, quantization)
     h = config.hidden_size
     layers = []
     for n in range(config.num_layers):
@@ -150,11 +170,12 @@ HF_MOE_NAMES = {
 }
 
 
-def moe_params(config: ModelConfig, get: TensorGetter) -> dict[str, Any]:
+def moe_params(config: ModelConfig, get: TensorGetter, quantization: str | None = None
+               ) -> dict[str, Any]:
     """MixtralForCausalLM / Qwen3MoeForCausalLM tensors -> `jaxpage.models.moe`'s layout:
     Llama's attention, norms and dense MLPs, plus each MoE layer's router and its experts
     stacked [E, ...]."""
-    fetch, linear = hf_fetchers(config, get)
+    fetch, linear = hf_fetchers(config, get, quantization)
     block, names = HF_MOE_NAMES[config.architecture]
     layers = []
     for n in range(config.num_layers):
@@ -165,8 +186,8 @@ def moe_params(config: ModelConfig, get: TensorGetter) -> dict[str, Any]:
                                    config.moe_intermediate_size, names)
                        for e in range(config.num_experts)]
             layer.update(router=linear(p + "gate.weight", config.hidden_size, config.num_experts),
-                         experts_gate_up=np.stack([x["gate_up"] for x in experts]),
-                         experts_down=np.stack([x["down"] for x in experts]))
+                         experts_gate_up=quant.stack([x["gate_up"] for x in experts]),
+                         experts_down=quant.stack([x["down"] for x in experts]))
         else:
             layer.update(mlp_from_hf(config, fetch, linear, f"model.layers.{n}.mlp.",
                                      config.intermediate_size))
@@ -175,22 +196,31 @@ def moe_params(config: ModelConfig, get: TensorGetter) -> dict[str, Any]:
 
 
 # each family's converter, by its module under jaxpage.models (`jaxpage.models.FAMILIES`)
-CONVERTERS: dict[str, Callable[[ModelConfig, TensorGetter], dict[str, Any]]] = {
+CONVERTERS: dict[str, Callable[[ModelConfig, TensorGetter, str | None], dict[str, Any]]] = {
     "llama": llama_params, "gemma": gemma_params, "moe": moe_params}
 assert set(CONVERTERS) == set(FAMILIES.values())
 
 
-def params_from_hf_tensors(config: ModelConfig, get: TensorGetter, dtype) -> dict[str, Any]:
+def params_from_hf_tensors(config: ModelConfig, get: TensorGetter, dtype,
+                           quantization: str | None = None) -> dict[str, Any]:
     """Convert HF-named tensors to the jaxpage params layout (numpy arrays of `dtype`) of
-    the config's model family (`CONVERTERS`).
+    the config's model family (`CONVERTERS`), the decoder's projections quantized to
+    `quantization` (or as an 8-bit checkpoint stores them: `hf_fetchers`).
 
     Checks every tensor against the config and names the first one that is missing or has
     the wrong shape.
     """
     dtype = jnp.dtype(dtype)
-    return cast_params(CONVERTERS[FAMILIES[config.architecture]](config, get), dtype)
+    converter = CONVERTERS[FAMILIES[config.architecture]]
+    return cast_params(converter(config, get, quantization), dtype)
 
 
 def cast_params(params: Any, dtype: np.dtype) -> Any:
-    """Contiguous numpy copies of every leaf in `dtype`."""
-    return jax.tree.map(lambda a: np.ascontiguousarray(np.asarray(a).astype(dtype)), params)
+    """Contiguous numpy copies of every leaf in `dtype`; a QuantizedWeight's values and
+    float32 scales are kept as they are."""
+    def cast(a):
+        if quantized_linear.is_quantized(a):
+            return a
+        return np.ascontiguousarray(np.asarray(a).astype(dtype))
+
+    return jax.tree.map(cast, params, is_leaf=quantized_linear.is_quantized)

@@ -42,21 +42,29 @@ PACKED_WEIGHTS = ("qkv", "o", "gate_up", "down")
 
 def pack_params(params: Params) -> Params:
     """The params with each layer's projections (PACKED_WEIGHTS) and the LM head (`lm_head`, or
-    a tied `embed` as [H, V]) packed where `layers.packable` (`layers.pack_weight`): the
-    layout a CPU runner keeps them in, so that every matmul of them streams its weights in
-    order. `layers.matmul_f32` and `layers.embed` take packed weights as they take the
-    others; the engine packs only where the kernel library is available."""
-    pack = layers.pack_weight  # NumPy params pack on the host; the others are kept
-    packed_layers = [{name: pack(w) if name in PACKED_WEIGHTS and layers.packable(w) else w
-                      for name, w in layer.items()} for layer in params["layers"]]
+    a tied `embed` as [H, V]) packed where `layers.packable` (`layers.pack_weight`), and
+    int8 projections (`layers.QuantizedWeight`) where the kernel library packs int8
+    (`quantized_linear.packable`): the layout a CPU runner keeps them in, so that every matmul
+    of them streams its weights in order. `layers.matmul_f32` and `layers.embed` take packed
+    weights as they take the others; the engine packs only where the kernel library is
+    available."""
+    def pack(name, w):  # NumPy params pack on the host; the others are kept
+        if name not in PACKED_WEIGHTS:
+            return w
+        if layers.is_quantized(w):  # int8 for the kernel's int8 packed matmul, where it has one
+            return layers.quantized_linear.pack(w) if layers.quantized_linear.packable(w) else w
+        return layers.pack_weight(w) if layers.packable(w) else w
+
+    packed_layers = [{name: pack(name, w) for name, w in layer.items()}
+                     for layer in params["layers"]]
     out = dict(params, layers=packed_layers)
     if "lm_head" in params:
         if layers.packable(params["lm_head"]):
-            out["lm_head"] = pack(params["lm_head"])
+            out["lm_head"] = layers.pack_weight(params["lm_head"])
     elif layers.packable(params["embed"].T):
         # a tied head: the embedding table [V, H] packed as the head's [H, V] (`layers.embed`
         # reads its rows back out of the panels)
-        out["embed"] = pack(params["embed"].T)
+        out["embed"] = layers.pack_weight(params["embed"].T)
     return out
 
 

@@ -16,7 +16,8 @@ Mixtral). The experts run as a grouped matmul over only the (token, expert) pair
 and is the reference it is tested against. XLA:CPU lowers ragged_dot to a masked dense dot
 per group (k times the dense reference's work), so `tiled_experts`, a loop over tiles of the
 routed pairs, is the grouped form that saves work on a CPU; scripts/bench_moe.py times all
-three.
+three. Each takes the experts' stacks plain or 8-bit (`layers.QuantizedWeight`, a scale per
+expert and column: `layers.ragged_matmul`, `layers.expert_matmul`, `layers.expert_einsum`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpage import layers
 from jaxpage.models import llama
 from jaxpage.models.config import ModelConfig
 from jaxpage.models.torch_topk import torch_cpu_topk_indices
@@ -84,10 +86,13 @@ def grouped_experts(h: jax.Array, weights: jax.Array, experts: jax.Array,
 
     h: [T, H]; weights, experts: [T, k]; gate_up: [E, H, 2I]; down: [E, I, H]. Returns [T, H].
     """
-    _, order, token, sizes = _sorted_pairs(experts, gate_up.shape[0])
+    flat, order, token, sizes = _sorted_pairs(experts, gate_up.shape[0])
     group_sizes = sizes[:-1].astype(jnp.int32)  # rows past them (no expert here): zeros
-    gate, up = jnp.split(jax.lax.ragged_dot(h[token], gate_up, group_sizes), 2, axis=-1)
-    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down, group_sizes)  # [T * k, H]
+    row_expert = flat[order]  # a quantized stack's scales are by expert
+    gate, up = jnp.split(layers.ragged_matmul(h[token], gate_up, group_sizes, row_expert), 2,
+                         axis=-1)
+    out = layers.ragged_matmul(jax.nn.silu(gate) * up, down, group_sizes,
+                               row_expert)  # [T * k, H]
     return _combine(out, weights, order, token, h)
 
 
@@ -146,9 +151,9 @@ def tiled_experts(h: jax.Array, weights: jax.Array, experts: jax.Array,
     def run_tile(t, out):
         e = tile_expert[t]
         rows = jax.lax.dynamic_slice_in_dim(x, t * tile, tile)
-        gate, up = jnp.split(rows @ gate_up[e], 2, axis=-1)
-        return jax.lax.dynamic_update_slice_in_dim(out, (jax.nn.silu(gate) * up) @ down[e],
-                                                   t * tile, axis=0)
+        gate, up = jnp.split(layers.expert_matmul(rows, gate_up, e), 2, axis=-1)
+        return jax.lax.dynamic_update_slice_in_dim(
+            out, layers.expert_matmul(jax.nn.silu(gate) * up, down, e), t * tile, axis=0)
 
     out = jax.lax.fori_loop(0, jnp.sum(padded[:-1]) // tile, run_tile, jnp.zeros_like(x))
     return _combine(out[row], weights, order, token, h)
@@ -158,8 +163,8 @@ def dense_experts(h: jax.Array, weights: jax.Array, experts: jax.Array,
                   gate_up: jax.Array, down: jax.Array) -> jax.Array:
     """What `grouped_experts` computes, by running every expert on every token and weighting
     the unrouted ones by zero: E / k times the work, the reference for tests and benchmarks."""
-    gate, up = jnp.split(jnp.einsum("th,ehi->eti", h, gate_up), 2, axis=-1)
-    out = jnp.einsum("eti,eih->eth", jax.nn.silu(gate) * up, down)  # [E, T, H]
+    gate, up = jnp.split(layers.expert_einsum("th,ehi->eti", h, gate_up), 2, axis=-1)
+    out = layers.expert_einsum("eti,eih->eth", jax.nn.silu(gate) * up, down)  # [E, T, H]
     rows = jnp.arange(experts.shape[0])[:, None]
     combine = jnp.zeros((experts.shape[0], gate_up.shape[0]), jnp.float32)
     combine = combine.at[rows, experts].add(weights)  # [T, E], zero where unrouted
