@@ -32,17 +32,21 @@ def fusable(layer: dict, layer_kv: LayerKV, next_norm: jax.Array, x: jax.Array,
     """Whether the kernel runs this layer (SiLU, one device: the caller's to check): a step of
     at most FUSED_LAYER_ROWS tokens on the C++ attention backend, a plain layer
     (FUSED_LAYER_PARAMS, its projections packed), float32 or bfloat16 throughout (pools
-    included: not quantized, not padded past head_dim), the library built. The kernel takes
-    float weights only: a layer of 8-bit weights (`quantized_linear.QuantizedWeight`) runs
-    unfused, its matmuls one call each."""
+    included: not quantized, not padded past head_dim), the library built. A projection may
+    instead be int8 packed for the kernel (`quantized_linear.QuantizedWeight` with `packed`),
+    which the kernel scales per column as `packed_matmul_int8` does; fp8 and unpacked 8-bit
+    weights run unfused."""
     dtype = x.dtype
+
+    def packed(w) -> bool:
+        if quantized_linear.is_quantized(w):
+            return w.packed and w.format == "int8"
+        return w.ndim == 4 and w.dtype == dtype
+
     return (metadata.backend == "cpp"
             and x.shape[0] <= FUSED_LAYER_ROWS and dispatch.glue_dtype(dtype)
             and set(layer) == FUSED_LAYER_PARAMS
-            and not any(quantized_linear.is_quantized(layer[name])
-                        for name in FUSED_LAYER_WEIGHTS)
-            and all(layer[name].ndim == 4 and layer[name].dtype == dtype
-                    for name in FUSED_LAYER_WEIGHTS)
+            and all(packed(layer[name]) for name in FUSED_LAYER_WEIGHTS)
             and layer["mlp_norm"].dtype == dtype and next_norm.dtype == dtype
             and all(isinstance(pool, jax.Array) and pool.dtype == dtype
                     and pool.shape[-1] == head_dim for pool in layer_kv)
@@ -57,8 +61,12 @@ def decoder_layer(x: jax.Array, h: jax.Array, layer: dict, cos: jax.Array, sin: 
     [T, H] and x's attention norm h, h2 = rms_norm(x2) * next_norm (the next layer's input
     norm, or the final one), the pools with the step's K/V written (`cpu_ops.decoder_layer`:
     in place)."""
+    weights = dict(layer)
+    for name in FUSED_LAYER_WEIGHTS:  # an int8 weight: its values, its scales beside
+        if quantized_linear.is_quantized(layer[name]):
+            weights[name], weights[f"{name}_scale"] = layer[name].values, layer[name].scale
     x, h, *pools = cpu_ops.decoder_layer(
-        x, h, layer, cos, sin, *layer_kv, metadata.slot_mapping, metadata.block_tables,
+        x, h, weights, cos, sin, *layer_kv, metadata.slot_mapping, metadata.block_tables,
         metadata.seq_lens, metadata.query_start_loc, next_norm, num_heads=num_heads, eps=eps,
         live_rows=live_rows)
     return x, h, tuple(pools)

@@ -9,8 +9,8 @@
 - Tensor parallelism: an int8 model on 2 of 8 virtual CPU devices (scales split with their
   columns, kept whole for row-split weights, by expert for MoE stacks) gives one device's
   tokens.
-- The CPU's one-call decoder layer declines 8-bit weights (its kernel takes float ones):
-  such a model runs its layers unfused.
+- The CPU's one-call decoder layer takes int8 weights packed for its kernel (and declines fp8
+  and unpacked ones), giving what XLA's dot over the int8 weights gives.
 """
 
 from __future__ import annotations
@@ -95,17 +95,19 @@ def test_stats_count_int8_projections_at_half_their_bfloat16_bytes(hf_model_dir)
     assert 0.5 < ratio < 0.55, ratio
 
 
-def test_the_fused_cpu_layer_declines_8_bit_weights(hf_model_dir):
+def test_the_fused_cpu_layer_takes_packed_int8_weights(hf_model_dir, monkeypatch):
     """SmolLM2-shaped (SiLU, no biases, every projection's columns a multiple of the
-    kernel's panel width): a layer the fused CPU kernel takes at full width (where the library
-    is built) is declined with int8 weights, and such a model decodes with its layers
-    unfused."""
+    kernel's panel width): the fused CPU layer takes the layer at full width and with int8
+    weights packed for the kernel, declines fp8 and unpacked int8; decoding through it gives
+    the tokens and, to float32 rounding, the log-probs of int8 through XLA's dot."""
     import jax.numpy as jnp
 
     from jaxpage import layers
     from jaxpage.attention import build_metadata
     from pallas_kernels import cpu_ops
 
+    if not cpu_ops.available():
+        pytest.skip("the CPU kernel library is not built here")
     path = hf_model_dir("smollm2", hidden_size=64, num_attention_heads=4,
                         num_key_value_heads=2, intermediate_size=96)[0]
 
@@ -118,14 +120,23 @@ def test_the_fused_cpu_layer_declines_8_bit_weights(hf_model_dir):
         return layers.fusable(layer, runner.kv_pool[0], layer["mlp_norm"], x, md,
                               config.head_dim)
 
-    if cpu_ops.available():
-        assert fusable(engine(path))  # the control: the full-width layer is taken
-    llm = engine(path, "int8")
-    assert set(llm.engine.runner.params["layers"][0]) == layers.FUSED_LAYER_PARAMS
-    assert not fusable(llm)
-    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    outs = llm.generate([TEXT[:9], TEXT[20:23]], greedy, use_tqdm=False)
-    assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8]
+    def decode(llm):
+        out = llm.generate([TEXT[:9], TEXT[20:23]], SamplingParams(
+            max_tokens=12, temperature=0, ignore_eos=True, logprobs=0), use_tqdm=False)
+        return ([c.token_ids for o in out for c in o.outputs],
+                np.array([lp[t] for o in out for c in o.outputs
+                          for lp, t in zip(c.logprobs, c.token_ids, strict=True)]))
+
+    assert fusable(engine(path))  # the control: the full-width layer is taken
+    int8 = engine(path, "int8")
+    assert int8.engine.runner.params["layers"][0]["o"].packed and fusable(int8)
+    assert not fusable(engine(path, "fp8"))
+    monkeypatch.setenv("JAXPAGE_CPU_PACKED_WEIGHTS", "0")
+    xla = engine(path, "int8")
+    assert not fusable(xla)
+    (tokens, lps), (want_tokens, want_lps) = decode(int8), decode(xla)
+    assert tokens == want_tokens
+    np.testing.assert_allclose(lps, want_lps, atol=1e-4)
 
 
 TP_SCRIPT = r"""
