@@ -619,6 +619,8 @@ class NullRunner:
         self.block_bytes = 0
         self.kv_bytes_per_token = {"full_attention": 0}
         self.kv_dtype = np.dtype(np.float32)
+        self.weight_bytes = self.quantized_weight_bytes = 0
+        self.quantization = None
         self.lookahead_rows = 0
         self.compile_seconds = self.device_seconds = 0.0
         self.swap_out_blocks = self.swap_in_blocks = self.swap_out_bytes_timed = 0

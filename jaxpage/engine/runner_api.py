@@ -70,6 +70,10 @@ class Runner(Protocol):
     block_bytes: int  # one block of the full group's layers, over all devices (a swap)
     kv_bytes_per_token: dict[str, int]  # per kind of layer
     kv_dtype: Any  # the pool's storage dtype (its `name` is reported)
+    # the params' bytes as loaded, those of its 8-bit weights, and their format (None: none)
+    weight_bytes: int
+    quantized_weight_bytes: int
+    quantization: str | None
     # a decode step of at most this many rows may start before the previous one is read
     # back (0: never); the scheduler marks the sequences that may (SeqInput.may_run_ahead)
     lookahead_rows: int
