@@ -46,6 +46,10 @@ class EngineConfig:
       symmetric int8; "fp8": float8_e4m3fn. None: full width, unless the checkpoint is stored
       quantized (compressed-tensors int8 / fp8), which loads as stored
       (jaxpage.loading.quantization).
+    quantize_lm_head: with `quantization`, the LM head too, a scale per vocabulary entry (a
+      tied head is the embedding: its rows are read back as values * scale). Off by default,
+      as in vLLM; on a small model whose head is a large share of its weights (SmolLM2-135M:
+      36% of them in int8) it is the share a decode step still reads at full width.
 
     num_blocks: KV pool size in blocks (block 0 is reserved); if None, sized from
       kv_cache_memory (bytes), else from a default budget (1 GiB on CPU; on an accelerator
@@ -73,6 +77,7 @@ class EngineConfig:
     dtype: str = "float32"
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
+    quantize_lm_head: bool = False
     block_size: int = 16
     num_blocks: int | None = None
     num_window_blocks: int | None = None
@@ -131,6 +136,12 @@ class EngineConfig:
               f"one of {KV_CACHE_DTYPES}")
         check(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
               self.quantization, f"None or one of {QUANTIZATIONS}")
+        check(isinstance(self.quantize_lm_head, bool), "quantize_lm_head",
+              self.quantize_lm_head, "a bool")
+        check(not self.quantize_lm_head or self.quantization is not None, "quantize_lm_head",
+              self.quantize_lm_head, 'False unless quantization is set ("int8" or "fp8")')
+        check(not self.quantize_lm_head or self.tensor_parallel_size == 1, "quantize_lm_head",
+              self.quantize_lm_head, "False with tensor_parallel_size > 1 (not built)")
         check(is_positive_int(self.block_size), "block_size", self.block_size, "an integer >= 1")
         check(self.num_blocks is None
               or (is_positive_int(self.num_blocks) and self.num_blocks >= 2),

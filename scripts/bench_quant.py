@@ -18,6 +18,7 @@ Per weight format (bfloat16, then each of --formats, the activations bfloat16 th
 
     python scripts/bench_quant.py                          # default model, 1/8/64 rows
     python scripts/bench_quant.py --formats int8 --batches 1 --rounds 31
+    python scripts/bench_quant.py --formats int8,int8+head   # the LM head in int8 too
     python scripts/bench_quant.py --quick                  # a tiny random model, seconds
 
 --quick runs everything at tiny settings on a random 2-layer Llama (its numbers mean nothing;
@@ -91,7 +92,9 @@ def main() -> None:
     base_scores = None
     for fmt in [None, *formats]:
         name = fmt or "bfloat16"
-        llm = make_llm(dtype="bfloat16", quantization=fmt, **engine_kwargs)
+        quant, _, head = (fmt or "").partition("+")  # "int8+head": quantize_lm_head too
+        llm = make_llm(dtype="bfloat16", quantization=quant or None,
+                       quantize_lm_head=head == "head", **engine_kwargs)
         stats = llm.stats()
         row = rows[name] = {"weight_bytes": stats["weight_bytes"],
                             "quantized_bytes": stats["quantized_weight_bytes"], "steps": {}}

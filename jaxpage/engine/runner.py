@@ -254,6 +254,8 @@ class ModelRunner:
         self.ragged = self.backend in RAGGED_BACKENDS
         self.interpret = config.kernel_interpret
         params = _cast_params(params, dtype)
+        if config.quantize_lm_head:
+            params = quantized_linear.quantize_head(params, config.quantization)
         # the params' bytes as loaded (an 8-bit projection's values and scales: jaxpage.layers.
         # quantized_linear), before any device's layout: what the model weighs
         self.weight_bytes = quantized_linear.weight_bytes(params)

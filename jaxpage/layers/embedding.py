@@ -6,17 +6,28 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxpage.layers import quantized_linear
 from pallas_kernels import bits
 
 
 def embed(table: jax.Array, token_ids: jax.Array, hidden_size: int,
-          tp_axis: str | None = None) -> jax.Array:
+          tp_axis: str | None = None, dtype=None) -> jax.Array:
     """[T] ids -> [T, H] rows of `table`, gathered as bits (XLA:CPU would convert a bfloat16
     table whole to gather from it). A table [V, H]; or one packed as a tied head
     (`linear.pack_weight` of [H, V]: [V / P, ceil(H / G), P, G], P columns a panel), whose id
     v's row is panel v // P, column v % P; or with `tp_axis`, this device's vocabulary range
     [V / devices, H]: each device looks up the ids in its range and the partial rows are
-    summed over the axis."""
+    summed over the axis. A tied head quantized (`quantized_linear.quantize_head`: 8-bit
+    values [H, V] or packed, a float32 scale [V]) gives values[:, v] * scale[v] in `dtype`."""
+    if quantized_linear.is_quantized(table):
+        values = table.values
+        if table.packed:
+            panel = values.shape[2]
+            rows = values[token_ids // panel, :, token_ids % panel, :].reshape(
+                token_ids.shape[0], -1)[:, :hidden_size]
+        else:
+            rows = jnp.take(values, token_ids, axis=1).T
+        return (rows.astype(jnp.float32) * table.scale[token_ids][:, None]).astype(dtype)
     if table.ndim == 4:
         panel = table.shape[2]  # the packing's panel width (the build's)
         # [T, ceil(H / G), G]

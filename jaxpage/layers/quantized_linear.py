@@ -158,6 +158,15 @@ def weight_format(params: Any) -> str | None:
 
 
 # ------------------------------------------------------------------ the CPU kernel's layout
+def quantize_head(params: dict, fmt: str) -> dict:
+    """params with the LM head quantized to `fmt`, a scale per vocabulary entry: an untied
+    `lm_head` [H, V] as any weight; a tied `embed` [V, H] as the head it also is, a
+    QuantizedWeight of [H, V] (`embedding.embed` reads a row back as values[:, v] * scale[v])."""
+    if "lm_head" in params:
+        return dict(params, lm_head=quantize(params["lm_head"], fmt))
+    return dict(params, embed=quantize(np.asarray(params["embed"]).T, fmt))
+
+
 def packable(w: Any) -> bool:
     """Whether the CPU kernel library packs this weight for its int8 packed matmul: an int8
     [K, N] QuantizedWeight, the library built and offering `packed_matmul_int8`

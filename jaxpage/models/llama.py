@@ -58,7 +58,11 @@ def pack_params(params: Params) -> Params:
     packed_layers = [{name: pack(name, w) for name, w in layer.items()}
                      for layer in params["layers"]]
     out = dict(params, layers=packed_layers)
-    if "lm_head" in params:
+    head = "lm_head" if "lm_head" in params else "embed"
+    if layers.is_quantized(params[head]):  # quantize_lm_head: [H, V] either way
+        if layers.quantized_linear.packable(params[head]):
+            out[head] = layers.quantized_linear.pack(params[head])
+    elif head == "lm_head":
         if layers.packable(params["lm_head"]):
             out["lm_head"] = layers.pack_weight(params["lm_head"])
     elif layers.packable(params["embed"].T):
@@ -106,7 +110,8 @@ class LlamaModel:
     def embed(self, params: Params, token_ids: jax.Array) -> jax.Array:
         """[T] ids -> [T, H] (`layers.embed`: a plain table, one packed as a tied head by
         `pack_params`, or tensor-parallel this device's vocabulary range)."""
-        return layers.embed(params["embed"], token_ids, self.config.hidden_size, self.tp_axis)
+        return layers.embed(params["embed"], token_ids, self.config.hidden_size, self.tp_axis,
+                            dtype=params["final_norm"].dtype)
 
     def forward(
         self,
@@ -185,7 +190,8 @@ class LlamaModel:
         if "lm_head" in params:
             # [R, H] x [H, V] -> [R, V]
             logits = layers.matmul_f32(hidden, params["lm_head"], live_rows=live_rows)
-        elif params["embed"].ndim == 4:  # tied, packed as the head [H, V] (pack_params)
+        elif params["embed"].ndim == 4 or layers.is_quantized(params["embed"]):
+            # tied, packed as the head [H, V] (pack_params), or quantized as it (8-bit [H, V])
             logits = layers.matmul_f32(hidden, params["embed"], live_rows=live_rows)
         else:  # tied: [R, H] x [V, H]^T -> [R, V]
             logits = layers.matmul_f32(hidden, params["embed"], transpose_w=True)

@@ -139,6 +139,83 @@ def test_the_fused_cpu_layer_takes_packed_int8_weights(hf_model_dir, monkeypatch
     np.testing.assert_allclose(lps, want_lps, atol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # a tied head, an untied one
+def test_quantize_lm_head(hf_model_dir, family):
+    """quantize_lm_head: the head in int8 a scale per vocabulary entry, a tied one read back
+    as the embedding; within the int8 bound of full width, a little further than the
+    projections alone; a packable tied head packed for the kernel. Refused without
+    quantization."""
+    import jax.numpy as jnp
+
+    from jaxpage import layers
+
+    path = hf_model_dir(family)[0]
+
+    def score(llm):
+        return score_text(llm, TEXT, "float32", chunk=len(TEXT), block_size=4)
+
+    base_lp, _ = score(engine(path))
+    proj_lp, _ = score(engine(path, "int8"))
+    llm = LLM(path, quantization="int8", quantize_lm_head=True, block_size=4, num_blocks=64,
+              max_num_seqs=4, max_num_batched_tokens=64)
+    params = llm.engine.runner.params
+    head = params["lm_head" if "lm_head" in params else "embed"]
+    assert ql.is_quantized(head) and head.format == "int8"
+    lp, arg = score(llm)
+    diff = np.abs(lp - base_lp)
+    assert 0 < diff.max() <= BOUNDS[family]["int8"][0] * 2, diff.max()
+    assert diff.mean() > np.abs(proj_lp - base_lp).mean()
+    if "embed" in params:  # tied: its rows are the head's columns, scaled
+        assert not head.packed  # 97 columns: no panel width divides them
+        rows = layers.embed(head, jnp.arange(97), head.values.shape[0], dtype=jnp.float32)
+        np.testing.assert_array_equal(np.asarray(rows), np.asarray(head.values, np.float32).T
+                                      * np.asarray(head.scale)[:, None])
+    with pytest.raises(ValueError, match="quantize_lm_head"):
+        LLM(path, quantize_lm_head=True)
+
+
+def test_a_quantized_tied_head_packs_and_reads_its_rows(hf_model_dir):
+    """A SmolLM2-shaped tied head, int8 and packed for the kernel: each embedding row read out
+    of the panels is values[:, v] * scale[v] of the unpacked weight, and decoding gives the
+    tokens and log-probs (1e-4) of the same model on XLA's path (unpacked)."""
+    import jax.numpy as jnp
+
+    from jaxpage import layers
+    from pallas_kernels import cpu_ops
+
+    if not cpu_ops.available():
+        pytest.skip("the CPU kernel library is not built here")
+    path = hf_model_dir("smollm2", hidden_size=64, num_attention_heads=4,
+                        num_key_value_heads=2, intermediate_size=96, vocab_size=128)[0]
+    packed = LLM(path, quantization="int8", quantize_lm_head=True, block_size=4,
+                 num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64)
+    head = packed.engine.runner.params["embed"]
+    assert ql.is_quantized(head) and head.packed
+    values = np.asarray(cpu_ops.unpack_weight_int8(head.values, 64), np.float32)
+    ids = jnp.arange(head.scale.shape[0])
+    rows = np.asarray(layers.embed(head, ids, 64, dtype=jnp.float32))
+    np.testing.assert_array_equal(rows, values.T * np.asarray(head.scale)[:, None])
+
+    def decode(llm):
+        out = llm.generate([TEXT[:9]], SamplingParams(
+            max_tokens=10, temperature=0, ignore_eos=True, logprobs=0), use_tqdm=False)
+        c = out[0].outputs[0]
+        return c.token_ids, np.array([lp[t] for lp, t in zip(c.logprobs, c.token_ids,
+                                                              strict=True)])
+
+    tokens, lps = decode(packed)
+    os.environ["JAXPAGE_CPU_PACKED_WEIGHTS"] = "0"
+    try:
+        xla = LLM(path, quantization="int8", quantize_lm_head=True, block_size=4,
+                  num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64)
+    finally:
+        del os.environ["JAXPAGE_CPU_PACKED_WEIGHTS"]
+    assert not xla.engine.runner.params["embed"].packed
+    want_tokens, want_lps = decode(xla)
+    assert tokens == want_tokens
+    np.testing.assert_allclose(lps, want_lps, atol=1e-4)
+
+
 TP_SCRIPT = r"""
 import json, os, sys, tempfile
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
