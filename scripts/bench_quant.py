@@ -1,10 +1,13 @@
 """Weight quantization (EngineConfig.quantization): int8 and fp8 weights against bfloat16 on
 the default model (SmolLM2-135M-Instruct), in one process.
 
-Per weight format (bfloat16, then each of --formats, the activations bfloat16 throughout):
+Per weight format (bfloat16, then each of --formats, the activations bfloat16 throughout;
+"int8+head" is int8 with quantize_lm_head):
 - weight memory: llm.stats()'s weight bytes, and of those the 8-bit projections';
 - the decode step at each of --batches rows (context --context), its median over --rounds
-  alternated with a read of the machine's read bandwidth (bench_common.step_and_read), beside
+  (the formats' engines all built first and taking turns, 3 steps each, so that the machine's
+  drift falls on all of them), each step beside a read of the machine's read bandwidth
+  (bench_common.step_and_read), beside
   its weight-read bound: the bytes a step must read of the weights as the runner keeps them
   (every param once; an untied embedding only its rows) over that bandwidth. The ratio to
   bfloat16's step is the figure to watch: at 1 row a step is bound by reading its weights,
@@ -38,6 +41,8 @@ from bench_kv_cache import HELD_TEXT, score_text
 
 from jaxpage import SamplingParams
 from jaxpage.layers import quantized_linear
+
+PASS = 3  # decode steps a format runs before the next takes its turn
 
 
 def step_weight_bytes(llm, rows: int) -> int:
@@ -90,18 +95,29 @@ def main() -> None:
           f"activations bfloat16; decode context {context}")
     rows: dict[str, dict] = {}
     base_scores = None
+    llms = {}
     for fmt in [None, *formats]:
-        name = fmt or "bfloat16"
         quant, _, head = (fmt or "").partition("+")  # "int8+head": quantize_lm_head too
-        llm = make_llm(dtype="bfloat16", quantization=quant or None,
-                       quantize_lm_head=head == "head", **engine_kwargs)
+        llms[fmt or "bfloat16"] = make_llm(dtype="bfloat16", quantization=quant or None,
+                                           quantize_lm_head=head == "head", **engine_kwargs)
+    # the decode steps: the formats take turns, PASS rounds each, so that the machine's drift
+    # over minutes falls on all of them (each step beside a read probe: step_and_read)
+    for batch in batches:
+        times = {name: ([], []) for name in llms}
+        for _ in range(max(1, rounds // PASS)):
+            for name, llm in llms.items():
+                step, gbps, _ = step_and_read(llm, batch, context, rounds=PASS)
+                times[name][0].append(step)
+                times[name][1].append(gbps)
+        for name, (steps, rates) in times.items():
+            bound = step_weight_bytes(llms[name], batch) / (float(np.median(rates)) * 1e9)
+            rows.setdefault(name, {"steps": {}})["steps"][batch] = (float(np.median(steps)),
+                                                                     bound)
+    for name, llm in llms.items():
         stats = llm.stats()
-        row = rows[name] = {"weight_bytes": stats["weight_bytes"],
-                            "quantized_bytes": stats["quantized_weight_bytes"], "steps": {}}
-        for batch in batches:
-            step, gbps, _ = step_and_read(llm, batch, context, rounds=rounds)
-            bound = step_weight_bytes(llm, batch) / (gbps * 1e9)
-            row["steps"][batch] = (step, bound)
+        row = rows[name]
+        row.update(weight_bytes=stats["weight_bytes"],
+                   quantized_bytes=stats["quantized_weight_bytes"])
         vocab = llm.engine.runner.model.config.vocab_size
         prompts, output_lens = make_trace(requests, 0, vocab)
         if args.quick:
@@ -115,7 +131,6 @@ def main() -> None:
         diff = np.abs(scores[0] - base_scores[0])
         row["accuracy"] = (float(diff.mean()), float(diff.max()),
                            float((scores[1] == base_scores[1]).mean()))
-        del llm
 
     base = rows["bfloat16"]
     print(f"\n{'weights':>9} {'MiB':>8} {'8-bit MiB':>10} {'x bf16':>7} {'trace tok/s':>12} "

@@ -89,7 +89,7 @@ def step_seconds(llm, batch: int, fraction: float, steps: int, tag: str,
         matchers = [r.matcher for r in scheduler.running if r.matcher is not None]
         if matchers:
             start = time.perf_counter()
-            fill_bitmasks([(matchers[0], 0)], mask)
+            fill_bitmasks([(matchers[0], 0, ())], mask)
             fills.append(time.perf_counter() - start)
     for i in range(batch):
         engine.abort_request(f"{tag}-{i}")
@@ -116,7 +116,7 @@ def compile_times(llm) -> None:
             start = time.perf_counter()
             matcher = grammars.matcher(StructuredOutputsParams(json=schema))
             made = time.perf_counter()
-            fill_bitmasks([(matcher, 0)], mask)
+            fill_bitmasks([(matcher, 0, ())], mask)
             row += [made - start, time.perf_counter() - start]
         print(f"{name:<18} {1e3 * row[0]:>14.2f} {1e3 * row[1]:>11.2f} {1e3 * row[2]:>16.3f} "
               f"{1e3 * row[3]:>11.2f}")
