@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,8 @@ from jaxpage.parallel import TensorParallel, TensorParallelModel
 from jaxpage.sampling import SamplingMetadata, sample
 from jaxpage.sampling_params import SamplingParams, SamplingRow
 from pallas_kernels import bits, cpu_ops, lowering, quantized
+
+logger = logging.getLogger("jaxpage.engine")
 
 if TYPE_CHECKING:
     from jaxpage.config import EngineConfig
@@ -261,6 +264,10 @@ class ModelRunner:
         self.weight_bytes = quantized_linear.weight_bytes(params)
         self.quantized_weight_bytes = quantized_linear.weight_bytes(params, quantized_only=True)
         self.quantization = quantized_linear.weight_format(params)
+        if self.quantization == "fp8" and (devices or jax.devices())[0].platform == "cpu":
+            logger.warning("fp8 weights on a CPU run through XLA's dot, which widens every "
+                           "weight each step (a 1-row step ~10x bfloat16's on SmolLM2); int8 "
+                           "has a CPU kernel")
         # tensor parallel: the model runs under shard_map on its mesh, each device holding
         # its share of the params and of the pool's KV heads (jaxpage.parallel)
         # `devices` (default: the first tensor_parallel_size) are this runner's alone: a
