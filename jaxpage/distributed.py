@@ -79,6 +79,10 @@ class MultiHostRunner:
             return attr
 
         def call(*args: Any) -> Any:
+            if name == "execute":  # structured outputs' masks made here, sent with the step
+                from jaxpage.structured import masks_filled
+
+                args = (masks_filled(args[0], self._runner.model.config.vocab_size),)
             with _deadline(self.call_timeout, f"{name} on {jax.process_count()} processes"):
                 _broadcast((name, args))
                 return attr(*args)

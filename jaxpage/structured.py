@@ -210,6 +210,9 @@ def fill_bitmasks(matchers: Sequence[tuple[Any, int, Sequence[int]]],
     from llguidance.numpy import fill_next_token_bitmask
 
     for matcher, row, drafted in matchers:
+        if isinstance(matcher, np.ndarray):  # filled already (`masks_filled`)
+            bitmask[row] = matcher
+            continue
         if not drafted:
             fill_next_token_bitmask(matcher, bitmask, row)
             continue
@@ -217,6 +220,27 @@ def fill_bitmasks(matchers: Sequence[tuple[Any, int, Sequence[int]]],
         if read == len(drafted):
             fill_next_token_bitmask(matcher, bitmask, row)
         matcher.rollback(read)
+
+
+def masks_filled(seqs: list, vocab_size: int) -> list:
+    """`seqs` (a step's SeqInputs) with each constrained sampling row's matcher replaced by
+    its mask, filled now: what can be sent to other processes (a matcher cannot be pickled),
+    which then pack the same masks (`fill_bitmasks` copies a filled one). Seqs without a
+    constrained row are passed as they are (a draft model's drafts are written into those)."""
+    out = []
+    for seq in seqs:
+        if not any(r.matcher is not None for r in seq.sampling):
+            out.append(seq)
+            continue
+        rows = []
+        for r in seq.sampling:
+            if r.matcher is not None and not isinstance(r.matcher, np.ndarray):
+                mask = np.full((1, bitmask_width(vocab_size)), -1, np.int32)
+                fill_bitmasks([(r.matcher, 0, r.drafted)], mask)
+                r = dataclasses.replace(r, matcher=mask[0], drafted=())
+            rows.append(r)
+        out.append(dataclasses.replace(seq, sampling=rows))
+    return out
 
 
 def bad_words_token_ids(tokenizer: Any, bad_words: Sequence[str]) -> list[tuple[int, ...]]:

@@ -390,3 +390,35 @@ def test_speculative_drafts_under_a_constraint(model_dir):
     for out in got[:2]:
         check_json(out.outputs[0], schema)
     assert re.fullmatch(regex, got[2].outputs[0].text)
+
+
+def test_masks_filled_ahead_give_the_same_tokens(model_dir):
+    """What several processes run (`jaxpage.distributed`: a matcher cannot be sent, so the
+    leader fills each constrained row's mask before it broadcasts the step): the runner
+    given filled masks (`structured.masks_filled`) draws the tokens it draws from the
+    matchers, n-gram drafts included."""
+    from jaxpage.structured import masks_filled
+
+    schema = SCHEMAS["nested_ref_anyof"]
+    params = [json_params(schema), json_params(schema, 1.0, n=2, seed=3),
+              SamplingParams(max_tokens=16, temperature=0.0)]
+    prompts = ["the quick brown", "café au lait", "12345 and"]
+    kwargs = dict(max_model_len=512, num_blocks=256, max_num_seqs=8,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                      "prompt_lookup_min": 2})
+    want = LLM(model_dir, **kwargs).generate(prompts, params, use_tqdm=False)
+    llm = LLM(model_dir, **kwargs)
+    runner = llm.engine.runner
+    execute, filled = runner.execute, []
+
+    def execute_filled(seqs):
+        ahead = masks_filled(seqs, 400)
+        filled.extend(r.matcher for s in ahead for r in s.sampling
+                      if isinstance(r.matcher, np.ndarray))
+        return execute(ahead)
+
+    runner.execute = execute_filled
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert filled
+    for a, b in zip(want, got, strict=True):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
