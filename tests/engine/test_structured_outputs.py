@@ -82,7 +82,7 @@ def test_outputs_validate_in_a_batch_mixing_constrained_and_free_rows(llm):
     free = [SamplingParams(max_tokens=24, temperature=0.0),
             SamplingParams(max_tokens=24, temperature=0.9, seed=5)]
     constrained, checks = [], []
-    for name, schema in SCHEMAS.items():
+    for schema in SCHEMAS.values():
         for p in (json_params(schema), json_params(schema, 1.0, n=3, seed=7)):
             constrained.append(p)
             checks.append(("json", schema))
@@ -196,10 +196,9 @@ def test_json_whitespace_is_bounded_by_default(llm):
 def test_sentencepiece_style_tokenizer(tmp_path):
     """A Llama-style tokenizer (metaspace, byte fallback) bridged to llguidance: regex
     outputs match, including bytes drawn as <0xNN> tokens."""
+    from conftest import CORPUS, SPECIAL_TOKENS
     from tokenizers import Tokenizer, decoders, models, normalizers, trainers
     from transformers import PreTrainedTokenizerFast
-
-    from conftest import CORPUS, SPECIAL_TOKENS
 
     tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
