@@ -336,12 +336,16 @@ def test_bad_words_ban_the_last_token_after_the_prefix(llm):
     there and never holds the pair."""
     tok = llm.engine.tokenizer
     p = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    base = llm.generate(["the quick brown"], p, use_tqdm=False)[0].outputs[0].token_ids
-    i = next(i for i in range(1, len(base) - 1)
-             if tok.encode(tok.decode(base[i:i + 2]).lstrip(), add_special_tokens=False)
-             == base[i:i + 2] and base[i] != base[i + 1])
+    for prompt in ("the quick brown", "12345 and", "café au lait", "hello"):
+        base = llm.generate([prompt], p, use_tqdm=False)[0].outputs[0].token_ids
+        pairs = [i for i in range(1, len(base) - 1)
+                 if tok.encode(tok.decode(base[i:i + 2]).lstrip(), add_special_tokens=False)
+                 == base[i:i + 2] and base[i] != base[i + 1]]
+        if pairs:
+            break
+    i = pairs[0]
     word = tok.decode(base[i:i + 2])
-    got = llm.generate(["the quick brown"], SamplingParams(
+    got = llm.generate([prompt], SamplingParams(
         max_tokens=24, temperature=0.0, ignore_eos=True, bad_words=[word]),
         use_tqdm=False)[0].outputs[0].token_ids
     assert got[: i + 1] == base[: i + 1] and got[i + 1] != base[i + 1]
