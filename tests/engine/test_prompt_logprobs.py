@@ -55,7 +55,9 @@ def test_prompt_logprobs_match_hf_across_chunks_and_requests(model, k):
     assert outs[1].prompt_logprobs is None
     for i in (0, 2, 3, 4):
         check(outs[i], hf, k)
-    assert outs[3].prompt_logprobs == outs[0].prompt_logprobs
+    for a, b in zip(outs[3].prompt_logprobs[1:], outs[0].prompt_logprobs[1:], strict=True):
+        assert a.keys() == b.keys()  # scored alike (to rounding: other rows shared its steps)
+        np.testing.assert_allclose(list(a.values()), [b[t] for t in a], atol=1e-5)
     assert outs[0].outputs[0].token_ids == outs[3].outputs[0].token_ids
     # with prompt_logprobs nothing of the prompt came from the cache
     assert outs[3].metrics.num_cached_tokens == 0
