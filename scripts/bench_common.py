@@ -616,7 +616,7 @@ class NullRunner:
         self.num_blocks = num_blocks
         self.num_window_blocks = self.num_host_blocks = 0
         self.window = None
-        self.block_bytes = 0
+        self.block_bytes = self.window_block_bytes = 0
         self.kv_bytes_per_token = {"full_attention": 0}
         self.kv_dtype = np.dtype(np.float32)
         self.weight_bytes = self.quantized_weight_bytes = 0

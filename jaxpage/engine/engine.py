@@ -92,7 +92,8 @@ class LLMEngine:
         self.runner = runner
         self.swap_cost = None
         if config.preemption_mode == "auto":
-            self.swap_cost = SwapCostModel(runner.block_bytes, config.swap_bandwidth,
+            self.swap_cost = SwapCostModel(runner.block_bytes, runner.window_block_bytes,
+                                           config.swap_bandwidth,
                                            config.prefill_seconds_per_token)
         self.scheduler = Scheduler(
             num_blocks=runner.num_blocks, block_size=config.block_size,

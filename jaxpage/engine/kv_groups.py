@@ -632,6 +632,13 @@ class WindowedAllocator(TieredAllocator):
         self._apply_swap_out(seqs, plan)  # frees both groups' device blocks
         return True
 
+    def window_blocks_to_swap_out(self, seqs: Sequence[tuple[Hashable, int]]) -> int:
+        """Distinct window-group blocks ``swap_out`` would read for these sequences (0 where
+        the window group would refuse)."""
+        plan = self.window_group.plan_swap_out(
+            seqs, {dst: src for src, dst in self._window_copies})
+        return 0 if plan is None else len(plan[1])
+
     def swap_in(self, seqs: Sequence[tuple[Hashable, int, int | None]]) -> bool:
         """``TieredAllocator.swap_in`` over both groups; the window tables cover
         ``num_tokens`` (as ``allocate``'s do)."""

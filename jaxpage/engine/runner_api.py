@@ -68,6 +68,7 @@ class Runner(Protocol):
     num_host_blocks: int  # the host pool (0: none)
     window: int | None  # the sliding window in tokens (None: no sliding layers)
     block_bytes: int  # one block of the full group's layers, over all devices (a swap)
+    window_block_bytes: int  # and of the sliding-window layers' (0: no such layers)
     kv_bytes_per_token: dict[str, int]  # per kind of layer
     kv_dtype: Any  # the pool's storage dtype (its `name` is reported)
     # the params' bytes as loaded, those of its 8-bit weights, and their format (None: none)

@@ -404,7 +404,7 @@ class Scheduler:
             return False
         if self.preemption_mode == "auto" and not self.swap_cost.prefer_swap(
                 self.allocator.blocks_to_swap_out(kept, pending_copies),
-                sum(keep for _, keep in kept)):
+                sum(keep for _, keep in kept), self.allocator.window_blocks_to_swap_out(kept)):
             return False
         return self.allocator.swap_out(kept, pending_copies)
 

@@ -4,11 +4,13 @@ A preempted group (a request's running samples) is either recomputed (its blocks
 prefills its tokens again when readmitted) or swapped (its blocks copied to the host pool and
 back). Under "auto" it is swapped when
 
-    swap seconds      = 2 * blocks * block_bytes / copy_bandwidth       (out now, in later)
+    swap seconds      = 2 * (blocks * block_bytes + window blocks * window_block_bytes)
+                        / copy_bandwidth                                 (out now, in later)
     recompute seconds = tokens * prefill_seconds_per_token
 
 says swapping is cheaper: `blocks` are the distinct device blocks holding the group's
-computed tokens (a shared block once), `tokens` the computed tokens its samples would
+computed tokens (a shared block once), `window blocks` those of a sliding-window model's
+window layers that the kept tokens' window reads (kv_groups), `tokens` the computed tokens its samples would
 prefill again (each sample its own; prefix-cache hits at readmission are not counted on,
 so the recompute side is an upper bound).
 
@@ -37,9 +39,11 @@ DEFAULT_PREFILL_SECONDS_PER_TOKEN = 1e-4
 
 @dataclasses.dataclass
 class SwapCostModel:
-    """Estimates of the two costs; `block_bytes` is one block's K/V over all layers."""
+    """Estimates of the two costs; `block_bytes` is one block's K/V over the full-attention
+    layers, `window_block_bytes` over the sliding-window ones (0: none)."""
 
     block_bytes: int
+    window_block_bytes: int = 0
     copy_bandwidth: float | None = None  # configured bytes/s; None: measured
     prefill_seconds_per_token: float | None = None  # configured; None: measured
     copied_bytes: int = 0
@@ -73,11 +77,13 @@ class SwapCostModel:
             return self.prefill_seconds / self.prefilled_tokens
         return DEFAULT_PREFILL_SECONDS_PER_TOKEN
 
-    def swap_seconds(self, num_blocks: int) -> float:
-        return 2 * num_blocks * self.block_bytes / self.bandwidth
+    def swap_seconds(self, num_blocks: int, num_window_blocks: int = 0) -> float:
+        nbytes = num_blocks * self.block_bytes + num_window_blocks * self.window_block_bytes
+        return 2 * nbytes / self.bandwidth
 
     def recompute_seconds(self, num_tokens: int) -> float:
         return num_tokens * self.seconds_per_token
 
-    def prefer_swap(self, num_blocks: int, num_tokens: int) -> bool:
-        return self.swap_seconds(num_blocks) < self.recompute_seconds(num_tokens)
+    def prefer_swap(self, num_blocks: int, num_tokens: int, num_window_blocks: int = 0) -> bool:
+        return (self.swap_seconds(num_blocks, num_window_blocks)
+                < self.recompute_seconds(num_tokens))

@@ -200,6 +200,10 @@ class TieredAllocator(BlockAllocator):
         """Distinct device blocks ``swap_out`` would read for these sequences."""
         return len(self._swap_sources(seqs, pending_copies or {})[1])
 
+    def window_blocks_to_swap_out(self, seqs: Sequence[tuple[Hashable, int]]) -> int:
+        """Distinct window-group blocks ``swap_out`` would read (none here: one group)."""
+        return 0
+
     def swap_out(self, seqs: Sequence[tuple[Hashable, int]],
                  pending_copies: dict[int, int] | None = None) -> bool:
         """Move the sequences, each as ``(seq_id, tokens to keep)`` (at most its computed

@@ -348,6 +348,12 @@ def test_swap_cost_formula():
     assert cost.swap_seconds(3) == 2 * 3 * 1000 / 2000  # 3 s: out and back in
     assert cost.recompute_seconds(200) == pytest.approx(2.0)
     assert not cost.prefer_swap(3, 200) and cost.prefer_swap(3, 400)
+    # a sliding-window model's window blocks move too: 3 full + 2 window blocks of 500 bytes
+    windowed = SwapCostModel(block_bytes=1000, window_block_bytes=500)
+    windowed.observe_copies(4_000, 2.0)
+    windowed.record_prefill(100, 1.0)
+    assert windowed.swap_seconds(3, 2) == 2 * (3 * 1000 + 2 * 500) / 2000  # 4 s
+    assert windowed.prefer_swap(3, 400) and not windowed.prefer_swap(3, 400, 2)
     fixed = SwapCostModel(block_bytes=1000, copy_bandwidth=1e6, prefill_seconds_per_token=1.0)
     fixed.observe_copies(1, 1.0)
     fixed.record_prefill(1, 1e-9)

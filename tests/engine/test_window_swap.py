@@ -202,6 +202,9 @@ def test_swapped_windows_by_hand():
     alloc.commit("a", list(range(100, 130)))
     alloc.fork("a", "b")
     assert group.table("b") == [NULL_BLOCK] * 3 + [4, 5, 6, 7, 8]
+    # the "auto" mode's count: 5 distinct window blocks (8 full ones), as the swap moves
+    assert alloc.window_blocks_to_swap_out([("a", 29), ("b", 29)]) == 5
+    assert alloc.blocks_to_swap_out([("a", 29), ("b", 29)]) == 8
     assert alloc.swap_out([("a", 29), ("b", 29)])
     swap_out, swap_in = alloc.take_swaps()
     assert swap_out[8:] == [(4, offset), (5, offset + 1), (6, offset + 2), (7, offset + 3),
