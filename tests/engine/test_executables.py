@@ -20,6 +20,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxpage.engine.executables import ExecutableStore, context_digest
 
@@ -37,6 +38,7 @@ def start(model_dir: str, cache_dir: str, *flags: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # 45-55 s of the default suite on 2 cores; the warm-up restart test stays
 def test_a_restart_loads_every_step_and_serves_what_the_jit_path_serves(hf_model_dir, tmp_path):
     model_dir, _ = hf_model_dir("llama")
     plain = start(model_dir, "")  # no store: the jit path

@@ -363,8 +363,9 @@ def test_bad_word_bans_hand_worked():
 
 @pytest.mark.slow
 def test_default_model_json_schemas():
-    """SmolLM2-135M-Instruct under each schema, whitespace allowed (vLLM's default), greedy
-    and sampled: every output validates."""
+    """SmolLM2-135M-Instruct (its GGUF tokenizer bridged to llguidance) under each schema,
+    whitespace allowed (the default), greedy and sampled, and each regex sampled with n=2:
+    every output validates."""
     llm = LLM(dtype="bfloat16", max_model_len=1024)
     for schema in SCHEMAS.values():
         outs = llm.chat([[{"role": "user", "content": "Reply in JSON."}]] * 2, [
@@ -375,6 +376,12 @@ def test_default_model_json_schemas():
         for out in outs:
             for c in out.outputs:
                 check_json(c, schema)
+    for regex in REGEXES:
+        outs = llm.chat([[{"role": "user", "content": "Answer in the format asked."}]], [
+            SamplingParams(max_tokens=24, temperature=0.8, seed=1, n=2, structured_outputs=
+                           StructuredOutputsParams(regex=regex))], use_tqdm=False)
+        for c in outs[0].outputs:
+            assert c.finish_reason == "stop" and re.fullmatch(regex, c.text), c
 
 
 def test_speculative_drafts_under_a_constraint(model_dir):

@@ -78,7 +78,10 @@ def test_small_matmul_matches_float64(dtype, bf16_dot, transpose_w, k, n):
         check(out, x, w, transpose_w)
 
 
-@pytest.mark.parametrize("dtype,bf16_dot", MODES, ids=MODE_IDS)
+# float32 (16-32 s on 2 cores) with the slow tests; the bfloat16 modes by default
+@pytest.mark.parametrize("dtype,bf16_dot", [
+    pytest.param(*mode, marks=pytest.mark.slow) if mode[0] == jnp.float32 else mode
+    for mode in MODES], ids=MODE_IDS)
 def test_tied_lm_head_shape(dtype, bf16_dot):
     """SmolLM2's tied head: [8, 576] x [49152, 576]^T, under jit."""
     rng = np.random.default_rng(1)
