@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxpage.sampling_params import SamplingParams
+from jaxpage.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from jaxpage.serve.tool_parsers import required_schema, tool_parameters
 from jaxpage.structured import StructuredOutputsParams
 
@@ -79,9 +79,6 @@ def _structured_params(field: str, **kwargs: Any) -> StructuredOutputsParams:
         return StructuredOutputsParams(**kwargs)
     except ValueError as e:
         raise UnsupportedError(field, str(e)) from None
-
-
-LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range: [-100, 100]
 
 
 class _SamplingRequest(BaseModel):
@@ -174,7 +171,7 @@ class _SamplingRequest(BaseModel):
             if not 0 <= token < vocab_size:
                 raise UnsupportedError("logit_bias", f"token ids must be in [0, "
                                                      f"{vocab_size}), got {token}")
-            if not (math.isfinite(value) and -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT):
+            if not (math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
                 raise UnsupportedError("logit_bias", f"biases must be in [-100, 100], got "
                                                      f"{value!r} for token {token}")
             bias[token] = float(value)
