@@ -24,7 +24,8 @@ panels, each one sequential stream, for any number of rows (a model's projection
 a CPU with AMX-BF16 it runs bfloat16 on the AMX tiles from 3 live rows on, `packed_tiles()`,
 held to the float64 bound rather than bit for bit; `JAXPAGE_CPU_KERNEL_TILES=0` keeps the
 vector path); `packed_matmul_int8`, the same for int8 weights (`pack_weight_int8`) with a
-float32 scale per column, a quarter of float32's bytes read; `lora_matmul`, each row's LoRA
+float32 scale per column, a quarter of float32's bytes read (x scaled to int16 a row, integer
+multiply-adds); `lora_matmul`, each row's LoRA
 adapter delta added to a projection's output, the rows grouped by adapter
 (`pallas_kernels.lora` chooses it on CPU); `greedy_draw`, each row's argmax and its
 log-probability in one pass; `set_rows`, narrow-float rows written into a pool in place; the
@@ -273,9 +274,15 @@ def pack_weight(w: jax.Array) -> jax.Array:
         panel = panel_columns()  # raises where the kernel is not available
         raise ValueError(f"pack_weight takes a float32 or bfloat16 [K, N] matrix with N a "
                          f"multiple of {panel}, got {jnp.dtype(w.dtype).name} {tuple(w.shape)}")
+    return _pack_panels(w, _group(w.dtype))
+
+
+def _pack_panels(w: jax.Array, g: int) -> jax.Array:
+    """w [K, N] -> [N / PANEL, ceil(K / g), PANEL, g] (an odd K's last group padded with zero
+    rows); a NumPy array packs on the host."""
     k, n = w.shape
-    g, panel = _group(w.dtype), panel_columns()
-    xp = np if isinstance(w, np.ndarray) else jnp  # a host array packs on the host
+    panel = panel_columns()
+    xp = np if isinstance(w, np.ndarray) else jnp
     if k % g:
         w = xp.concatenate([w, xp.zeros((g - k % g, n), w.dtype)])
     packed = w.reshape(-1, g, n // panel, panel).transpose(2, 0, 3, 1)
@@ -341,22 +348,21 @@ def packable_int8(w: jax.Array) -> bool:
 
 
 def pack_weight_int8(w: jax.Array) -> jax.Array:
-    """w [K, N] int8 (N a multiple of PANEL = `panel_columns()`) -> [N / PANEL, K, PANEL, 1],
-    the layout `packed_matmul_int8` streams: float32's (`pack_weight`), panel p holding columns
-    p * PANEL.. row after row, a quarter of its bytes (the same bytes as w). A NumPy array in,
-    a NumPy array out."""
+    """w [K, N] int8 (N a multiple of PANEL = `panel_columns()`) -> [N / PANEL, ceil(K / 2),
+    PANEL, 2], the layout `packed_matmul_int8` streams: bfloat16's (`pack_weight`), panel p
+    holding columns p * PANEL.. in pairs of rows interleaved column by column (the pairs the
+    int16 multiply-add takes; an odd K's last row paired with zeros), half of its bytes (the
+    same bytes as w, plus one zero row for an odd K). A NumPy array in, a NumPy array out."""
     if not packable_int8(w):
         panel = panel_columns()  # raises where the kernel is not available
         raise ValueError(f"pack_weight_int8 takes an int8 [K, N] matrix with N a multiple of "
                          f"{panel}, got {jnp.dtype(w.dtype).name} {tuple(w.shape)}")
-    k, n = w.shape
-    panel = panel_columns()
-    packed = w.reshape(k, n // panel, panel, 1).transpose(1, 0, 2, 3)
-    return np.ascontiguousarray(packed) if isinstance(w, np.ndarray) else packed
+    return _pack_panels(w, 2)
 
 
 def unpack_weight_int8(packed: jax.Array, k: int | None = None) -> jax.Array:
-    """`pack_weight_int8`'s inverse: [P, K, PANEL, 1] -> [K, P * PANEL] (`k`: the first k rows)."""
+    """`pack_weight_int8`'s inverse: [P, KG, PANEL, 2] -> [k, P * PANEL] (k defaults to
+    2 KG)."""
     return unpack_weight(packed, k)
 
 
@@ -364,14 +370,17 @@ def packed_matmul_int8(x: jax.Array, packed: jax.Array, scale: jax.Array, *,
                        live_rows: jax.Array | int | None = None,
                        prefetch_bytes: int = 0) -> jax.Array:
     """(x [M, K] @ w) * scale[None, :] as float32 [M, N], given `pack_weight_int8(w)` of an int8
-    w [K, N] and its columns' scales `scale` [N] (cast to float32): x float32 or bfloat16, each
-    int8 widened to float32 (exact) and multiplied by x's float32 value (bfloat16 widened
-    exactly), summed in float32 along K (passes of 1-3 rows in 4 or 2 interleaved chains of k,
-    added at the end; from 4 rows in k's order, bit for bit `packed_matmul` of x as float32 on
-    `pack_weight(w.astype(float32))`), each sum then times its scale (rounded once). Within
-    the float32 bound of the exact product, whatever the rows. Any M: up to 8 rows (6 on a CPU
-    without AVX-512) in one pass over each panel, read from the int8 weight; more rows widen each
-    panel once into float32 scratch and make their passes over that (cpu/matmul_int8.h).
+    w [K, N] and its columns' scales `scale` [N] (cast to float32), x float32 or bfloat16.
+    Each row of x is scaled to int16, x_q = rint(x / s) with s = max|x[m]| / 32767 (float64
+    arithmetic, s then rounded to float32), and multiplied by w's integers exactly in int32
+    sums of 256 rows of k at a time (the pairs of an int16 multiply-add, vpdpwssd or vpmaddwd),
+    each chunk converted to float32 and added in k's order; each sum is then times
+    (scale[n] * s) (that product rounded first). So the result is bit for bit that integer
+    arithmetic whatever the rows, threads and prefetch distance, and within s / 2 *
+    sum_k |w[k, n]| * |scale[n]| (x's rounding: 2^-16 of max|x| relative) plus float32's
+    roundings of the exact product. A row of zeros gives zeros; a row holding a NaN or an inf
+    gives NaNs (it has no scale). Any M: up to 8 rows (6 on a CPU without AVX-512) in one pass
+    over each panel, more in more passes that widen it again from cache (cpu/matmul_int8.h).
     `live_rows` and `prefetch_bytes` as `packed_matmul`'s (rows past `live_rows` are zeros).
     The kernel must be `available()`."""
     if not available():
@@ -381,10 +390,10 @@ def packed_matmul_int8(x: jax.Array, packed: jax.Array, scale: jax.Array, *,
         raise ValueError(f"packed_matmul_int8 takes x float32 or bfloat16 and an int8 packed "
                          f"weight, got {dtype.name} and {jnp.dtype(packed.dtype).name}")
     panel = panel_columns()
-    if (x.ndim != 2 or packed.ndim != 4 or packed.shape[2:] != (panel, 1)
-            or x.shape[1] != packed.shape[1]):
+    if (x.ndim != 2 or packed.ndim != 4 or packed.shape[2:] != (panel, 2)
+            or (x.shape[1] + 1) // 2 != packed.shape[1]):
         raise ValueError(f"packed_matmul_int8 takes x [M, K] and a packed int8 weight "
-                         f"[N / {panel}, K, {panel}, 1], got x {tuple(x.shape)} and "
+                         f"[N / {panel}, ceil(K / 2), {panel}, 2], got x {tuple(x.shape)} and "
                          f"{tuple(packed.shape)}")
     n = packed.shape[0] * panel
     if tuple(scale.shape) != (n,):

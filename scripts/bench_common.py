@@ -144,8 +144,10 @@ def start_decoding(engine, tag: str, batch: int, context: int, tokens: int, rng)
     from jaxpage import SamplingParams
 
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    high = min(10_000, engine.vocab_size)  # a tiny model's vocabulary is smaller
     for i in range(batch):
-        engine.add_request(f"{tag}-{i}", rng.integers(100, 10_000, context).tolist(), params)
+        engine.add_request(f"{tag}-{i}", rng.integers(min(100, high // 2), high, context).tolist(),
+                           params)
     scheduler = engine.scheduler
     while scheduler.waiting or any(r.num_output_tokens == 0 for r in scheduler.running):
         engine.step()

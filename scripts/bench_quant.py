@@ -11,7 +11,11 @@ Per weight format (bfloat16, then each of --formats, the activations bfloat16 th
   its weight-read bound: the bytes a step must read of the weights as the runner keeps them
   (every param once; an untied embedding only its rows) over that bandwidth. The ratio to
   bfloat16's step is the figure to watch: at 1 row a step is bound by reading its weights,
-  and int8 / fp8 projections are half their bfloat16 bytes;
+  and int8 / fp8 projections are half their bfloat16 bytes. That step is the runner's alone
+  (`runner.execute`: the host's preparing, dispatch and readback in series with the device);
+  `engine ms` is the engine's step as a request sees it (bench_common.decode_step_seconds:
+  --batches requests decoding, each format 16 tokens a turn, the median step), where small
+  steps run ahead and the host's work overlaps the device's;
 - the throughput trace (bench_common.make_trace: --requests requests, log-normal prompt and
   output lengths, greedy), useful tokens per second;
 - accuracy: the held text of bench_kv_cache read teacher-forced (chunks of 128 through a
@@ -36,13 +40,20 @@ import time
 
 import jax
 import numpy as np
-from bench_common import make_llm, make_trace, step_and_read, write_hf_llama
+from bench_common import (
+    decode_step_seconds,
+    make_llm,
+    make_trace,
+    step_and_read,
+    write_hf_llama,
+)
 from bench_kv_cache import HELD_TEXT, score_text
 
 from jaxpage import SamplingParams
 from jaxpage.layers import quantized_linear
 
 PASS = 3  # decode steps a format runs before the next takes its turn
+ENGINE_TOKENS = 16  # tokens a request decodes in a format's turn at the engine's step
 
 
 def step_weight_bytes(llm, rows: int) -> int:
@@ -109,10 +120,16 @@ def main() -> None:
                 step, gbps, _ = step_and_read(llm, batch, context, rounds=PASS)
                 times[name][0].append(step)
                 times[name][1].append(gbps)
+        engine_steps = {name: [] for name in llms}
+        rng = np.random.default_rng(batch)
+        for turn in range(max(1, rounds // PASS)):
+            for name, llm in llms.items():
+                engine_steps[name] += decode_step_seconds(llm.engine, f"{name}-{batch}-{turn}",
+                                                          batch, context, ENGINE_TOKENS, rng)
         for name, (steps, rates) in times.items():
             bound = step_weight_bytes(llms[name], batch) / (float(np.median(rates)) * 1e9)
-            rows.setdefault(name, {"steps": {}})["steps"][batch] = (float(np.median(steps)),
-                                                                     bound)
+            rows.setdefault(name, {"steps": {}})["steps"][batch] = (
+                float(np.median(steps)), bound, float(np.median(engine_steps[name])))
     for name, llm in llms.items():
         stats = llm.stats()
         row = rows[name]
@@ -143,12 +160,13 @@ def main() -> None:
               f"{row['tok_s'] / base['tok_s']:>7.3f} {mean:>13.5f} {most:>12.4f} "
               f"{agree:>13.2%}")
     print(f"\n{'weights':>9} {'rows':>5} {'step ms':>8} {'x bf16':>7} {'weight bound ms':>16} "
-          f"{'x bound':>8}")
+          f"{'x bound':>8} {'engine ms':>10} {'x bf16':>7} {'x bound':>8}")
     for name, row in rows.items():
-        for batch, (step, bound) in row["steps"].items():
+        for batch, (step, bound, engine) in row["steps"].items():
             print(f"{name:>9} {batch:>5} {step * 1e3:>8.2f} "
                   f"{step / base['steps'][batch][0]:>7.3f} {bound * 1e3:>16.2f} "
-                  f"{step / bound:>8.2f}")
+                  f"{step / bound:>8.2f} {engine * 1e3:>10.2f} "
+                  f"{engine / base['steps'][batch][2]:>7.3f} {engine / bound:>8.2f}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ times the scale: written so that an accelerator's compiler can feed the 8-bit va
 matmul unit (the widening is an elementwise producer of the dot, which XLA's GPU and TPU
 compilers fuse into it) and no full-width copy of the weight is kept. On CPU, an int8 weight
 packed for the kernel library (`pack`, where `cpu_ops` offers `packed_matmul_int8` and is
-built) goes through it: XLA:CPU would widen the whole weight into a temporary every step.
+built) goes through it: XLA:CPU would widen the whole weight into a temporary every step. That
+kernel scales each row of x to int16 (2^-16 of the row's largest magnitude an element) and
+multiplies in integers, exactly: what lets it keep up with the halved bytes.
 """
 
 from __future__ import annotations

@@ -43,8 +43,9 @@ ffi::Error InvalidLayer(const std::string& what) {
   return ffi::Error::InvalidArgument("decoder layer: " + what);
 }
 
-// A packed weight's panels if it is [P, ceil(K / G), kPanel, G] for `type`, or int8 [P, K,
-// kPanel, 1] with a scale of P kPanel elements (a float weight's scale has none), else -1.
+// A packed weight's panels if it is [P, ceil(K / G), kPanel, G] for `type`, or int8 [P,
+// ceil(K / 2), kPanel, 2] with a scale of P kPanel elements (a float weight's scale has none),
+// else -1.
 int64_t packed_panels(ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale, ffi::DataType type,
                       int64_t K) {
   const int64_t n_scale = static_cast<int64_t>(scale.element_count());

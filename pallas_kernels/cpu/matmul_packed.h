@@ -58,9 +58,11 @@ struct PackedWork {
   int64_t span = 1, pair = 0;
   std::function<void(int64_t)> after_group;
   // int8 weights (prepare_packed_int8; matmul_int8.h): their columns' scales (null for float
-  // weights), x as float32 rows [M][K] (bfloat16 widened into x_wide), KG = K, the int8 panel
-  // functions by rows in the pass, reading int8 (one pass a panel) or its widened copy (more)
+  // weights), x's rows quantized to int16 (2 KG = K rounded up to even a row) and their
+  // scales, the int8 panel functions by rows in the pass
   const float* scale = nullptr;
+  std::vector<int16_t> x_q;
+  std::vector<float> x_scale;
   Int8PanelFn int8_fns[kPackedRows] = {};
 
   void run() {
@@ -96,23 +98,15 @@ struct PackedWork {
   }
 
   void run_int8() {
+    // as the float panels: M's rows in as few passes as can be, the panel from cache after the
+    // first (each pass widens it again)
     const int64_t passes = (M + kPackedRows - 1) / kPackedRows;
-    const float* xf = static_cast<const float*>(x);
-    if (passes == 1) {
-      const int64_t ahead = prefetch ? prefetch : packed_prefetch_bytes(M);
-      run_groups([&](int64_t p) {
-        int8_fns[M - 1](xf, KG, 0, w + p * panel_bytes, w_end, ahead, scale, out, N, p * kPanel);
-      });
-      return;
-    }
-    float* wide = int8_scratch(KG);
-    const int64_t ahead = prefetch ? prefetch : packed_prefetch_bytes(M);
     run_groups([&](int64_t p) {
-      widen_panel_int8(reinterpret_cast<const int8_t*>(w + p * panel_bytes), KG, w_end, ahead,
-                       wide);
       for (int64_t b = 0; b < passes; ++b) {
         const int64_t m0 = b * M / passes, m1 = (b + 1) * M / passes;
-        int8_fns[m1 - m0 - 1](xf, KG, m0, wide, nullptr, 0, scale, out, N, p * kPanel);
+        const int64_t ahead = prefetch ? prefetch : packed_prefetch_bytes(m1 - m0);
+        int8_fns[m1 - m0 - 1](x_q.data(), KG, m0, w + p * panel_bytes, w_end, ahead, x_scale.data(),
+                              scale, out, N, p * kPanel);
       }
     });
   }
@@ -236,45 +230,42 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
   return ffi::Error::Success();
 }
 
-// Sets `work` up for out [M, N] = (x [M, K] . w) * scale, w int8 packed (P panels of K rows;
-// matmul_int8.h) with its columns' float32 scales, x float32 or bfloat16 (`f32`), of which only
-// the first `live` rows are multiplied (the others zeros, as prepare_packed's). Returns the
-// units to run (0: nothing).
+// Sets `work` up for out [M, N] = (x [M, K] . w) * scale, w int8 packed (P panels of
+// ceil(K / 2) pair rows; matmul_int8.h) with its columns' float32 scales, x float32 or bfloat16
+// (`f32`), of which only the first `live` rows are multiplied (the others zeros, as
+// prepare_packed's) and quantized to int16 here. Returns the units to run (0: nothing).
 int64_t prepare_packed_int8(PackedWork& work, const void* x, bool f32, int64_t M, int64_t live,
                             int64_t K, const void* w, const float* scale, int64_t P, float* out,
                             int64_t prefetch_bytes, int64_t threads) {
-  const int64_t N = P * kPanel;
+  const int64_t N = P * kPanel, KG = (K + 1) / 2;
   if (M == 0 || N == 0) return 0;
   const int64_t rows = std::clamp<int64_t>(live, 0, M);
   std::fill(out + (K == 0 ? 0 : rows) * N, out + M * N, 0.0f);
   if (K == 0 || rows == 0) return 0;
-  work.x = x;
-  if (!f32) {  // each x element widened once here, not once per panel
-    const bf16* xb = static_cast<const bf16*>(x);
-    work.x_wide.resize(static_cast<size_t>(rows * K));
-    for (int64_t i = 0; i < rows * K; ++i) work.x_wide[i] = widen(xb[i]);
-    work.x = work.x_wide.data();
-  }
-  const bool one_pass = rows <= kPackedRows;  // else each panel widened once into scratch
+  work.x_q.resize(static_cast<size_t>(rows * 2 * KG));
+  work.x_scale.resize(static_cast<size_t>(rows));
+  if (f32)
+    quantize_rows(static_cast<const float*>(x), rows, K, work.x_q.data(), work.x_scale.data());
+  else
+    quantize_rows(static_cast<const bf16*>(x), rows, K, work.x_q.data(), work.x_scale.data());
   for (int mb = 1; mb <= kPackedRows; ++mb)
-    work.int8_fns[mb - 1] = one_pass ? int8_pick<false>(mb, kPackedRowSeq)
-                                     : int8_pick<true>(mb, kPackedRowSeq);
+    work.int8_fns[mb - 1] = int8_pick(mb, kPackedRowSeq);
   work.scale = scale;
   work.w = static_cast<const char*>(w);
-  work.panel_bytes = K * kPanel;
+  work.panel_bytes = KG * 2 * kPanel;
   work.w_end = work.w + P * work.panel_bytes;
   work.out = out;
-  work.M = rows, work.KG = K, work.N = N, work.panels = P;
+  work.M = rows, work.KG = KG, work.N = N, work.panels = P;
   work.prefetch = prefetch_bytes;
-  work.units = std::min(P, threads * (one_pass ? 1 : kPackedUnitsPerThread));
+  work.units = std::min(P, threads * (rows <= kPackedRows ? 1 : kPackedUnitsPerThread));
   return work.units;
 }
 
-// A packed int8 weight's panels if it is [P, K, kPanel, 1] int8, else -1.
+// A packed int8 weight's panels if it is [P, ceil(K / 2), kPanel, 2] int8, else -1.
 int64_t int8_panels(ffi::AnyBuffer w, int64_t K) {
   const auto d = w.dimensions();
-  if (w.element_type() != ffi::DataType::S8 || d.size() != 4 || d[1] != K || d[2] != kPanel ||
-      d[3] != 1)
+  if (w.element_type() != ffi::DataType::S8 || d.size() != 4 || d[1] != (K + 1) / 2 ||
+      d[2] != kPanel || d[3] != 2)
     return -1;
   return d[0];
 }
@@ -292,7 +283,7 @@ ffi::Error PackedMatmulInt8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
   if (P < 0)
     return InvalidPacked("w " + type_name(w.element_type()) + " " + shape_string(wd) +
                          " is not an int8 weight packed for x " + shape_string(xd) + ": [panels, " +
-                         std::to_string(K) + ", " + std::to_string(kPanel) + ", 1]");
+                         std::to_string((K + 1) / 2) + ", " + std::to_string(kPanel) + ", 2]");
   if (scale.dimensions().size() != 1 || scale.dimensions()[0] != N)
     return InvalidPacked("scale " + shape_string(scale.dimensions()) + " is not [" +
                          std::to_string(N) + "]: one a column");

@@ -21,6 +21,7 @@ often it took one.
 
     python scripts/lab/profile_layer_stages.py                       # bfloat16, 1 and 8 rows
     python scripts/lab/profile_layer_stages.py --batches 8 --dtypes float32,bfloat16 --steps 40
+    python scripts/lab/profile_layer_stages.py --batches 1 --quantization int8
 """
 
 from __future__ import annotations
@@ -88,7 +89,10 @@ def stage_bytes(llm, batch: int, context: int) -> dict[str, float]:
     runner = llm.engine.runner
     layer = runner.params["layers"][0]
     per_token = kv_bytes_per_token(llm) / len(runner.kv_pool)  # one layer's
-    out = {stage: float(layer[stage].nbytes) for stage in ("qkv", "o", "gate_up", "down")}
+    import jax
+
+    out = {stage: float(sum(w.nbytes for w in jax.tree.leaves(layer[stage])))
+           for stage in ("qkv", "o", "gate_up", "down")}  # an int8 weight's scales included
     out["attention"] = batch * (context + 1) * per_token
     return out
 
@@ -133,6 +137,7 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bfloat16")
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=30, help="decode steps clocked per batch")
+    ap.add_argument("--quantization", default="", help="int8: the weights quantized on load")
     args = ap.parse_args()
 
     from jaxpage import layers
@@ -144,7 +149,7 @@ def main() -> None:
     read = read_gbps()
     print(f"read bandwidth {read:.1f} GB/s (before the steps); context {args.context}")
     for dtype in [d for d in args.dtypes.split(",") if d]:
-        llm = make_llm(max(batches), dtype=dtype)
+        llm = make_llm(max(batches), dtype=dtype, quantization=args.quantization or None)
         layers = len(llm.engine.runner.params["layers"])
         for batch in batches:
             nbytes = stage_bytes(llm, batch, args.context)
