@@ -10,9 +10,9 @@ back). Under "auto" it is swapped when
 
 says swapping is cheaper: `blocks` are the distinct device blocks holding the group's
 computed tokens (a shared block once), `window blocks` those of a sliding-window model's
-window layers that the kept tokens' window reads (kv_groups), `tokens` the computed tokens its samples would
-prefill again (each sample its own; prefix-cache hits at readmission are not counted on,
-so the recompute side is an upper bound).
+window layers that the kept tokens' window reads (kv_groups), `tokens` the computed tokens
+its samples would prefill again (each sample its own; prefix-cache hits at readmission are
+not counted on, so the recompute side is an upper bound).
 
 Both rates are measured as the engine runs, starting from the configured values
 (`EngineConfig.swap_bandwidth`, `prefill_seconds_per_token`) or, when those are None, from
