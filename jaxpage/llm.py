@@ -36,6 +36,12 @@ class LLM:
 
             if config is None:
                 config = EngineConfig(model=model or DEFAULT_MODEL, **engine_kwargs)
+            import jax
+
+            if jax.default_backend() == "cpu":  # a first start builds the CPU kernels meanwhile
+                from pallas_kernels import cpu_library
+
+                cpu_library.start_build()
             model_config, params, loaded_tokenizer = load_model(
                 config.model, config.dtype, config.cache_gguf, config.revision,
                 config.quantization)

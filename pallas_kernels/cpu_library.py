@@ -5,10 +5,11 @@ set_rows, the small and packed matmuls (float and int8 weights) with the AMX til
 multi-LoRA deltas, the layer glue, the decoder layer, the greedy draw, and what they share),
 compiled as one translation unit, `cpu/ffi.cc`, which holds the XLA FFI handlers
 (docs/kernels.md describes the layout); `cpu_ops` holds the JAX functions that call it. It is
-compiled on first use with the machine's C++ compiler (`g++ -O3 -march=native`, about 35 s on
-a 2-core CPU) into a cache directory, as `cpu_kernels-<key>.so`, the key hashing every source
-file of `cpu/`, the flags, the jaxlib version and the CPU; `available()` says whether that
-worked, and callers fall back to the jnp path when it did not (no compiler, another platform).
+compiled on first use with the machine's C++ compiler (`g++ -O3 -march=native`, about 35-45 s
+on a 2-core CPU; `start_build` begins it early, beside a model's load) into a cache directory,
+as `cpu_kernels-<key>.so`, the key hashing every source file of `cpu/`, the flags, the jaxlib
+version and the CPU; `available()` says whether that worked, and callers fall back to the jnp
+path when it did not (no compiler, another platform).
 Build-time facts the ops depend on are read back from the library: `wide_vectors()`
 (AVX-512), `bf16_dot_compiled()` (AVX512-BF16) and `packed_tiles()` (AMX-BF16 usable by this
 process).
@@ -34,7 +35,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
 
 import jax
@@ -136,14 +139,46 @@ def _build(source: Path = _SOURCE_DIR) -> Path:
     return library
 
 
+_started: Future | None = None  # a build `start_build` began, which `loaded()` waits for
+_start_lock = threading.Lock()
+
+
+def start_build() -> None:
+    """Begin building the library (where it will be built at all and is not yet) on a thread
+    of its own, so that whatever the caller does next runs beside the compiler: a first start
+    loads and converts its model meanwhile, on a 2-core CPU 10-15 s of the ~45 s build.
+    `loaded()` waits for it; a failure surfaces there, as a build of its own would. The
+    compiler is a process of its own, so this thread only waits on it."""
+    global _started
+    if (os.environ.get("JAXPAGE_NO_CPU_KERNEL") or os.environ.get("JAXPAGE_CPU_KERNEL_LIB")
+            or loaded.cache_info().currsize):
+        return
+    with _start_lock:
+        if _started is not None:
+            return
+        _started = future = Future()
+
+    def build() -> None:
+        try:
+            future.set_result(_build())
+        except BaseException as e:  # noqa: BLE001 - handed to loaded(), which reports it
+            future.set_exception(e)
+
+    # a daemon: a process that exits before the build ends is not held up by it
+    threading.Thread(target=build, name="jaxpage-kernel-build", daemon=True).start()
+
+
 def _library_path() -> Path:
-    """The shared library to register: `JAXPAGE_CPU_KERNEL_LIB` if set, else our build."""
+    """The shared library to register: `JAXPAGE_CPU_KERNEL_LIB` if set, else our build
+    (the one `start_build` began, if it did)."""
     prebuilt = os.environ.get("JAXPAGE_CPU_KERNEL_LIB")
     if prebuilt:
         if not Path(prebuilt).is_file():
             raise RuntimeError(f"JAXPAGE_CPU_KERNEL_LIB={prebuilt} is not a file")
         return Path(prebuilt)
-    return _build()
+    with _start_lock:
+        started = _started
+    return _build() if started is None else started.result()
 
 
 @functools.cache

@@ -413,7 +413,13 @@ class ModelRunner:
                 b for b in power_of_two_buckets(smallest_decode, most_rows, midpoints=True)
                 if b > max_num_seqs})
         self.prefill_seq_buckets = power_of_two_buckets(min(4, max_num_seqs), max_num_seqs)
-        self.width_buckets = power_of_two_buckets(
+        # A step's block tables are padded to a width bucket. The CPU's kernels walk each
+        # sequence's own blocks (the width is only a table row's stride), so there the one
+        # width of max_model_len costs nothing at run time (a few KB more of table a step) and
+        # a batch shape compiles once where the buckets compiled it 6-9 times (SmolLM2's
+        # server warm-up: 146 step shapes, 45 s of a first start); the Pallas kernels and the
+        # jnp paths keep the buckets (their grids and gathers span the width).
+        self.width_buckets = [max_blocks] if self.backend == "cpp" else power_of_two_buckets(
             min(max(1, 64 // block_size), max_blocks), max_blocks)
         self.len_buckets = power_of_two_buckets(min(128, max_model_len), max_model_len)
         self.ban_buckets = power_of_two_buckets(8, max(8, model_config.vocab_size))
