@@ -10,6 +10,7 @@ step, never a global.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -285,29 +286,42 @@ def build_metadata(
     width = max_blocks_per_seq or max((len(t) for t in block_tables), default=1)
     if num_tokens < total_new or num_seqs < len(block_tables):
         raise ValueError(f"bucket ({num_tokens} tokens, {num_seqs} seqs) smaller than the batch")
-    positions = np.zeros(num_tokens, np.int32)
+    # Whole-batch NumPy, not a loop over sequences: at 256 decoding sequences the loop's
+    # per-sequence slices and conversions cost ~1.3 ms of a step's host work (a GPU's step
+    # waits on it), these ~0.2 ms.
+    count = len(block_tables)
+    new = np.asarray(num_new, np.int64).reshape(count)
+    computed = np.asarray(num_computed, np.int64).reshape(count)
+    ends = computed + new
+    lens = np.fromiter(map(len, block_tables), np.int64, count=count)
+    over = np.flatnonzero(ends > lens * block_size)
+    if over.size:
+        s = int(over[0])
+        raise ValueError(f"sequence {s}: {ends[s]} tokens exceed its {lens[s]} blocks of "
+                         f"{block_size}")
+    starts = np.cumsum(new) - new  # each sequence's first new token
     seq_lens = np.zeros(num_seqs, np.int32)
+    seq_lens[:count] = ends
     query_start_loc = np.full(num_seqs + 1, total_new, np.int32)
-    start = 0
-    for s, (table, computed, new) in enumerate(zip(block_tables, num_computed, num_new,
-                                                   strict=True)):
-        if computed + new > len(table) * block_size:
-            raise ValueError(f"sequence {s}: {computed + new} tokens exceed its "
-                             f"{len(table)} blocks of {block_size}")
-        positions[start : start + new] = np.arange(computed, computed + new, dtype=np.int32)
-        seq_lens[s] = computed + new
-        query_start_loc[s] = start
-        start += new
+    query_start_loc[:count] = starts
+    token_seq = np.repeat(np.arange(count), new)  # the sequence of each new token
+    positions = np.zeros(num_tokens, np.int32)
+    positions[:total_new] = np.arange(total_new) - starts[token_seq] + computed[token_seq]
+    new_positions = positions[:total_new]
 
     def pack(group_tables: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
         """(slot mapping [T], tables [S, width]) of one group's block tables."""
-        slot_mapping = np.zeros(num_tokens, np.int32)  # padding -> slots of block 0
+        sizes = np.fromiter(map(len, group_tables), np.int64, count=len(group_tables))
         tables = np.zeros((num_seqs, width), np.int32)
-        for s, table in enumerate(group_tables):
-            tables[s, : len(table)] = table
-            lo, hi = query_start_loc[s], query_start_loc[s] + num_new[s]
-            pos = positions[lo:hi]
-            slot_mapping[lo:hi] = tables[s, pos // block_size] * block_size + pos % block_size
+        filled = int(sizes.sum())
+        if filled:
+            flat = np.fromiter(itertools.chain.from_iterable(group_tables), np.int32,
+                               count=filled)
+            rows = np.repeat(np.arange(len(group_tables)), sizes)
+            tables[rows, np.arange(filled) - np.repeat(np.cumsum(sizes) - sizes, sizes)] = flat
+        slot_mapping = np.zeros(num_tokens, np.int32)  # padding -> slots of block 0
+        slot_mapping[:total_new] = (tables[token_seq, new_positions // block_size] * block_size
+                                    + new_positions % block_size)
         return slot_mapping, tables
 
     slot_mapping, tables = pack(block_tables)

