@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 from collections.abc import Sequence
@@ -134,19 +135,21 @@ class SamplingParams:
               "prompt_logprobs", self.prompt_logprobs,
               f"None or an integer in [0, {MAX_LOGPROBS}]")
 
-    @property
+    # read for every sequence every step: worked out once (the params are frozen; a cached
+    # property keeps its value in the instance's dict, past the frozen __setattr__)
+    @functools.cached_property
     def uses_history(self) -> bool:
         """Whether a draw depends on the tokens drawn before it (so that no step may run
         ahead of the one that draws its last token): penalties, bad words, a constraint."""
         return (self.uses_penalties or self.bad_words is not None
                 or self.structured_outputs is not None)
 
-    @property
+    @functools.cached_property
     def uses_penalties(self) -> bool:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
 
-    @property
+    @functools.cached_property
     def uses_filters(self) -> bool:
         """Whether a draw masks tokens (top-k, top-p or min-p; greedy draws never do)."""
         return self.temperature > 0 and (self.top_p < 1 or self.top_k > 0 or self.min_p > 0)

@@ -543,6 +543,8 @@ class Scheduler:
         p = request.params
         num_out = request.num_output_tokens + ahead
         history = p.uses_history
+        if not history and num_out >= p.min_tokens:  # most rows: no tokens, bans or matcher
+            return SamplingRow(p, sample_seed(request.seed, sample), num_out)
         output = request.output_token_ids + drafted if history and drafted else (
             request.output_token_ids if history else None)
         banned: tuple[int, ...] = ()
