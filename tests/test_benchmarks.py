@@ -332,7 +332,12 @@ def test_host_bench_main_and_vllm_plumbing(host_bench_model, tmp_path):
     saved = json.loads(out.read_text())
     assert sorted((c["kind"], c["engine"], c["seqs"]) for c in saved["cases"]) == sorted(
         (k, e, n) for k in ("decode", "mixed") for e in ("host", "model") for n in (1, 2))
-    assert len(saved["profiles"]["2"]) == 5 and saved["timer_mark_ns"] > 0
+    # a profile per engine at size 2: its top 5 functions by their own time
+    profiles = {p["engine"]: p["functions"] for p in saved["profiles"] if p["seqs"] == 2}
+    assert sorted(profiles) == ["host", "model"] and saved["timer_mark_ns"] > 0
+    assert all(len(rows) == 5 for rows in profiles.values())
+    assert all(r["calls"] > 0 and r["cum_ms"] >= r["own_ms"] >= 0
+               for rows in profiles.values() for r in rows)
 
 
 def test_bench_gpu_engine_plumbing(tmp_path):
