@@ -280,20 +280,20 @@ def build_metadata(
     `window_block_tables` are the window group's tables (entries before a sequence's window
     may be the null block), packed the same way into the window fields.
     """
-    total_new = sum(num_new)
-    num_tokens = total_new if num_tokens is None else num_tokens
-    num_seqs = len(block_tables) if num_seqs is None else num_seqs
-    width = max_blocks_per_seq or max((len(t) for t in block_tables), default=1)
-    if num_tokens < total_new or num_seqs < len(block_tables):
-        raise ValueError(f"bucket ({num_tokens} tokens, {num_seqs} seqs) smaller than the batch")
     # Whole-batch NumPy, not a loop over sequences: at 256 decoding sequences the loop's
     # per-sequence slices and conversions cost ~1.3 ms of a step's host work (a GPU's step
     # waits on it), these ~0.2 ms.
     count = len(block_tables)
+    lens = np.fromiter(map(len, block_tables), np.int64, count=count)
+    total_new = sum(num_new)
+    num_tokens = total_new if num_tokens is None else num_tokens
+    num_seqs = count if num_seqs is None else num_seqs
+    width = max_blocks_per_seq or (int(lens.max()) if count else 1)
+    if num_tokens < total_new or num_seqs < count:
+        raise ValueError(f"bucket ({num_tokens} tokens, {num_seqs} seqs) smaller than the batch")
     new = np.asarray(num_new, np.int64).reshape(count)
     computed = np.asarray(num_computed, np.int64).reshape(count)
     ends = computed + new
-    lens = np.fromiter(map(len, block_tables), np.int64, count=count)
     over = np.flatnonzero(ends > lens * block_size)
     if over.size:
         s = int(over[0])
@@ -309,9 +309,9 @@ def build_metadata(
     positions[:total_new] = np.arange(total_new) - starts[token_seq] + computed[token_seq]
     new_positions = positions[:total_new]
 
-    def pack(group_tables: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-        """(slot mapping [T], tables [S, width]) of one group's block tables."""
-        sizes = np.fromiter(map(len, group_tables), np.int64, count=len(group_tables))
+    def pack(group_tables: list[list[int]], sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(slot mapping [T], tables [S, width]) of one group's block tables (their lengths
+        `sizes`)."""
         tables = np.zeros((num_seqs, width), np.int32)
         filled = int(sizes.sum())
         if filled:
@@ -324,12 +324,13 @@ def build_metadata(
                                     + new_positions % block_size)
         return slot_mapping, tables
 
-    slot_mapping, tables = pack(block_tables)
+    slot_mapping, tables = pack(block_tables, lens)
     window_slots = window_tables = None
     if window_block_tables is not None:
-        window_slots, window_tables = pack(window_block_tables)
-    if logits_indices is None:
-        logits_indices = [int(query_start_loc[s + 1]) - 1 for s in range(len(block_tables))]
+        window_slots, window_tables = pack(window_block_tables, np.fromiter(
+            map(len, window_block_tables), np.int64, count=len(window_block_tables)))
+    if logits_indices is None:  # each sequence's last new token
+        logits_indices = query_start_loc[1:count + 1] - 1
     indices = np.zeros(num_logits or len(logits_indices), np.int32)
     indices[: len(logits_indices)] = logits_indices
     metadata = AttentionMetadata(
