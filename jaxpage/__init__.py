@@ -17,6 +17,7 @@ _EXPORTS = {
     "EngineConfig": "jaxpage.config",
     "SamplingParams": "jaxpage.sampling_params",
     "BeamSearchParams": "jaxpage.sampling_params",
+    "RequestOutputKind": "jaxpage.sampling_params",
     "RequestOutput": "jaxpage.outputs",
     "CompletionOutput": "jaxpage.outputs",
     "LoRARequest": "jaxpage.lora",
@@ -39,5 +40,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from jaxpage.outputs import CompletionOutput as CompletionOutput
     from jaxpage.outputs import RequestOutput as RequestOutput
     from jaxpage.sampling_params import BeamSearchParams as BeamSearchParams
+    from jaxpage.sampling_params import RequestOutputKind as RequestOutputKind
     from jaxpage.sampling_params import SamplingParams as SamplingParams
     from jaxpage.structured import StructuredOutputsParams as StructuredOutputsParams

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from collections.abc import Sequence
@@ -11,7 +12,7 @@ from jaxpage.config import EngineConfig
 from jaxpage.engine.data_parallel import build_engine
 from jaxpage.lora import LoRARequest
 from jaxpage.outputs import CompletionOutput, RequestOutput
-from jaxpage.sampling_params import BeamSearchParams, SamplingParams
+from jaxpage.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from jaxpage.validation import is_int, is_vector
 
 Prompt = str | Sequence[int]
@@ -105,7 +106,14 @@ class LLM:
             self.engine.add_request(request_id, prompt, p, cache_salt=cache_salt,
                                     lora_request=lora)
 
-        adds = [functools.partial(add, prompt=prompt, p=p, lora=lora)
+        # only the end is kept: the engine builds no outputs (nor text, without stop strings)
+        # before it, as vLLM's LLM asks for
+        final_only: dict[int, SamplingParams] = {}
+        for p in params_list:
+            if isinstance(p, SamplingParams) and id(p) not in final_only:
+                final_only[id(p)] = dataclasses.replace(
+                    p, output_kind=RequestOutputKind.FINAL_ONLY)
+        adds = [functools.partial(add, prompt=prompt, p=final_only.get(id(p), p), lora=lora)
                 for prompt, p, lora in zip(prompt_list, params_list, lora_list, strict=True)]
         return self._run(self._add_all("gen", adds), use_tqdm)
 

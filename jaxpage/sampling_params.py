@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import hashlib
 import math
@@ -17,6 +18,21 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value, [-100, 100]
 INT32_MAX = 2**31 - 1  # per-row parameters are packed as int32
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What a request's outputs from `LLMEngine.step` carry (vLLM's names and values).
+
+    DELTA: after each step that changed a sample, that sample's new tokens and text (the
+    engine's default: a stream). CUMULATIVE: after each such step, every sample's tokens and
+    text so far. FINAL_ONLY: one output, when the request ends, with everything; until then
+    the engine builds no outputs for it, and detokenizes it only if it has stop strings
+    (`LLM.generate` asks for this: it keeps only the end).
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request's continuations.
@@ -28,7 +44,9 @@ class SamplingParams:
     multiplies negative logits of prompt and generated tokens.
 
     Also vLLM's: `structured_outputs` constrains the output to a JSON schema, regex, choice
-    or grammar (`jaxpage.structured`); `logit_bias` adds a value in [-100, 100] to a token's
+    or grammar (`jaxpage.structured`); `output_kind` says whether `LLMEngine.step` streams
+    deltas (the default here; vLLM's default is CUMULATIVE), the state so far, or only the
+    end (`RequestOutputKind`); `logit_bias` adds a value in [-100, 100] to a token's
     logit before the penalties; `allowed_token_ids` restricts every draw to those tokens and
     `bad_words` bans each word's last token wherever the output ends with the rest of it;
     `prompt_logprobs` reports, for every prompt token after the first, its log-probability
@@ -56,6 +74,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] | None = None
     prompt_logprobs: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.DELTA
 
     def __post_init__(self) -> None:
         # Accept lists and a single stop string for convenience; store tuples (hashable).
@@ -92,6 +111,10 @@ class SamplingParams:
               and self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty,
               "finite and > 0")
         self._check_token_controls()
+        check(is_int(self.output_kind) and self.output_kind in tuple(RequestOutputKind),
+              "output_kind", self.output_kind,
+              "a RequestOutputKind (0 CUMULATIVE, 1 DELTA, 2 FINAL_ONLY)")
+        object.__setattr__(self, "output_kind", RequestOutputKind(self.output_kind))
         # numpy scalars are accepted; store plain Python numbers
         for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs",
                      "prompt_logprobs"):

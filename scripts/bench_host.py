@@ -13,19 +13,21 @@ layers, one 64-wide KV head, hidden and intermediate 64, vocab 512, random weigh
              by scripts/peers/setup_vllm_cpu.sh; this script writes the model itself).
 
 Steps, at each of --sizes N (each its own engine, max_num_seqs N + 1, max_num_batched_tokens
-N + --chunk): "decode", N requests of 16-token prompts decoding (greedy, ignore_eos); "mixed",
-the same N decoding beside a queue of 4-chunk prompts (one token each), so every step carries
-a prefill chunk of --chunk tokens and N decodes. After the prompts' prefill, --warm steps (or
-more, until the longest sequence holds 65 tokens: its block table then stays in one bucket)
-and then 4 more until 4 in a row compile nothing (the table says if a timed step compiled
-nonetheless), --steps steps are timed, each
-read phase by phase from the engine itself (`LLMEngine.step_phases()`, also
-stats()["step_phases"]): schedule; prepare (the step's arrays and their copies to the
-device), compile, dispatch, wait (for the device's draws), readback (the draws into
-per-sequence results), the device call's other work; update; outputs (detokenizing and
-building the outputs). Each column is the mean over the steps, so the phases add up to
-"step", the mean wall time of `engine.step()`; "p50" is its median, "cpu" the median CPU
-time of the thread that steps (on a machine shared with other work, the host's own cost),
+N + --chunk): "decode", N requests of 16-token prompts decoding (greedy, ignore_eos), each
+step's new tokens and text streamed (output_kind DELTA: a streaming server's requests);
+"final", the same with output_kind FINAL_ONLY (`LLM.generate`'s and a server's requests that
+do not stream: no outputs, nor text without stop strings, before a request ends); "mixed", the
+same N decoding (streamed) beside a queue of 4-chunk prompts (one token each), so every step
+carries a prefill chunk of --chunk tokens and N decodes. After the prompts' prefill, --warm
+steps (or more, until the longest sequence holds 65 tokens: its block table then stays in one
+bucket) and then 4 more until 4 in a row compile nothing (the table says if a timed step
+compiled nonetheless), --steps steps are timed, each read phase by phase from the engine
+itself (`LLMEngine.step_phases()`, also stats()["step_phases"]): schedule; prepare (the step's
+arrays and their copies to the device), compile, dispatch, wait (for the device's draws),
+readback (the draws into per-sequence results), the device call's other work; update; outputs
+(detokenizing and building the outputs). Each column is the mean over the steps, so the phases
+add up to "step", the mean wall time of `engine.step()`; "p50" is its median, "cpu" the median
+CPU time of the thread that steps (on a machine shared with other work, the host's own cost),
 and tok/s the ceiling the mean step implies: N / step.
 
 vLLM cannot be timed by phase from outside; its decode step is measured as
@@ -120,10 +122,16 @@ def new_engine(kind: str, model, params, tokenizer, num_seqs: int, chunk: int, l
 def phase_steps(engine, num_steps: int, profile: cProfile.Profile | None = None) -> list[dict]:
     """`num_steps` steps of the engine, each as {phase: seconds, "wall": step() seconds,
     "cpu": the calling thread's CPU seconds in it, "tokens": output token ids by request,
-    "compiles": new compilations}."""
+    "decoded": tokens the running decode requests ("d...") gained, "compiles": new
+    compilations}."""
     records = []
+    running = engine.scheduler.running
+
+    def decoded() -> int:
+        return sum(r.num_output_tokens for r in running if r.request_id.startswith("d"))
+
     for _ in range(num_steps):
-        before, compiles = engine.step_phases(), engine.runner.compiles
+        before, compiles, made = engine.step_phases(), engine.runner.compiles, decoded()
         start, cpu = time.perf_counter(), time.thread_time()
         if profile is not None:
             profile.enable()
@@ -135,6 +143,7 @@ def phase_steps(engine, num_steps: int, profile: cProfile.Profile | None = None)
         record = {phase: after[phase] - before[phase] for phase in after}
         record["wall"], record["cpu"] = wall, cpu
         record["compiles"] = engine.runner.compiles - compiles
+        record["decoded"] = decoded() - made
         record["tokens"] = {out.request_id: [t for c in out.outputs for t in c.token_ids]
                             for out in outputs}
         records.append(record)
@@ -144,10 +153,11 @@ def phase_steps(engine, num_steps: int, profile: cProfile.Profile | None = None)
 def run_case(kind: str, step_kind: str, model, params, tokenizer, num_seqs: int, *,
              chunk: int, warm: int, steps: int, profile: cProfile.Profile | None = None,
              seed: int = 0, freeze: bool = False) -> tuple[list[dict], object]:
-    """Measure `steps` steps of `step_kind` ("decode" or "mixed") at `num_seqs` sequences on a
+    """Measure `steps` steps of `step_kind` ("decode", "final" or "mixed") at `num_seqs`
+    sequences on a
     new engine (`kind` "host" or "model"); returns (per-step records, the engine). With
     `freeze`, the heap is frozen once warm, as the CLIs freeze it (jaxpage.engine.gc_tuning)."""
-    from jaxpage import SamplingParams
+    from jaxpage import RequestOutputKind, SamplingParams
     from jaxpage.engine import gc_tuning
 
     # the first requests decode while the last are prefilled; the longest is then warmed to
@@ -158,7 +168,9 @@ def run_case(kind: str, step_kind: str, model, params, tokenizer, num_seqs: int,
     engine = new_engine(kind, model, params, tokenizer, num_seqs, chunk, longest)
     rng = np.random.default_rng(seed)
     vocab = model.config.vocab_size
-    decode = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    decode = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY if step_kind == "final"
+                            else RequestOutputKind.DELTA)
     for i in range(num_seqs):
         engine.add_request(f"d{i}", rng.integers(3, vocab, PROMPT_LEN).tolist(), decode)
     scheduler = engine.scheduler
@@ -177,9 +189,8 @@ def run_case(kind: str, step_kind: str, model, params, tokenizer, num_seqs: int,
         gc_tuning.freeze_heap()
     records = phase_steps(engine, steps, profile)
     for r in records:  # each timed step decodes every sequence, none ended
-        decoded = sum(rid.startswith("d") for rid in r["tokens"])
-        if decoded != num_seqs:
-            raise RuntimeError(f"a timed step decoded {decoded} of {num_seqs} sequences")
+        if r["decoded"] != num_seqs:
+            raise RuntimeError(f"a timed step decoded {r['decoded']} of {num_seqs} sequences")
     return records, engine
 
 
@@ -249,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="1,16,64,256,1024", help="sequence counts")
     ap.add_argument("--engines", default="host,model", help="host (a), model (b)")
-    ap.add_argument("--kinds", default="decode,mixed", help="decode, mixed")
+    ap.add_argument("--kinds", default="decode,final,mixed", help="decode, final, mixed")
     ap.add_argument("--steps", type=int, default=32, help="timed steps per case")
     ap.add_argument("--warm", type=int, default=8, help="untimed steps before them")
     ap.add_argument("--chunk", type=int, default=128, help="a mixed step's prefill chunk")
@@ -389,8 +400,10 @@ def print_table(results: dict, kinds: list[str], engines: list[str], sizes: list
     print(f"\nms per engine step by phase (means), {results['cpu']}, load average {load}")
     names = {"host": "(a) host", "model": "(b) model"}
     for step_kind in kinds:
-        print(f"\n{step_kind} steps" + (" (N decodes + a prefill chunk)"
-                                         if step_kind == "mixed" else " (N decodes)"))
+        print(f"\n{step_kind} steps" + {
+            "mixed": " (N decodes + a prefill chunk)",
+            "final": " (N decodes, outputs only at the end: LLM.generate's)"}.get(
+                step_kind, " (N decodes, streamed)"))
         print(f"{'seqs':>5} {'engine':<11}" + "".join(f"{h:>8}" for h in HEADS)
               + f"{'step':>9}{'p50':>8}{'cpu':>8}{'tok/s':>9}")
         for n in sizes:

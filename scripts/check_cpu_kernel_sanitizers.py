@@ -6,8 +6,8 @@ Builds the library (`cpu/ffi.cc`, with -I that directory) as a shared library wi
 and which is the check for a float such as NaN converted to an int), `-fno-sanitize-recover=all
 -g -O1` and the library's own code generation flags (`cpu_library._FLAGS` less its -O level:
 -march=native, -fopenmp-simd and the float flags, so that the `omp simd` loops are vectorized
-as in the real build) into a temporary directory. A child Python then registers that library through
-`JAXPAGE_CPU_KERNEL_LIB`, with the sanitizer runtimes preloaded (`LD_PRELOAD` of libasan and
+as in the real build) into a temporary directory. A child Python then registers that library
+through `JAXPAGE_CPU_KERNEL_LIB`, with the sanitizer runtimes preloaded (`LD_PRELOAD` of libasan and
 libubsan, as `g++ -print-file-name` finds them), and runs the kernel on random ragged batches:
 decode and prefill, GQA and not, the compiled (head_dim, block_size) pairs and run-time sized
 ones, several query tiles, sliding windows (1 to wider than any sequence, the table entries of
@@ -29,9 +29,10 @@ scales) and checks each is an error. It also runs `small_matmul` (both weight la
 and bfloat16 on both bfloat16 paths, odd sizes), `packed_matmul` (weights packed by
 `pack_weight`, the same dtypes and paths) and `packed_matmul_int8` (int8 weights packed by
 `pack_weight_int8` with per-column scales, float32 and bfloat16 x, one pass and several; x's
-rounding to int16 allowed for) against float64 NumPy, and `greedy_draw` (rows with ties, NaN and infinities, vocabularies with
-and without a tail) against NumPy's argmax and float64 log-sum-exp, `lora_matmul` (slots out
-of range, rows past live_rows, vector tails) against float64 NumPy, and the layer glue
+rounding to int16 allowed for) against float64 NumPy, and `greedy_draw` (rows with ties, NaN
+and infinities, vocabularies with and without a tail) against NumPy's argmax and float64
+log-sum-exp, `lora_matmul` (slots out of range, rows past live_rows, vector tails) against
+float64 NumPy, and the layer glue
 (`add_rms_norm`, `silu_mul`, `qkv_rope`; float32 and bfloat16, a NaN row, rows shared among
 the threads) against float64 NumPy, and `decoder_layer` (a decode step of three sequences and
 a padding row, and a lone long sequence, float32 and bfloat16, float weights and int8 ones)

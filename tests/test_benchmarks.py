@@ -229,13 +229,14 @@ def host_bench_model(tmp_path_factory):
     return (path, *bench_host.load(path))
 
 
-@pytest.mark.parametrize("step_kind", ["decode", "mixed"])
+@pytest.mark.parametrize("step_kind", ["decode", "final", "mixed"])
 @pytest.mark.parametrize("kind", ["host", "model"])
 def test_host_bench_steps(host_bench_model, kind, step_kind):
     """bench_host's timed steps at 1 and 4 sequences: each step's phases, read from the
     engine, add up to no more than its wall time; every decoding request gets one token a
-    step; a mixed step's prompt ends every 4 steps; the no-device runner's draws are the
-    outputs' tokens; the engine's stats carry the same phases."""
+    step, streamed but in "final" steps (no output before the end); a mixed step's prompt
+    ends every 4 steps; the no-device runner's draws are the outputs' tokens; the engine's
+    stats carry the same phases."""
     import bench_host
 
     _, model, params, tokenizer = host_bench_model
@@ -247,7 +248,11 @@ def test_host_bench_steps(host_bench_model, kind, step_kind):
             phases = [r[p] for p in bench_host.COLUMNS]
             assert min(phases) >= -1e-9 and 0 < sum(phases) <= r["wall"]
             assert r["compiles"] == 0
+            assert r["decoded"] == n
             decoded = {rid: t for rid, t in r["tokens"].items() if rid.startswith("d")}
+            if step_kind == "final":
+                assert decoded == {}
+                continue
             assert sorted(decoded) == sorted(f"d{i}" for i in range(n))
             assert all(len(t) == 1 for t in decoded.values())
         prompts = [rid for r in records for rid in r["tokens"] if rid.startswith("p")]
@@ -258,7 +263,8 @@ def test_host_bench_steps(host_bench_model, kind, step_kind):
             for i in range(n):  # a draw is the token at its position, prompt of 16 tokens
                 out = engine.requests[f"d{i}"].samples[0].output_token_ids
                 assert out == [runner.token_at(16 + k) for k in range(len(out))]
-                assert [t for r in records for t in r["tokens"][f"d{i}"]] == out[-8:]
+                if step_kind != "final":
+                    assert [t for r in records for t in r["tokens"][f"d{i}"]] == out[-8:]
             assert all(t == [runner.token_at(64)] for r in records
                        for rid, t in r["tokens"].items() if rid.startswith("p"))
         else:
@@ -331,7 +337,8 @@ def test_host_bench_main_and_vllm_plumbing(host_bench_model, tmp_path):
     assert all(ms > 0 for ms in results["vllm"].values())  # the stand-in's 20 ms a step
     saved = json.loads(out.read_text())
     assert sorted((c["kind"], c["engine"], c["seqs"]) for c in saved["cases"]) == sorted(
-        (k, e, n) for k in ("decode", "mixed") for e in ("host", "model") for n in (1, 2))
+        (k, e, n) for k in ("decode", "final", "mixed") for e in ("host", "model")
+        for n in (1, 2))
     # a profile per engine at size 2: its top 5 functions by their own time
     profiles = {p["engine"]: p["functions"] for p in saved["profiles"] if p["seqs"] == 2}
     assert sorted(profiles) == ["host", "model"] and saved["timer_mark_ns"] > 0

@@ -41,13 +41,20 @@ from jaxpage.engine.runner_api import (
 from jaxpage.engine.scheduler import Scheduler, SchedulerOutput
 from jaxpage.engine.swap_cost import SwapCostModel
 from jaxpage.outputs import RequestMetrics, RequestOutput
-from jaxpage.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
+from jaxpage.sampling_params import (
+    MAX_LOGPROBS,
+    BeamSearchParams,
+    RequestOutputKind,
+    SamplingParams,
+)
 from jaxpage.validation import is_int, is_vector
 
 if TYPE_CHECKING:
     from jaxpage.config import EngineConfig
     from jaxpage.engine.tiered_allocator import TieredAllocator
     from jaxpage.lora import LoRARequest
+
+_FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
 
 FINISHED_METRICS_KEPT = 65536  # requests whose latencies stats() summarizes
@@ -415,6 +422,12 @@ class LLMEngine:
             for group, starts in update.new_tokens.items():
                 if group.error is not None:
                     continue  # failed in update: reported below
+                params = group.samples[0].params
+                final_only = params.output_kind is _FINAL_ONLY
+                if final_only and not params.stop:  # no text wanted before the end
+                    if not group.finished:
+                        continue
+                    starts = group.samples  # every sample's text, caught up
                 if detokenize is not None:
                     try:
                         for sample in starts:
@@ -423,6 +436,8 @@ class LLMEngine:
                         self.scheduler.fail(group, exc)
                         continue
                 finished = group.finished
+                if final_only and not finished:
+                    continue
                 outputs.append(sample_deltas(group, starts, self._detokenizers, finished))
                 if finished:
                     self._release(group)
@@ -519,6 +534,12 @@ class LLMEngine:
         deltas of the samples that were just `ended`."""
         if isinstance(group, BeamGroup):
             return beam_output(group, reason, self.tokenizer)
+        params = group.samples[0].params
+        if (params.output_kind is _FINAL_ONLY and not params.stop
+                and self.tokenizer is not None):  # its text, not made as it ran
+            with contextlib.suppress(Exception):  # (what failed may be this): as it stands
+                for sample in group.samples:
+                    self._detokenize(sample)
         return sample_deltas(group, {s: s.num_output_tokens for s in ended},
                              self._detokenizers)
 

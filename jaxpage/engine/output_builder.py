@@ -8,21 +8,26 @@ from jaxpage.engine.beam_search import BeamGroup
 from jaxpage.engine.detokenizer import IncrementalDetokenizer
 from jaxpage.engine.request import Request, RequestGroup, RequestStatus
 from jaxpage.outputs import CompletionOutput, RequestOutput
+from jaxpage.sampling_params import RequestOutputKind
+
+_DELTA = RequestOutputKind.DELTA
 
 
 def sample_deltas(group: RequestGroup, starts: dict[Request, int],
                   detokenizers: dict[str, IncrementalDetokenizer],
                   finished: bool | None = None) -> RequestOutput:
-    """The group's deltas: for each changed sample, its tokens from `starts[sample]` and the
-    text not shown yet (a possible partial stop string is held back while it runs);
-    `finished`: group.finished, when the caller has it already."""
+    """The group's output as its `output_kind` asks. DELTA: for each changed sample, its
+    tokens from `starts[sample]` and the text not shown yet (a possible partial stop string
+    is held back while it runs). CUMULATIVE and FINAL_ONLY: every sample's tokens and text
+    so far. `finished`: group.finished, when the caller has it already."""
     completions = []
-    items = starts.items()
-    for sample, first in sorted(items, key=_by_index) if len(starts) > 1 else items:
+    whole = group.samples[0].params.output_kind is not _DELTA
+    items = [(sample, 0) for sample in group.samples] if whole else starts.items()
+    for sample, first in sorted(items, key=_by_index) if len(items) > 1 else items:
         detok = detokenizers.get(sample.seq_id)
         text = (sample.text if detok is None
                 else detok.streamable_text(sample.status is RequestStatus.FINISHED))
-        start_char = sample.num_text_emitted
+        start_char = 0 if whole else sample.num_text_emitted
         sample.num_text_emitted = max(len(text), start_char)
         completions.append(CompletionOutput(
             sample.sample_index,

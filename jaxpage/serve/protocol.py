@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxpage.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from jaxpage.sampling_params import MAX_LOGIT_BIAS, RequestOutputKind, SamplingParams
 from jaxpage.serve.tool_parsers import required_schema, tool_parameters
 from jaxpage.structured import StructuredOutputsParams
 
@@ -153,6 +153,8 @@ class _SamplingRequest(BaseModel):
             stop=self.stop or (), stop_token_ids=self.stop_token_ids or (),
             ignore_eos=self.ignore_eos, logprobs=logprobs,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            # a response not streamed needs the end alone (the engine builds nothing before)
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             **optional,
         )
 

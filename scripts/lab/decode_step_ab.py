@@ -254,13 +254,16 @@ def burst_step_seconds(llm, batch: int, context: int, steps: int, rounds: int = 
     import numpy as np
 
     engine, runner = llm.engine, llm.engine.runner
-    model, params, _, token_ids, positions, attn_md = forward_args(
+    from jaxpage.engine.runner import _forward_fn
+
+    model, platform, params, _, token_ids, positions, attn_md = forward_args(
         runner, decode_seqs(runner, batch, context))
 
     def run(params, pool, token_ids, positions, attn_md, n):
         drawn = []
         for _ in range(n):
-            logits, pool = model.forward(params, token_ids, positions, pool, attn_md)
+            logits, pool = _forward_fn(model, platform, params, pool, token_ids, positions,
+                                       attn_md)
             token_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             drawn.append(token_ids)
         return jnp.stack(drawn), pool
