@@ -58,6 +58,9 @@ class Request:
     # prompt_logprobs: None for the first prompt token, then one dict a prompt token scored
     # (shared by the request's samples: the prompt is theirs)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # the scheduler's records of this sequence's last plain decode (its ScheduledChunk and
+    # SeqInput), which its next plain decode updates in place instead of making anew
+    decode_records: tuple[Any, Any] | None = None
     # the allocator's key for this sequence, "<request_id>#<sample_index>" (set once: read
     # several times a step for every running sequence)
     seq_id: str = dataclasses.field(init=False)

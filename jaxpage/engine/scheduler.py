@@ -434,12 +434,21 @@ class Scheduler:
 
     def _chunk(self, request: Request, num_new: int, copies: list[tuple[int, int]],
                drafts: list[int] | tuple[()] = ()) -> ScheduledChunk:
-        """`num_new` of the request's tokens from its computed ones on, then `drafts`."""
+        """`num_new` of the request's tokens from its computed ones on, then `drafts`. A
+        decode of one token (no drafts) updates the chunk of the request's last such decode
+        (`Request.decode_records`), if it has one: a step's records live until the next."""
         start = request.num_computed_tokens
-        return ScheduledChunk(
-            request, start, num_new + len(drafts), self.allocator.block_table(request.seq_id),
-            start + num_new == len(request.token_ids), copies,
-            self.allocator.window_table(request.seq_id) if self.windowed else None, drafts)
+        table = self.allocator.block_table(request.seq_id)
+        window = self.allocator.window_table(request.seq_id) if self.windowed else None
+        records = request.decode_records
+        if (records is not None and num_new == 1 and not drafts
+                and start + 1 == len(request.token_ids)):
+            chunk = records[0]
+            chunk.num_computed_tokens, chunk.block_table = start, table
+            chunk.block_copies, chunk.window_block_table = copies, window
+            return chunk
+        return ScheduledChunk(request, start, num_new + len(drafts), table,
+                              start + num_new == len(request.token_ids), copies, window, drafts)
 
     def _plan_drafts(self) -> dict[Request, list[int]]:
         """Speculative drafts for the running requests about to decode (not beams, not a
@@ -509,6 +518,12 @@ class Scheduler:
         tokens = request.token_ids
         drafts = chunk.draft_tokens
         num_new = chunk.num_new_tokens
+        if num_new == 1 and chunk.sample and not drafts:  # a decode
+            p = request.params
+            num_out = request.num_output_tokens
+            if (not p.uses_history and num_out >= p.min_tokens and request.num_draws == 1
+                    and not request.scoring_prompt):  # its row: no tokens, bans or matcher
+                return self._decode_input(chunk, start, num_out, goes_on, ends)
         rows = []
         if drafts:  # a draw at the last token and at each draft, as if each were drawn
             rows = [self._row(request, 0, j, drafts[:j]) for j in range(len(drafts) + 1)]
@@ -530,6 +545,29 @@ class Scheduler:
                         scores + rows, chunk.window_block_table, goes_on, ends,
                         lora_slot=self._slot_of(request), num_scores=len(scores),
                         score_from=score_from)
+
+    def _decode_input(self, chunk: ScheduledChunk, start: int, num_out: int, goes_on: bool,
+                      ends: bool) -> SeqInput:
+        """`_seq_input` of a plain decode (one draw from a row with no token lists, bans or
+        matcher): the request's last one updated in place where `chunk` is its (the
+        persistent part of the step's batch), else made and kept."""
+        request = chunk.request
+        records = request.decode_records
+        if records is not None and records[0] is chunk:
+            seq = records[1]
+            seq.block_table, seq.num_computed = chunk.block_table, start
+            seq.token_ids = [request.token_ids[start]]
+            seq.window_block_table = chunk.window_block_table
+            seq.may_run_ahead, seq.ends = goes_on, ends
+            seq.lora_slot = self._slot_of(request)
+            seq.sampling[0].step = num_out
+            return seq
+        seq = SeqInput(chunk.block_table, start, [request.token_ids[start]],
+                       [SamplingRow(request.params, request.seed, num_out)],
+                       chunk.window_block_table, goes_on, ends,
+                       lora_slot=self._slot_of(request))
+        request.decode_records = (chunk, seq)
+        return seq
 
     def _slot_of(self, request: Request) -> int:
         """The LoRA slot `request` runs with (0: none)."""
