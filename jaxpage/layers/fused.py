@@ -1,10 +1,11 @@
 """A whole decoder layer in one call of the CPU kernel library (`cpu_ops.decoder_layer`).
 
-A plain Llama-family layer of a small step runs its eleven calls (matmuls, glue, pool writes,
-attention) as one: each of them would schedule its helper threads and start its weight stream
-anew. In one call a decode step of SmolLM2 at context 128 ran 1.05x / 1.04x / 1.04x / 1.02x
-faster at 1 / 2 / 4 / 8 rows in bfloat16, 1.02-0.99x in float32
-(scripts/lab/decode_step_ab.py --vs-unfused); it is bit for bit the unfused calls.
+A plain Llama-family layer of a step of at most FUSED_LAYER_ROWS tokens runs its eleven calls
+(matmuls, glue, pool writes, attention) as one: each of them would schedule its helper threads
+and start its weight stream anew. In one call a decode step of SmolLM2 at context 128 ran 1.05x
+/ 1.04x / 1.04x / 1.02x faster at 1 / 2 / 4 / 8 rows in bfloat16, 1.02-0.99x in float32
+(scripts/lab/decode_step_ab.py --vs-unfused), and 1.05-1.08x at 16-64 rows in bfloat16; it is
+bit for bit the unfused calls.
 """
 
 from __future__ import annotations
@@ -23,8 +24,12 @@ if TYPE_CHECKING:
 # biases, no q/k norms), the projections packed (`linear.pack_weight`)
 FUSED_LAYER_WEIGHTS = ("qkv", "o", "gate_up", "down")
 FUSED_LAYER_PARAMS = frozenset(("attn_norm", "mlp_norm") + FUSED_LAYER_WEIGHTS)
-# steps of at most this many tokens (decode) run such layers in one call each on CPU
-FUSED_LAYER_ROWS = 8
+# steps of at most this many tokens run such layers in one call each on CPU: a decode step's
+# buckets up to 64 sequences. Fused against unfused, alternating in one process (2-core AMD
+# EPYC, SmolLM2 at context 128): bfloat16 0.95x / 0.96x / 0.93x the time at 16 / 32 / 64 rows,
+# float32 0.96x / 1.00x at 16 / 64, int8 weights 0.95x / 0.96x; the pure decode steps of at
+# most 8 rows it was first measured for gained 2-5%.
+FUSED_LAYER_ROWS = 64
 
 
 def fusable(layer: dict, layer_kv: LayerKV, next_norm: jax.Array, x: jax.Array,

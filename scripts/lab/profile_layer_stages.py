@@ -132,8 +132,8 @@ def report(title: str, clock: dict, nbytes: dict[str, float], read: float, secon
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batches", default="1,8", help="decode rows per step (at most 8: the "
-                    "steps that run fused layers)")
+    ap.add_argument("--batches", default="1,8", help="decode rows per step (at most "
+                    "FUSED_LAYER_ROWS, 64: the steps that run fused layers)")
     ap.add_argument("--dtypes", default="bfloat16")
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=30, help="decode steps clocked per batch")

@@ -1,6 +1,6 @@
 """A whole decoder layer in one CPU kernel call (cpu/decoder_layer.h's JaxpageDecoderLayer; the
-model takes it for steps of at most `layers.FUSED_LAYER_ROWS` tokens) against the unfused calls
-the model makes otherwise (packed matmuls, qkv_rope, set_rows, paged attention, add_rms_norm,
+model takes it for steps of at most `layers.FUSED_LAYER_ROWS` tokens, 64) against the unfused
+calls the model makes otherwise (packed matmuls, qkv_rope, set_rows, paged attention, add_rms_norm,
 silu_mul: each tested against float64 and HF in its own file): logits and every pool byte bit
 for bit, NaN in the pool's unwritten slots, over decode steps with several sequences, padding
 rows and a context long enough that the kernel cuts a lone sequence's keys among the threads;
@@ -144,6 +144,34 @@ def test_a_short_prompt_chunk_beside_decodes_fuses_alike(dtype, shapes, hf_model
     theirs, pool = _run(unfused, params, pool, tables, [20, 17, 0], new, **dims)
     assert same_bits(ours, theirs)
     assert _same_pools(ours_pool, pool)
+
+
+@pytest.mark.parametrize("shapes", [PACKABLE, HEADS_64], ids=["head_dim16", "head_dim64"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_step_of_fused_layer_rows_tokens_fuses_alike(dtype, shapes, hf_model_dir):
+    """The widest step the model fuses: FUSED_LAYER_ROWS tokens, a 25-token prompt chunk
+    beside decoding sequences with the bucket's last rows padding (several row tiles and every
+    thread's share of the glue's rows), fused and unfused alike, byte for byte."""
+    config, params, _ = _setup(hf_model_dir, dtype, shapes)
+    fused, unfused = llama.LlamaModel(config), llama.LlamaModel(config, fuse_layers=False)
+    rows = layers.FUSED_LAYER_ROWS
+    decoding = rows - 25 - 3  # three padding rows
+    tables = [[1 + s] for s in range(decoding)] + [[decoding + 1, decoding + 2]]
+    prompts = [[(5 * s + k) % 120 + 3 for k in range(6 + s % 5)] for s in range(decoding)]
+    _, pool = _run(unfused, params, _pool(config, dtype, blocks=decoding + 3), tables[:-1],
+                   [0] * decoding, prompts)
+    computed = [len(p) for p in prompts] + [0]
+    new = [[(11 * s) % 120 + 3] for s in range(decoding)] + [list(range(40, 65))]
+    dims = dict(num_tokens=rows, num_seqs=decoding + 1, max_query_len=rows, num_logits=None)
+    assert _layer_calls(fused, params, pool, tables, computed, new, **dims) == \
+        config.num_layers
+    ours, ours_pool = _run(fused, params, pool, tables, computed, new, **dims)
+    theirs, pool = _run(unfused, params, pool, tables, computed, new, **dims)
+    assert same_bits(ours, theirs)
+    assert _same_pools(ours_pool, pool)
+    # one more token and the step is the unfused one
+    wider = dict(dims, num_tokens=rows + 1)
+    assert _layer_calls(fused, params, pool, tables, computed, new, **wider) == 0
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
