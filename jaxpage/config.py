@@ -110,8 +110,7 @@ class EngineConfig:
     # a decode step of at most this many sequences starts the next step before its own draws
     # are read, feeding them to it on the device (vLLM's async scheduling); the next step
     # takes the rows that are still the same computation (ModelRunner._run). 0: never; None:
-    # 8 on a CPU (whose steps are mostly the device's own work past a few rows), every step
-    # on an accelerator
+    # every step (max_num_seqs), on every platform
     decode_lookahead_rows: int | None = None
     # speculative decoding, as vLLM's speculative_config (a dict, or a SpeculativeConfig:
     # jaxpage.engine.speculative), e.g. {"method": "ngram", "num_speculative_tokens": 3};

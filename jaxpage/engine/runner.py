@@ -113,11 +113,6 @@ def _forward_fn(model, platform, params, kv_pool, token_ids, positions, attn_md)
     return _counted(logits), kv_pool
 
 
-# decode_lookahead_rows's default on a CPU: past a few rows a step is mostly the device's own
-# work there, which the host shares the cores with (running every step ahead left the
-# throughput trace of docs/benchmarks.md where it was, 208-228 tok/s either way)
-CPU_LOOKAHEAD_ROWS = 8
-
 # Module-level so that every runner of the same model shares compiled executables. The
 # forward and the sampler are separate executables: the compile count is then the number of
 # batch shapes plus the number of sampling variants, not their product.
@@ -450,9 +445,10 @@ class ModelRunner:
         # dispatch, ~1 ms on CPU) overlaps the device's. 0: never. Not with several
         # processes (their steps are replayed in step) or sliding windows.
         rows = config.decode_lookahead_rows
-        if rows is None:  # a CPU step past a few rows is mostly the device's own work
-            cpu = self.devices[0].platform == "cpu"
-            rows = CPU_LOOKAHEAD_ROWS if cpu else config.max_num_seqs
+        if rows is None:  # every decode step, on every platform: on a 2-core CPU too, where
+            # the host shares the cores with the step, running 16-64 rows ahead took 0.90-1.00x
+            # the time of stepping one at a time (SmolLM2, bfloat16; up to 8 rows 0.90-0.91x)
+            rows = config.max_num_seqs
         # Nor with a draft model's own pool: its K/V of every step's tokens is computed
         # beside the step (`_keep_draft_in_step`), which a step run ahead would lack.
         self.lookahead_rows = rows if (jax.process_count() == 1 and self.window is None
