@@ -251,3 +251,15 @@ def byte_level_bpe_tokenizer(vocab_size: int = 400):
     assert len(tokenizer) == vocab_size
     assert tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == [0, 1, 2]
     return tokenizer
+
+
+def byte_bpe_llm(directory, **engine):
+    """An LLM over a tiny random Llama of `byte_level_bpe_tokenizer`'s vocabulary (saved to
+    `directory`), with that tokenizer: its tokens split multi-byte characters. `engine`:
+    EngineConfig fields."""
+    from jaxpage import LLM
+
+    tokenizer = byte_level_bpe_tokenizer()
+    build_hf_model("llama", 0, vocab_size=len(tokenizer)).save_pretrained(
+        directory, safe_serialization=True)
+    return LLM(str(directory), tokenizer=tokenizer, **engine)

@@ -90,12 +90,9 @@ class IncrementalDetokenizer:
             new_text = self._window_text(token_ids, final)
         if new_text is None:
             return None
-        if not self.stop:
-            self.text += new_text
-            return None
         search_from = max(len(self.text) - self.hold_back, 0)
         self.text += new_text
-        if not check_stop:
+        if not (check_stop and self.stop):
             return None
         matches = [(at, stop) for stop in self.stop
                    if (at := self.text.find(stop, search_from)) >= 0]
@@ -124,16 +121,7 @@ class IncrementalDetokenizer:
         waiting for the rest of their character at the `final` token show as the window's
         decode shows them (U+FFFD), by `_window_text` over what the stream has not shown."""
         stream, backend = self._stream, self.decoder.backend
-        stepped = self._stepped
-        if stepped is not None and stepped + 1 == len(token_ids) and not final:
-            # the usual: one new token (the loop below, unrolled)
-            self._stepped = stepped + 1
-            piece = stream.step(backend, token_ids[stepped])
-            if piece is None:
-                return None
-            self.prefix_offset, self.read_offset = self.read_offset, stepped + 1
-            return piece or None
-        if stepped is None:
+        if self._stepped is None:
             for token in token_ids[self.prefix_offset:self.read_offset]:
                 stream.step(backend, token)
             self._stepped = self.read_offset

@@ -518,12 +518,22 @@ class Scheduler:
         tokens = request.token_ids
         drafts = chunk.draft_tokens
         num_new = chunk.num_new_tokens
-        if num_new == 1 and chunk.sample and not drafts:  # a decode
-            p = request.params
-            num_out = request.num_output_tokens
-            if (not p.uses_history and num_out >= p.min_tokens and request.num_draws == 1
-                    and not request.scoring_prompt):  # its row: no tokens, bans or matcher
-                return self._decode_input(chunk, start, num_out, goes_on, ends)
+        # a plain decode (one draw from a row with no token lists, bans or matcher) keeps its
+        # records on its request: the next one updates them in place (the persistent part of
+        # the step's batch)
+        plain = (num_new == 1 and chunk.sample and not drafts and request.num_draws == 1
+                 and not request.scoring_prompt
+                 and _plain_row(request.params, request.num_output_tokens))
+        records = request.decode_records
+        if plain and records is not None and records[0] is chunk:
+            seq = records[1]
+            seq.block_table, seq.num_computed = chunk.block_table, start
+            seq.token_ids = [tokens[start]]
+            seq.window_block_table = chunk.window_block_table
+            seq.may_run_ahead, seq.ends = goes_on, ends
+            seq.lora_slot = self._slot_of(request)
+            seq.sampling[0].step = request.num_output_tokens
+            return seq
         rows = []
         if drafts:  # a draw at the last token and at each draft, as if each were drawn
             rows = [self._row(request, 0, j, drafts[:j]) for j in range(len(drafts) + 1)]
@@ -540,33 +550,13 @@ class Scheduler:
                       for p in range(start + score_from, end)]
         if chunk.sample:
             rows = [self._row(request, i) for i in range(request.num_draws)]
-        return SeqInput(chunk.block_table, start,
-                        [tokens[start]] if num_new == 1 else tokens[start : start + num_new],
-                        scores + rows, chunk.window_block_table, goes_on, ends,
-                        lora_slot=self._slot_of(request), num_scores=len(scores),
-                        score_from=score_from)
-
-    def _decode_input(self, chunk: ScheduledChunk, start: int, num_out: int, goes_on: bool,
-                      ends: bool) -> SeqInput:
-        """`_seq_input` of a plain decode (one draw from a row with no token lists, bans or
-        matcher): the request's last one updated in place where `chunk` is its (the
-        persistent part of the step's batch), else made and kept."""
-        request = chunk.request
-        records = request.decode_records
-        if records is not None and records[0] is chunk:
-            seq = records[1]
-            seq.block_table, seq.num_computed = chunk.block_table, start
-            seq.token_ids = [request.token_ids[start]]
-            seq.window_block_table = chunk.window_block_table
-            seq.may_run_ahead, seq.ends = goes_on, ends
-            seq.lora_slot = self._slot_of(request)
-            seq.sampling[0].step = num_out
-            return seq
-        seq = SeqInput(chunk.block_table, start, [request.token_ids[start]],
-                       [SamplingRow(request.params, request.seed, num_out)],
-                       chunk.window_block_table, goes_on, ends,
-                       lora_slot=self._slot_of(request))
-        request.decode_records = (chunk, seq)
+        seq = SeqInput(chunk.block_table, start,
+                       [tokens[start]] if num_new == 1 else tokens[start : start + num_new],
+                       scores + rows, chunk.window_block_table, goes_on, ends,
+                       lora_slot=self._slot_of(request), num_scores=len(scores),
+                       score_from=score_from)
+        if plain:
+            request.decode_records = (chunk, seq)
         return seq
 
     def _slot_of(self, request: Request) -> int:
@@ -580,9 +570,9 @@ class Scheduler:
         speculative step's draws at its drafts)."""
         p = request.params
         num_out = request.num_output_tokens + ahead
-        history = p.uses_history
-        if not history and num_out >= p.min_tokens:  # most rows: no tokens, bans or matcher
+        if _plain_row(p, num_out):  # most rows: no tokens, bans or matcher
             return SamplingRow(p, sample_seed(request.seed, sample), num_out)
+        history = p.uses_history
         output = request.output_token_ids + drafted if history and drafted else (
             request.output_token_ids if history else None)
         banned: tuple[int, ...] = ()
@@ -857,6 +847,12 @@ class Scheduler:
 
 
 @functools.cache
+def _plain_row(params: SamplingParams, num_out: int) -> bool:
+    """Whether the draw of output token `num_out` is a plain row: no token history (penalties,
+    bad words, a grammar) and no bans (min_tokens reached)."""
+    return not params.uses_history and num_out >= params.min_tokens
+
+
 def _score_params(k: int) -> SamplingParams:
     """A prompt-scoring row's parameters: greedy (its token is forced anyway), the top `k`
     log-probabilities reported."""

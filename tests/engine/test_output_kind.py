@@ -15,9 +15,9 @@ import dataclasses
 import random
 
 import pytest
-from conftest import CORPUS, build_hf_model, byte_level_bpe_tokenizer
+from conftest import CORPUS, byte_bpe_llm
 
-from jaxpage import LLM, RequestOutputKind, SamplingParams
+from jaxpage import RequestOutputKind, SamplingParams
 from jaxpage.llm import merge_delta
 
 _WORDS = sorted({word for line in CORPUS for word in line.split()})
@@ -27,12 +27,8 @@ KINDS = tuple(RequestOutputKind)
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    tokenizer = byte_level_bpe_tokenizer()
-    path = tmp_path_factory.mktemp("llama_output_kind")
-    model = build_hf_model("llama", 0, vocab_size=len(tokenizer))
-    model.save_pretrained(path, safe_serialization=True)
-    return LLM(str(path), tokenizer=tokenizer, block_size=4, num_blocks=256,
-               max_num_batched_tokens=64, max_num_seqs=8)
+    return byte_bpe_llm(tmp_path_factory.mktemp("llama_output_kind"), block_size=4, num_blocks=256,
+                        max_num_batched_tokens=64, max_num_seqs=8)
 
 
 def run(llm, requests: dict[str, tuple[str, SamplingParams]], kind: RequestOutputKind,

@@ -13,10 +13,10 @@ import random
 from dataclasses import dataclass
 
 import pytest
-from conftest import CORPUS, build_hf_model, byte_level_bpe_tokenizer
+from conftest import CORPUS, byte_bpe_llm
 from test_detokenizer import REPLACEMENT
 
-from jaxpage import LLM, SamplingParams
+from jaxpage import SamplingParams
 
 MAX_TOKENS = 24
 _WORDS = sorted({word for line in CORPUS for word in line.split()})
@@ -25,12 +25,8 @@ PROMPTS = [" ".join(random.Random(seed).sample(_WORDS, 3)) for seed in range(50)
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    tokenizer = byte_level_bpe_tokenizer()
-    path = tmp_path_factory.mktemp("llama_byte_bpe")
-    model = build_hf_model("llama", 0, vocab_size=len(tokenizer))
-    model.save_pretrained(path, safe_serialization=True)
-    return LLM(str(path), tokenizer=tokenizer, block_size=4, num_blocks=64,
-               max_num_batched_tokens=64, max_num_seqs=4)
+    return byte_bpe_llm(tmp_path_factory.mktemp("llama_byte_bpe"), block_size=4, num_blocks=64,
+                        max_num_batched_tokens=64, max_num_seqs=4)
 
 
 def params(**kwargs) -> SamplingParams:
