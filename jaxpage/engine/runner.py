@@ -113,6 +113,27 @@ def _forward_fn(model, platform, params, kv_pool, token_ids, positions, attn_md)
     return _counted(logits), kv_pool
 
 
+def _advance_fn(block_size, n, positions, attn_md, steps):
+    """A decode step's inputs one position on, on the device: the inputs of the step after
+    it in which its first `n` sequences each go on with one token (their tables as they
+    were; padding as build_metadata lays it: position, slot and length 0). The draws'
+    counters (`steps`, one row a sequence) go on with them."""
+    live = (jnp.arange(positions.shape[0]) < n).astype(jnp.int32)
+    positions = positions + live
+    rows = jnp.arange(positions.shape[0])
+
+    def slots(tables):
+        return live * (tables[rows, positions // block_size] * block_size
+                       + positions % block_size)
+
+    window = attn_md.window_block_tables
+    attn_md = dataclasses.replace(
+        attn_md, slot_mapping=slots(attn_md.block_tables),
+        seq_lens=attn_md.seq_lens + (jnp.arange(attn_md.seq_lens.shape[0]) < n),
+        window_slot_mapping=None if window is None else slots(window))
+    return positions, attn_md, steps + (jnp.arange(steps.shape[0]) < n)
+
+
 # Module-level so that every runner of the same model shares compiled executables. The
 # forward and the sampler are separate executables: the compile count is then the number of
 # batch shapes plus the number of sampling variants, not their product.
@@ -125,6 +146,7 @@ _NEXT_TOKENS = jax.jit(lambda drawn, n: jnp.where(jnp.arange(drawn.shape[0]) < n
 # served partly by a run-ahead step, partly by a call of its own)
 _PICK_TOKENS = jax.jit(lambda rows, n, *drawn: jnp.where(
     jnp.arange(rows.shape[0]) < n, jnp.concatenate(drawn)[rows], 0).astype(jnp.int32))
+_ADVANCE = jax.jit(_advance_fn, static_argnums=0)
 _COPY_BLOCKS = jax.jit(_copy_blocks_fn, donate_argnums=0)
 _FILL_BLOCKS = jax.jit(_fill_blocks_fn, donate_argnums=0)
 _GATHER_BLOCKS = jax.jit(_gather_blocks_fn)
@@ -146,6 +168,27 @@ class _Step:
     rows: list[tuple[int, SamplingRow]]
     num_rows: int
     drawn: dict[str, jax.Array] | None = None
+    inputs: _Inputs | None = None  # a decode step's, kept on the device for the next
+
+
+@dataclasses.dataclass(slots=True)
+class _Inputs:
+    """A pure decode step's inputs as dispatched, on the device (one token, one draw a
+    sequence, row i sequence i), from which the step after it is made by `_ADVANCE`: its
+    forward's shape key and params, positions and attention metadata, the sampler's key and
+    metadata, the block-table width, and the block tables as packed on the host (each
+    group's rows as lists, cut to the width, and as the [S, width] array uploaded; the
+    window group's None without one), so that a row whose table changed since is known."""
+
+    key: tuple
+    params: Any
+    positions: jax.Array
+    attn_md: Any
+    sampling_key: tuple
+    sampling_md: SamplingMetadata
+    width: int
+    tables: list[list[list[int]]]
+    packed: list[np.ndarray]
 
 
 @dataclasses.dataclass(slots=True)
@@ -168,23 +211,32 @@ class _Served:
     rows: list[tuple[int, int]]
 
 
-def _same_seq(x: SeqInput, y: SeqInput, block_size: int) -> bool:
+def _same_seq(x: SeqInput, y: SeqInput, block_size: int, window: int | None = None) -> bool:
     """Whether two decode rows are the same computation: the same blocks under their tokens
     (past them a table may have grown since: the scheduler takes a block a step before it is
-    written, and attention reads no block past a sequence's length), position, tokens and
-    sampling rows (`may_run_ahead` aside)."""
+    written, and attention reads no block past a sequence's length; and with a `window`,
+    before the first block the row's window reads, which the window group releases as the
+    window moves on), position, tokens and sampling rows (`may_run_ahead` aside)."""
     used = -(-(x.num_computed + len(x.token_ids)) // block_size)
+    first = 0 if window is None else max(0, (x.num_computed - window + 1) // block_size)
     return (x.num_computed == y.num_computed and x.token_ids == y.token_ids
             and x.block_table[:used] == y.block_table[:used] and x.sampling == y.sampling
-            and x.window_block_table == y.window_block_table and x.lora_slot == y.lora_slot)
+            and (x.window_block_table is None) == (y.window_block_table is None)
+            and (x.window_block_table is None
+                 or x.window_block_table[first:used] == y.window_block_table[first:used])
+            and x.lora_slot == y.lora_slot)
 
 
-def _ahead_rows(ahead: list[SeqInput], seqs: list[SeqInput], block_size: int
-                ) -> list[int | None]:
+def _ahead_rows(ahead: list[SeqInput], seqs: list[SeqInput], block_size: int,
+                window: int | None = None) -> list[int | None]:
     """For each decode row of `seqs`, the row of the run-ahead step `ahead` that is the same
     computation (`_same_seq`), or None. Rows pair by the block a row writes its token into
     and its position: a sequence writes only into a block it holds alone, so no two live
     rows share both."""
+    if len(ahead) == len(seqs) and all(
+            _same_seq(a, s, block_size, window) for a, s in zip(ahead, seqs, strict=True)):
+        return list(range(len(seqs)))  # the common case: the same rows in the same order
+
     def key(s: SeqInput) -> tuple[int, int]:
         return s.num_computed, s.block_table[s.num_computed // block_size]
 
@@ -192,7 +244,8 @@ def _ahead_rows(ahead: list[SeqInput], seqs: list[SeqInput], block_size: int
     rows: list[int | None] = []
     for s in seqs:
         j = index.pop(key(s), None)  # popped: a row serves one sequence
-        rows.append(j if j is not None and _same_seq(ahead[j], s, block_size) else None)
+        rows.append(j if j is not None and _same_seq(ahead[j], s, block_size, window)
+                    else None)
     return rows
 
 
@@ -443,7 +496,7 @@ class ModelRunner:
         # own draws are read (`_run_ahead`), the next tokens fed from the device: the host's
         # work of a step (reading the draws, the engine's update, the next step's arrays and
         # dispatch, ~1 ms on CPU) overlaps the device's. 0: never. Not with several
-        # processes (their steps are replayed in step) or sliding windows.
+        # processes (their steps are replayed in step).
         rows = config.decode_lookahead_rows
         if rows is None:  # every decode step, on every platform: on a 2-core CPU too, where
             # the host shares the cores with the step, running 16-64 rows ahead took 0.90-1.00x
@@ -451,8 +504,7 @@ class ModelRunner:
             rows = config.max_num_seqs
         # Nor with a draft model's own pool: its K/V of every step's tokens is computed
         # beside the step (`_keep_draft_in_step`), which a step run ahead would lack.
-        self.lookahead_rows = rows if (jax.process_count() == 1 and self.window is None
-                                       and not own) else 0
+        self.lookahead_rows = rows if jax.process_count() == 1 and not own else 0
         self.lookahead_hits = self.lookahead_misses = 0  # steps found run ahead, or not
         # of the hits: steps whose rows the run-ahead step lacked ran in a call of their own
         # beside it; rows run ahead that the next step did not take (their sequence ended)
@@ -508,8 +560,9 @@ class ModelRunner:
                         if self.num_window_host_blocks else 0)
         groups = sum(1 for layers in (self.full_layers, self.window_layers) if layers)
         # a run-ahead step's token ids, per decode bucket, and picked out of one or two
-        # steps' draws (out, first, second bucket)
-        ahead = rows + rows ** 2 + rows ** 3
+        # steps' draws (out, first, second bucket); its inputs made on the device, per
+        # decode bucket and width
+        ahead = rows + rows ** 2 + rows ** 3 + len(self.decode_buckets) * widths
         if self._draft is not None:  # its steps: the target's shapes, its own executables
             forward *= 2
         if self.lora_stacks is not None:  # steps with adapters, and the slot writes
@@ -865,9 +918,23 @@ class ModelRunner:
                     # a ragged step's shape is its token bucket: two of its tokens suffice
                     plan.append(functools.partial(step, (0, tokens, width, 0), width,
                                                   2 if self.ragged else tokens, greedy))
-        plan += [functools.partial(next_tokens, num_seqs) for num_seqs in {
-            bucket_for(n, self.decode_buckets)
-            for n in range(1, min(self.lookahead_rows, self.decode_buckets[-1]) + 1)}]
+        def advance(num_seqs: int, width: int) -> None:  # a run-ahead step's inputs
+            num_rows = bucket_for(num_seqs, self.row_buckets)
+            positions, attn_md = build_metadata(
+                [[0] * width], [0], [1], self.block_size, max_blocks_per_seq=width,
+                num_tokens=num_seqs, num_seqs=num_seqs, max_query_len=1, num_logits=num_rows,
+                backend=self.backend, interpret=self.interpret,
+                window_block_tables=None if self.window is None else [[0] * width])
+            self._call(("advance", num_seqs, num_rows, self.window is not None, width),
+                       _ADVANCE, (1, *jax.device_put((positions, attn_md, np.zeros(
+                           num_rows, np.int32)), self._input_sharding)),
+                       static=(self.block_size,))
+
+        ahead_buckets = sorted({bucket_for(n, self.decode_buckets) for n in range(
+            1, min(self.lookahead_rows, self.decode_buckets[-1]) + 1)})
+        plan += [functools.partial(next_tokens, num_seqs) for num_seqs in ahead_buckets]
+        plan += [functools.partial(advance, num_seqs, width) for num_seqs in ahead_buckets
+                 for width in self.width_buckets]
         for run in plan[:shapes]:
             run()
         return self.compiles - before, time.perf_counter() - start
@@ -885,7 +952,7 @@ class ModelRunner:
         ahead, self._ahead = self._ahead, None
         rows = [None] * len(seqs)
         if ahead is not None:
-            rows = _ahead_rows(ahead.seqs, seqs, self.block_size)
+            rows = _ahead_rows(ahead.seqs, seqs, self.block_size, self.window)
             if 2 * rows.count(None) > len(seqs):
                 rows = [None] * len(seqs)
         missing = [i for i, row in enumerate(rows) if row is None]
@@ -949,8 +1016,11 @@ class ModelRunner:
             logits_indices += [end - 1] * (len(s.sampling) - s.num_scores)
         rows = [(i, row) for i, s in enumerate(seqs) for row in s.sampling]
         num_rows = max(least_rows, bucket_for(max(len(rows), 1), self.row_buckets))
+        tables = [[s.block_table[:width] for s in seqs]]
+        if self.window is not None:
+            tables.append([s.window_block_table[:width] for s in seqs])
         positions, attn_md = build_metadata(
-            [s.block_table[:width] for s in seqs],
+            tables[0],
             [s.num_computed for s in seqs],
             [len(s.token_ids) for s in seqs],
             self.block_size,
@@ -962,14 +1032,22 @@ class ModelRunner:
             num_logits=num_rows,
             backend=self.backend,
             interpret=self.interpret,
-            window_block_tables=None if self.window is None else [
-                s.window_block_table[:width] for s in seqs],
+            window_block_tables=tables[1] if self.window is not None else None,
         )
         if token_ids is None:
             token_ids = np.zeros(num_tokens, np.int32)
             token_ids[:total] = [t for s in seqs for t in s.token_ids]
             if self.lookahead_rows:  # on the device, as a run-ahead step's: one compilation
                 token_ids = jax.device_put(token_ids, self._input_sharding)
+        # A pure decode step's inputs stay on the device, where the step after it is made
+        # from them (`_advance`): one token and one draw a sequence. Every decode step's and
+        # every sampler's go there (a shape's one compilation, and its one kept executable
+        # whichever step meets it first).
+        keep = is_decode and self.lookahead_rows and len(rows) == len(seqs)
+        if is_decode and self.lookahead_rows:
+            packed = [attn_md.block_tables] + ([attn_md.window_block_tables]
+                                               if self.window is not None else [])
+            positions, attn_md = jax.device_put((positions, attn_md), self._input_sharding)
 
         params, key = self.params, (self._forward_name, num_tokens, max_query_len, num_seqs,
                                     width, num_rows)
@@ -1000,8 +1078,51 @@ class ModelRunner:
                             sampling_md.grammar_bitmask, sampling_md.allowed_bitmask,
                             sampling_md.bias_token_ids)),
                         sampling_md.forced_token_ids is not None)
+        if self.lookahead_rows:
+            sampling_md = jax.device_put(sampling_md, self._input_sharding)
+        if keep:
+            step.inputs = _Inputs(key, params, positions, attn_md, sampling_key, sampling_md,
+                                  width, tables, packed)
         timer.mark("prepare")
         step.drawn = self._call(sampling_key, _SAMPLE, (logits, sampling_md), timer)
+        return step
+
+    def _advance(self, prev: _Step, seqs: list[SeqInput], token_ids: jax.Array) -> _Step:
+        """`_dispatch(seqs, True, token_ids)` for `seqs`, the sequences of the pure decode
+        step `prev` each one position on (its rows, in order), its inputs made on the device
+        from `prev`'s (`_ADVANCE`): no arrays built or copied on the host."""
+        inputs, width = prev.inputs, prev.inputs.width
+        tables, packed, attn_md = [], [], inputs.attn_md
+        for group, (rows, array) in enumerate(zip(inputs.tables, inputs.packed, strict=True)):
+            # the rows whose table changed (a block taken for the next one, a block copied
+            # on write, one left the window) are packed anew and the tables uploaded again
+            now = [(s.window_block_table if group else s.block_table)[:width] for s in seqs]
+            changed = [k for k, (new, old) in enumerate(zip(now, rows, strict=True)) if new != old]
+            if changed:
+                array = array.copy()  # the device may hold the old array's memory
+                for k in changed:
+                    array[k] = 0
+                    array[k, :len(now[k])] = now[k]
+                field = "window_block_tables" if group else "block_tables"
+                attn_md = dataclasses.replace(attn_md, **{
+                    field: jax.device_put(array, self._input_sharding)})
+            tables.append(now)
+            packed.append(array)
+        positions, attn_md, steps = self._call(
+            ("advance", inputs.key[1], prev.num_rows, len(tables) == 2, width), _ADVANCE,
+            (len(seqs), inputs.positions, attn_md, inputs.sampling_md.steps),
+            static=(self.block_size,))
+        sampling_md = dataclasses.replace(inputs.sampling_md, steps=steps)
+        timer = self.timer
+        logits, self.kv_pool = self._call(
+            inputs.key, _FORWARD, (inputs.params, self.kv_pool, token_ids, positions, attn_md),
+            timer, static=(self.model, self.devices[0].platform))
+        step = _Step(len(seqs), [(i, s.sampling[0]) for i, s in enumerate(seqs)],
+                     prev.num_rows, inputs=_Inputs(inputs.key, inputs.params, positions,
+                                                   attn_md, inputs.sampling_key, sampling_md,
+                                                   width, tables, packed))
+        timer.mark("prepare")
+        step.drawn = self._call(inputs.sampling_key, _SAMPLE, (logits, sampling_md), timer)
         return step
 
     def _results(self, step: _Step) -> list[list[SeqResult]]:
@@ -1014,13 +1135,14 @@ class ModelRunner:
         self.timer.mark("wait")
         out = jax.device_get(step.drawn)
         self.device_seconds += time.perf_counter() - start
+        tokens, logprobs = out["tokens"].tolist(), out["logprob"].tolist()  # Python numbers
         for r, (i, row) in enumerate(step.rows):
             top = None
             if row.num_logprobs:
                 n = row.num_logprobs
                 top = dict(zip(out["top_ids"][r, :n].tolist(),
                                out["top_logprobs"][r, :n].tolist(), strict=True))
-            results[i].append(SeqResult(int(out["tokens"][r]), float(out["logprob"][r]), top))
+            results[i].append(SeqResult(tokens[r], logprobs[r], top))
         self.timer.mark("readback")
         return results
 
@@ -1035,21 +1157,28 @@ class ModelRunner:
             return None
         going = []
         for i, s in enumerate(seqs):
-            if s.may_run_ahead and (s.num_computed + 1) // self.block_size < len(s.block_table):
+            block = (s.num_computed + 1) // self.block_size  # the next token's
+            if s.may_run_ahead and block < len(s.block_table) and (
+                    s.window_block_table is None or block < len(s.window_block_table)):
                 going.append(i)
             elif not s.ends:
                 return None
         if not going:
             return None
-        nxt = [SeqInput(s.block_table, s.num_computed + 1, [0], [
-            dataclasses.replace(s.sampling[0], step=s.sampling[0].step + 1)],
-            s.window_block_table, True, lora_slot=s.lora_slot) for s in (seqs[i] for i in going)]
+        nxt = [SeqInput(s.block_table, s.num_computed + 1, [0], [_next_row(s.sampling[0])],
+                        s.window_block_table, True, lora_slot=s.lora_slot)
+               for s in (seqs[i] for i in going)]
         self.timer.mark("prepare")
         steps, picks = served.steps, [served.rows[i] for i in going]
         if len(steps) == 1 and steps[0].num_seqs == len(picks) and all(
                 row == k for k, (_, row) in enumerate(picks)):  # one step, all of it
             tokens = self._call(("next_tokens", steps[0].num_rows), _NEXT_TOKENS,
                                 (steps[0].drawn["tokens"], len(picks)), self.timer)
+            inputs = steps[0].inputs
+            if inputs is not None and inputs.width == bucket_for(max(
+                    -(-(s.num_computed + 1) // self.block_size) for s in nxt),
+                    self.width_buckets):  # its tables hold the next step's blocks
+                return _Ahead(nxt, self._advance(steps[0], nxt, tokens), going)
         else:  # rows left out, or drawn by two steps: picked out of both on the device
             offsets = [0, steps[0].num_rows]
             picked = np.zeros(bucket_for(len(picks), self.decode_buckets), np.int32)
@@ -1088,6 +1217,13 @@ class ModelRunner:
             timer.mark("compile")
         return result
 
+
+
+def _next_row(row: SamplingRow) -> SamplingRow:
+    """`row`'s draw at the next output position (a run-ahead step's row)."""
+    return SamplingRow(row.params, row.seed, row.step + 1, row.prompt_token_ids,
+                       row.output_token_ids, row.banned_token_ids, row.matcher, row.drafted,
+                       row.forced_token)
 
 
 def _check_lora(model: Any, draft: Any) -> None:

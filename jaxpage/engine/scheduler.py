@@ -148,8 +148,8 @@ class Scheduler:
         self.enable_prefix_caching = enable_prefix_caching
         self.eos_token_ids = frozenset(eos_token_ids)
         # the runner may start a decode step of at most this many sequences before it reads
-        # the one before (ModelRunner.lookahead_rows; 0: never, as for sliding windows or
-        # several processes): see `_ahead_marks`
+        # the one before (ModelRunner.lookahead_rows; 0: never, as with several processes):
+        # see `_ahead_marks`
         self.lookahead_rows = lookahead_rows
         # speculative decoding (jaxpage.engine.speculative): a decoding sequence's drafts
         # run with its last token, and `update` accepts those the target's draws confirm
@@ -322,6 +322,9 @@ class Scheduler:
                 if extra is not None:  # None: the pool is short, nothing taken
                     chunk.block_copies = chunk.block_copies + extra
                     chunk.block_table = self.allocator.block_table(request.seq_id)
+                    if self.windowed:  # the window group took its block too
+                        chunk.window_block_table = self.allocator.window_table(
+                            request.seq_id)
 
         chunks = list(scheduled.values())
         copies = [copy for chunk in chunks for copy in chunk.block_copies]

@@ -150,6 +150,43 @@ def test_run_ahead_changes_no_request(tiny, stop_case, backend, block_size, num_
     assert ahead["abort"].outputs[0].finish_reason == "abort"
 
 
+@pytest.mark.parametrize("name,num_blocks,swap", [("mistral", None, 0), ("gemma2", 20, 0),
+                                                   ("gemma2", 20, 64)],
+                         ids=["mistral", "gemma2-preempting", "gemma2-swapping"])
+def test_run_ahead_changes_no_request_past_a_sliding_window(hf_model_dir, name, num_blocks,
+                                                            swap):
+    """The same past a sliding window of 8 tokens (Mistral: every layer sliding, one pool;
+    Gemma 2: sliding and global layers, both groups, preempted by recompute and by swap):
+    the window group takes its next block a step early as the full group does, and the
+    blocks it releases as the window moves on lie before what the step run ahead reads, so
+    a row run ahead is the same computation as long as its table agrees from its window's
+    first block on."""
+    path, model = hf_model_dir(name, sliding_window=8)
+    prompt = list(range(30, 41))
+    greedy = hf_greedy(model, prompt, 24)
+    items = workload((prompt, greedy, greedy[6]))
+    runs = {}
+    for rows in (8, 0):
+        llm = LLM(path, block_size=4, num_blocks=num_blocks, max_num_batched_tokens=32,
+                  max_num_seqs=8, debug_nan_pool=True, decode_lookahead_rows=rows,
+                  swap_space=swap * llm_block_bytes(path, 4),
+                  preemption_mode="swap" if swap else "recompute")
+        runs[rows] = serve(llm, items)
+    (ahead, stats, raised), (apart, _, _) = runs[8], runs[0]
+    assert raised == 0
+    assert stats["sliding_window"] == 8
+    assert stats["lookahead_hits"] >= 15 and stats["lookahead_dropped"] >= 1, stats
+    assert (stats["num_preemptions"] > 0) == (num_blocks is not None)
+    assert (stats["num_swapped_preemptions"] > 0) == bool(swap)
+    assert set(ahead) == set(apart) == {item[0] for item in items}
+    for request_id in apart:  # the sampler's reductions round by its batch's shape
+        same_up_to_rounding(ahead[request_id], apart[request_id])
+    for request_id, prompt, params, _ in items:  # past the window: HF's greedy tokens
+        if request_id in ("g0", "late"):
+            assert ahead[request_id].outputs[0].token_ids == hf_greedy(model, prompt,
+                                                                       params.max_tokens)
+
+
 def llm_block_bytes(path, block_size):
     """Bytes of one KV block of the tiny model in float32 (swap_space is given in bytes)."""
     import json
@@ -369,3 +406,65 @@ def test_bad_lookahead_rows_are_refused(value):
 
     with pytest.raises(ValueError, match=f"decode_lookahead_rows.*{value!r}"):
         EngineConfig(decode_lookahead_rows=value)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_a_step_run_ahead_is_made_on_the_device_as_the_host_would_build_it(hf_model_dir, name):
+    """Where every row of a decode step goes on, the runner makes the step after it from that
+    step's inputs kept on the device (`ModelRunner._advance`): positions, slots and lengths
+    one on, the draws' counters one on, the block tables as they were except the rows whose
+    table changed since (a block taken for the next tokens; in Gemma 2's window group also
+    blocks freed as they left the window), packed and uploaded again. Each such step's
+    arrays equal the ones `build_metadata` and the sampler's counters make from the step's
+    sequences on the host; with blocks of 4 and prompts of staggered lengths, rows' tables
+    change at most steps. Tokens: HF's."""
+    import jax
+    import numpy as np
+
+    from jaxpage.attention import build_metadata
+
+    overrides = {"sliding_window": 8} if name == "gemma2" else {}
+    path, hf = hf_model_dir(name, **overrides)
+    llm = LLM(path, block_size=4, max_num_seqs=6, max_num_batched_tokens=64,
+              enable_prefix_caching=False, debug_nan_pool=True)
+    runner = llm.engine.runner
+    advance, made, changed = runner._advance, [], []
+
+    def checked(prev, seqs, token_ids):
+        step = advance(prev, seqs, token_ids)
+        inputs, width = step.inputs, step.inputs.width
+        windowed = runner.window is not None
+        positions, md = build_metadata(
+            [s.block_table[:width] for s in seqs], [s.num_computed for s in seqs],
+            [1] * len(seqs), runner.block_size, max_blocks_per_seq=width,
+            num_tokens=inputs.key[1], num_seqs=inputs.key[3], max_query_len=1,
+            logits_indices=list(range(len(seqs))), num_logits=step.num_rows,
+            backend=runner.backend, interpret=runner.interpret,
+            window_block_tables=[s.window_block_table[:width] for s in seqs] if windowed
+            else None)
+        got_positions, got = jax.device_get((inputs.positions, inputs.attn_md))
+        np.testing.assert_array_equal(got_positions, positions)
+        for field in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc",
+                      "logits_indices", "num_logits", "window_slot_mapping",
+                      "window_block_tables"):
+            if getattr(md, field) is None:
+                assert getattr(got, field) is None, field
+            else:
+                np.testing.assert_array_equal(getattr(got, field), getattr(md, field), field)
+        steps = np.zeros(step.num_rows, np.int32)
+        steps[:len(seqs)] = [s.sampling[0].step for s in seqs]
+        np.testing.assert_array_equal(jax.device_get(inputs.sampling_md.steps), steps)
+        made.append(len(seqs))
+        changed.append(any(a != b for a, b in zip(inputs.tables[0], prev.inputs.tables[0],
+                                                  strict=True)))
+        return step
+
+    runner._advance = checked
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, 90, size=n).tolist() for n in (3, 5, 6, 9, 12, 14)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 24)
+    assert len(made) > 15 and max(made) == 6
+    assert sum(changed) > len(changed) // 2
