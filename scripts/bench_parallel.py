@@ -54,7 +54,7 @@ MAX_TP = 8
 UTILIZATION = 0.9  # EngineConfig.gpu_memory_utilization's default
 # (name, bytes of memory per device, devices per host): the accelerators the issue asks about
 ACCELERATORS = (("v5e", 16 * GiB, "v5e-8", 8), ("H100", 80 * GiB, "8xH100", 8))
-CPU_KV_BUDGET = 1 * GiB  # the runner's pool on CPU (jaxpage.engine.runner._CPU_KV_BUDGET)
+CPU_KV_BUDGET = 1 * GiB  # the runner's pool on CPU (jaxpage.engine.kv_sizing.CPU_KV_BUDGET)
 
 # name: (layers, hidden, intermediate, heads, KV heads, head_dim, vocab, tied embeddings[,
 # a mixture of experts' architecture and fields: its experts split over the devices])

@@ -11,7 +11,7 @@ Two numbers per model, each computed twice:
   (`window_blocks_per_seq` blocks of the sliding layers) and the full-attention layers get
   the rest;
 * checked against the allocator on abstract shapes: the engine's own pool sizing
-  (`runner._pool_blocks`, no arrays allocated) gives both groups' block counts, and one
+  (`kv_sizing.pool_blocks`, no arrays allocated) gives both groups' block counts, and one
   sequence is grown chunk by chunk through a `WindowedAllocator` (and, for the unpaged
   number, a `BlockAllocator` over all layers) until the pool refuses a chunk.
 
@@ -31,7 +31,7 @@ from jaxpage.attention import kv_bytes_per_block
 from jaxpage.config import EngineConfig
 from jaxpage.engine.block_allocator import BlockAllocator
 from jaxpage.engine.kv_groups import WindowedAllocator, window_blocks_per_seq
-from jaxpage.engine.runner import _pool_blocks
+from jaxpage.engine.kv_sizing import pool_blocks
 from jaxpage.models.config import ModelConfig, layer_windows
 
 # HF configs' shapes (google/gemma-2-2b, google/gemma-3-4b-pt text config)
@@ -96,8 +96,8 @@ def measure(name: str, fields: dict, budget: int, dtype, block_size: int, chunk:
     long_limit = 1 << 24  # far past any pool: the pool, not the model, ends the sequence
     engine = EngineConfig(kv_cache_memory=budget, block_size=block_size, max_num_seqs=1,
                           max_num_batched_tokens=chunk)
-    num_blocks, num_window = _pool_blocks(engine, full_block, window_block, window, long_limit,
-                                          jax.devices("cpu")[0])
+    num_blocks, num_window = pool_blocks(engine, full_block, window_block, window, long_limit,
+                                         jax.devices("cpu")[0])
     per_seq = window_blocks_per_seq(window, block_size, chunk, long_limit)
     assert num_window == per_seq + 1, (num_window, per_seq)
     unpaged_blocks = budget // per_block

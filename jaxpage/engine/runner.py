@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -38,9 +37,21 @@ from jaxpage.attention import (
     select_backend,
 )
 from jaxpage.buckets import bucket_for, power_of_two_buckets
-from jaxpage.engine import executables, huge_pages
+from jaxpage.engine import device_params, draft_model, executables, huge_pages, kv_sizing
 from jaxpage.engine.batch import SeqInput, SeqResult
-from jaxpage.engine.kv_groups import window_blocks_per_seq, window_host_blocks
+from jaxpage.engine.host_swap import HostSwaps
+from jaxpage.engine.kv_groups import window_host_blocks
+from jaxpage.engine.run_ahead import (
+    ADVANCE,
+    NEXT_TOKENS,
+    PICK_TOKENS,
+    Ahead,
+    DecodeInputs,
+    Served,
+    Step,
+    ahead_rows,
+    next_row,
+)
 from jaxpage.engine.runner_api import RUNNER_PHASES, StepTimer
 from jaxpage.engine.speculative import DRAFT_SLOT
 from jaxpage.layers import quantized_linear
@@ -48,15 +59,13 @@ from jaxpage.models.config import layer_windows
 from jaxpage.parallel import TensorParallel, TensorParallelModel
 from jaxpage.sampling import SamplingMetadata, sample
 from jaxpage.sampling_params import SamplingParams, SamplingRow
-from pallas_kernels import bits, cpu_ops, lowering, quantized
+from pallas_kernels import bits, lowering, quantized
 
 logger = logging.getLogger("jaxpage.engine")
 
 if TYPE_CHECKING:
     from jaxpage.config import EngineConfig
 
-# Default KV pool on CPU (and where the device reports no memory limit): 1 GiB.
-_CPU_KV_BUDGET = 1 << 30
 
 
 def _copy_blocks_fn(kv_pool, src, dst):
@@ -79,21 +88,6 @@ def _fill_blocks_fn(kv_pool, block_ids, value):
     return jax.tree.map(fill, kv_pool)
 
 
-def _gather_blocks_fn(kv_pool, block_ids):
-    # block_ids: [C] int32 (padding reads block 0)
-    # -> [C, num_layers, 2, num_kv_heads, block_size, head_dim]: a block's K and V of every
-    #    layer together, the host pool's layout
-    per_layer = [jnp.stack([bits.take(x, (slice(None), block_ids)) for x in layer])
-                 for layer in kv_pool]
-    return jnp.stack(per_layer).transpose(3, 0, 1, 2, 4, 5)
-
-
-def _scatter_blocks_fn(kv_pool, block_ids, blocks):
-    # block_ids: [C] int32 (padding writes block 0); blocks: [C, num_layers, 2, H, bs, D]
-    return [tuple(bits.set_rows(x, block_ids, blocks[:, layer, i].transpose(1, 0, 2, 3))
-                  for i, x in enumerate(pair)) for layer, pair in enumerate(kv_pool)]
-
-
 def _counted(logits: jax.Array) -> jax.Array:
     """`logits`, bit for bit, through an op XLA:CPU's cost model counts. XLA:CPU runs an
     executable it counts under 1,000 FLOPs inline, on the calling thread, once its inputs are
@@ -113,140 +107,19 @@ def _forward_fn(model, platform, params, kv_pool, token_ids, positions, attn_md)
     return _counted(logits), kv_pool
 
 
-def _advance_fn(block_size, n, positions, attn_md, steps):
-    """A decode step's inputs one position on, on the device: the inputs of the step after
-    it in which its first `n` sequences each go on with one token (their tables as they
-    were; padding as build_metadata lays it: position, slot and length 0). The draws'
-    counters (`steps`, one row a sequence) go on with them."""
-    live = (jnp.arange(positions.shape[0]) < n).astype(jnp.int32)
-    positions = positions + live
-    rows = jnp.arange(positions.shape[0])
-
-    def slots(tables):
-        return live * (tables[rows, positions // block_size] * block_size
-                       + positions % block_size)
-
-    window = attn_md.window_block_tables
-    attn_md = dataclasses.replace(
-        attn_md, slot_mapping=slots(attn_md.block_tables),
-        seq_lens=attn_md.seq_lens + (jnp.arange(attn_md.seq_lens.shape[0]) < n),
-        window_slot_mapping=None if window is None else slots(window))
-    return positions, attn_md, steps + (jnp.arange(steps.shape[0]) < n)
-
-
 # Module-level so that every runner of the same model shares compiled executables. The
 # forward and the sampler are separate executables: the compile count is then the number of
 # batch shapes plus the number of sampling variants, not their product.
 _FORWARD = jax.jit(_forward_fn, static_argnums=(0, 1), donate_argnums=3)
 _SAMPLE = jax.jit(sample)
-# a decode step's drawn tokens as the next step's token ids (padding rows: 0)
-_NEXT_TOKENS = jax.jit(lambda drawn, n: jnp.where(jnp.arange(drawn.shape[0]) < n, drawn,
-                                                  0).astype(jnp.int32))
-# the same, the rows picked by `rows` out of one or two steps' draws laid end to end (a step
-# served partly by a run-ahead step, partly by a call of its own)
-_PICK_TOKENS = jax.jit(lambda rows, n, *drawn: jnp.where(
-    jnp.arange(rows.shape[0]) < n, jnp.concatenate(drawn)[rows], 0).astype(jnp.int32))
-_ADVANCE = jax.jit(_advance_fn, static_argnums=0)
 _COPY_BLOCKS = jax.jit(_copy_blocks_fn, donate_argnums=0)
 _FILL_BLOCKS = jax.jit(_fill_blocks_fn, donate_argnums=0)
-_GATHER_BLOCKS = jax.jit(_gather_blocks_fn)
-_SCATTER_BLOCKS = jax.jit(_scatter_blocks_fn, donate_argnums=0)
 
 
 def _set_slot_fn(stacks, slot, values):
     """LoRA stacks with slot `slot` of each set to its `values` (`ModelRunner.load_lora`)."""
     return jax.tree.map(lambda stack, value: stack.at[slot].set(value.astype(stack.dtype)),
                         stacks, values)
-
-
-@dataclasses.dataclass(slots=True)
-class _Step:
-    """A step on its way: its sequences' count, its draws (sequence index, row), their rows'
-    bucket, and the sampler's outputs on the device (None: nothing drawn)."""
-
-    num_seqs: int
-    rows: list[tuple[int, SamplingRow]]
-    num_rows: int
-    drawn: dict[str, jax.Array] | None = None
-    inputs: _Inputs | None = None  # a decode step's, kept on the device for the next
-
-
-@dataclasses.dataclass(slots=True)
-class _Inputs:
-    """A pure decode step's inputs as dispatched, on the device (one token, one draw a
-    sequence, row i sequence i), from which the step after it is made by `_ADVANCE`: its
-    forward's shape key and params, positions and attention metadata, the sampler's key and
-    metadata, the block-table width, and the block tables as packed on the host (each
-    group's rows as lists, cut to the width, and as the [S, width] array uploaded; the
-    window group's None without one), so that a row whose table changed since is known."""
-
-    key: tuple
-    params: Any
-    positions: jax.Array
-    attn_md: Any
-    sampling_key: tuple
-    sampling_md: SamplingMetadata
-    width: int
-    tables: list[list[list[int]]]
-    packed: list[np.ndarray]
-
-
-@dataclasses.dataclass(slots=True)
-class _Ahead:
-    """A decode step started before the step it follows was read back: its inputs (their
-    token ids filled in once that step's draws are read), the step, and for each of its
-    sequences the index of the one it follows in that step."""
-
-    seqs: list[SeqInput]
-    step: _Step
-    sources: list[int]
-
-
-@dataclasses.dataclass(slots=True)
-class _Served:
-    """A decode step as it was run: the steps that drew its rows (a run-ahead step and/or a
-    call of its own) and, per row, (which of them, its row there)."""
-
-    steps: list[_Step]
-    rows: list[tuple[int, int]]
-
-
-def _same_seq(x: SeqInput, y: SeqInput, block_size: int, window: int | None = None) -> bool:
-    """Whether two decode rows are the same computation: the same blocks under their tokens
-    (past them a table may have grown since: the scheduler takes a block a step before it is
-    written, and attention reads no block past a sequence's length; and with a `window`,
-    before the first block the row's window reads, which the window group releases as the
-    window moves on), position, tokens and sampling rows (`may_run_ahead` aside)."""
-    used = -(-(x.num_computed + len(x.token_ids)) // block_size)
-    first = 0 if window is None else max(0, (x.num_computed - window + 1) // block_size)
-    return (x.num_computed == y.num_computed and x.token_ids == y.token_ids
-            and x.block_table[:used] == y.block_table[:used] and x.sampling == y.sampling
-            and (x.window_block_table is None) == (y.window_block_table is None)
-            and (x.window_block_table is None
-                 or x.window_block_table[first:used] == y.window_block_table[first:used])
-            and x.lora_slot == y.lora_slot)
-
-
-def _ahead_rows(ahead: list[SeqInput], seqs: list[SeqInput], block_size: int,
-                window: int | None = None) -> list[int | None]:
-    """For each decode row of `seqs`, the row of the run-ahead step `ahead` that is the same
-    computation (`_same_seq`), or None. Rows pair by the block a row writes its token into
-    and its position: a sequence writes only into a block it holds alone, so no two live
-    rows share both."""
-    if len(ahead) == len(seqs) and all(
-            _same_seq(a, s, block_size, window) for a, s in zip(ahead, seqs, strict=True)):
-        return list(range(len(seqs)))  # the common case: the same rows in the same order
-
-    def key(s: SeqInput) -> tuple[int, int]:
-        return s.num_computed, s.block_table[s.num_computed // block_size]
-
-    index = {key(s): j for j, s in enumerate(ahead)}
-    rows: list[int | None] = []
-    for s in seqs:
-        j = index.pop(key(s), None)  # popped: a row serves one sequence
-        rows.append(j if j is not None and _same_seq(ahead[j], s, block_size, window)
-                    else None)
-    return rows
 
 
 def build_runner(model: Any, params: Any, config: EngineConfig, *, max_model_len: int,
@@ -262,7 +135,7 @@ def build_runner(model: Any, params: Any, config: EngineConfig, *, max_model_len
     return MultiHostRunner(runner)
 
 
-class ModelRunner:
+class ModelRunner(HostSwaps):
     """Owns the device params, the KV pool, the host pool and the compiled step functions.
 
     Built from the engine's config: it picks the attention backend for this platform, casts
@@ -304,7 +177,7 @@ class ModelRunner:
                                       dtype=kv_dtype)
         self.ragged = self.backend in RAGGED_BACKENDS
         self.interpret = config.kernel_interpret
-        params = _cast_params(params, dtype)
+        params = device_params.cast_params(params, dtype)
         if config.quantize_lm_head:
             params = quantized_linear.quantize_head(params, config.quantization)
         # the params' bytes as loaded (an 8-bit projection's values and scales: jaxpage.layers.
@@ -334,7 +207,7 @@ class ModelRunner:
             # on every device of the mesh, as the jitted step takes host arrays
             self._input_sharding = self.parallel.replicated
         else:
-            if _packs_weights(model, devices[0], dtype):  # on the host, before the copy
+            if device_params.packs_weights(model, devices[0], dtype):  # on the host, first
                 params = model.pack_params(params)
             self.params = jax.device_put(params, devices[0])
             self._pool_sharding = jax.sharding.SingleDeviceSharding(devices[0])
@@ -344,8 +217,8 @@ class ModelRunner:
         self.devices = devices
         # speculative decoding by a draft model (`_fill_drafts`): the target's first
         # draft_layers layers on its pool, or a model of its own on a pool of its own
-        self._draft = _build_draft(model, self.params, config, draft, devices, self.backend,
-                                   dtype)
+        self._draft = draft_model.build_draft(model, self.params, config, draft, devices,
+                                              self.backend, dtype)
         own = self._draft is not None and self._draft.layers is None
         # the pool's head dim is what the kernel reads in place (padded once, here)
         pool_dim = pool_head_dim(self.backend, model_config.head_dim)
@@ -378,7 +251,7 @@ class ModelRunner:
         self.block_bytes = per_device * tp
         self.window_block_bytes = block_bytes(len(self.window_layers)) * tp  # (a swap)
         try:
-            self.num_blocks, self.num_window_blocks = _pool_blocks(
+            self.num_blocks, self.num_window_blocks = kv_sizing.pool_blocks(
                 config, per_device, block_bytes(len(self.window_layers)), self.window,
                 max_model_len, devices[0])
         except ValueError as exc:
@@ -406,7 +279,7 @@ class ModelRunner:
                              f"kv_cache_dtype={config.kv_cache_dtype!r}; use swap_space=0")
         # the host pools, one a group (the window group's numbered after the full group's in
         # the swap plans: jaxpage.engine.kv_groups)
-        self.num_host_blocks = num_host_blocks = _num_host_blocks(
+        self.num_host_blocks = num_host_blocks = kv_sizing.num_host_blocks(
             config, self.block_bytes, self.window_block_bytes, self.num_blocks,
             self.num_window_blocks)
         self.num_window_host_blocks = window_host_blocks(
@@ -481,17 +354,7 @@ class ModelRunner:
         self.compiled: set[tuple] = set()
         self.compile_seconds = 0.0
         self.device_seconds = 0.0  # wall time inside jitted calls (dispatch to result)
-        self.swap_out_blocks = self.swap_in_blocks = 0
-        # swap-outs started and not yet in the host pools: ((device, host) block pairs as
-        # planned, per host pool (the pool, its rows, the gathered blocks on their way), the
-        # bytes, dispatch seconds or None if it compiled)
-        self._swaps_in_flight: list[tuple[list, list[tuple[np.ndarray, list[int], jax.Array]],
-                                          int, float | None]] = []
-        # swap-outs that did not compile, timed as the step waited for them (dispatch, and
-        # the rest of the transfer and the host write after the forward): the copy
-        # bandwidth the "auto" preemption mode measures
-        self.swap_out_bytes_timed = 0
-        self.swap_out_seconds_timed = 0.0
+        self._init_swaps()
         # A decode step of at most lookahead_rows sequences starts the next one before its
         # own draws are read (`_run_ahead`), the next tokens fed from the device: the host's
         # work of a step (reading the draws, the engine's update, the next step's arrays and
@@ -509,7 +372,7 @@ class ModelRunner:
         # of the hits: steps whose rows the run-ahead step lacked ran in a call of their own
         # beside it; rows run ahead that the next step did not take (their sequence ended)
         self.lookahead_split = self.lookahead_dropped = 0
-        self._ahead: _Ahead | None = None
+        self._ahead: Ahead | None = None
         # a step's least (sequences, tokens, table width, draw rows): warm-up's bucket shape,
         # few of whose rows hold a token (else 0: the batch's own buckets)
         self._least_shape = (0, 0, 0, 0)
@@ -518,7 +381,7 @@ class ModelRunner:
         # without tracing (jaxpage.engine.executables); one process on one device only
         self.executable_store = _executable_store(self.model, devices)
         self._executables: dict[tuple, Any] = {}  # the store's executables by shape key
-        # the forward's shape keys start "forward", or the draft's name (`_Draft.name`)
+        # the forward's shape keys start "forward", or the draft's name (`draft_model.Draft.name`)
         self._forward_name = "forward"
         # multi-LoRA: per layer, each projection's stack of max_loras + 1 adapter slots
         # (slot 0 zeros: no adapter; jaxpage.lora), written by `load_lora`
@@ -611,115 +474,6 @@ class ModelRunner:
         for i, layer_kv in zip(layers, pool, strict=True):
             kv_pool[i] = layer_kv
         self.kv_pool = kv_pool
-
-    def _split_swaps(self, copies: list[tuple[int, int]], host_at: int
-                     ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """A swap plan's pairs by group: host ids from num_host_blocks on are the window
-        group's (jaxpage.engine.kv_groups), renumbered from 0 (`host_at`: the host id's
-        place in a pair)."""
-        full, window, offset = [], [], self.num_host_blocks
-        for pair in copies:
-            if pair[host_at] < offset:
-                full.append(pair)
-            else:
-                pair = list(pair)
-                pair[host_at] -= offset
-                window.append(tuple(pair))
-        return full, window
-
-    def swap_out(self, copies: list[tuple[int, int]]) -> None:
-        """Start copying `(device block, host block)` pairs into the host pools: per group
-        (and the draft's own pool) one jitted gather of its layers' blocks, dispatched
-        before this step's forward (so it reads the blocks before the forward may rewrite
-        them), and one device->host transfer started at once; the transfer overlaps the
-        forward and lands in `finish_swaps`."""
-        if not copies:
-            return
-        start, parts, measured, nbytes = time.perf_counter(), [], True, 0
-        groups = [(False, self.host_kv, self.swap_out_buckets, self.block_bytes),
-                  (True, self.window_host_kv, self.window_swap_out_buckets,
-                   self.window_block_bytes)]
-        for (window, host, buckets, block_bytes), pairs in zip(
-                groups, self._split_swaps(copies, 1), strict=True):
-            layers = self.window_layers if window else self.full_layers
-            if not pairs or not (layers or (self.draft_pool is not None and not window)):
-                continue
-            size = bucket_for(len(pairs), buckets)
-            device_ids = np.zeros(size, np.int32)
-            device_ids[: len(pairs)] = [device_id for device_id, _ in pairs]
-            host_ids = [host_id for _, host_id in pairs]
-            name = "window_swap_out" if window else "swap_out"
-            measured &= (name, size) in self.compiled or not layers
-            if layers:
-                parts.append((host, host_ids, self._call(
-                    (name, size), _GATHER_BLOCKS, ([self.kv_pool[i] for i in layers],
-                                                   device_ids))))
-            if self.draft_pool is not None and not window:
-                measured &= ("draft_swap_out", size) in self.compiled
-                parts.append((self.draft_host_kv, host_ids, self._call(
-                    ("draft_swap_out", size), _GATHER_BLOCKS, (self.draft_pool, device_ids))))
-            nbytes += len(pairs) * block_bytes
-        for _, _, part in parts:
-            part.copy_to_host_async()
-        self._swaps_in_flight.append((copies, parts, nbytes,
-                                      time.perf_counter() - start if measured else None))
-        self.swap_out_blocks += len(copies)
-
-    def finish_swaps(self) -> None:
-        """Write the swap-outs in flight into the host pools (waiting for their transfers).
-        The time counted as the copy's is what the step spent on it: dispatch and the wait
-        here, not the part the transfer overlapped the forward."""
-        while self._swaps_in_flight:
-            _, parts, nbytes, dispatch_seconds = self._swaps_in_flight[0]
-            start = time.perf_counter()
-            for host, host_ids, part in parts:
-                host[host_ids] = np.asarray(part)[: len(host_ids)]
-            self._swaps_in_flight.pop(0)
-            if dispatch_seconds is not None:
-                self.swap_out_seconds_timed += dispatch_seconds + time.perf_counter() - start
-                self.swap_out_bytes_timed += nbytes
-
-    def swaps_in_flight(self) -> list[int]:
-        """Host blocks whose swap-out was started and has not landed."""
-        return [host_id for copies, *_ in self._swaps_in_flight for _, host_id in copies]
-
-    def drop_swaps(self) -> list[list[tuple[int, int]]]:
-        """Forget the swap-outs in flight (after a failure); returns their copies."""
-        dropped = [copies for copies, *_ in self._swaps_in_flight]
-        self._swaps_in_flight.clear()
-        return dropped
-
-    def swap_in(self, copies: list[tuple[int, int]]) -> None:
-        """Copy `(host block, device block)` pairs into the KV pool: per group (and the
-        draft's own pool) one host->device transfer of its blocks, one jitted scatter into
-        its donated layers. Swap-outs in flight land first (a block swapped out may be read
-        back in the same step)."""
-        if not copies:
-            return
-        self.finish_swaps()
-        full, window = self._split_swaps(copies, 0)
-        for in_window, pairs, host in ((False, full, self.host_kv),
-                                       (True, window, self.window_host_kv)):
-            if not pairs:
-                continue
-            size = bucket_for(len(pairs), self.copy_buckets)
-            host_ids = np.full(size, pairs[0][0], np.int64)  # padding: any row, into block 0
-            device_ids = np.zeros(size, np.int32)
-            host_ids[: len(pairs)], device_ids[: len(pairs)] = zip(*pairs, strict=True)
-            if self.window_layers if in_window else self.full_layers:
-                self._update_group(in_window, ("window_swap_in" if in_window else "swap_in",
-                                               size), _SCATTER_BLOCKS, device_ids,
-                                   jax.device_put(host[host_ids]))
-            if self.draft_pool is not None and not in_window:
-                blocks = jax.device_put(self.draft_host_kv[host_ids])
-                self.draft_pool = self._call(("draft_swap_in", size), _SCATTER_BLOCKS,
-                                             (self.draft_pool, device_ids, blocks))
-        self.swap_in_blocks += len(copies)
-
-    def _host_pools(self) -> list[np.ndarray]:
-        """The host pools: the target's full group's and window group's, and the draft's."""
-        return [self.host_kv, self.window_host_kv] + (
-            [] if self.draft_host_kv is None else [self.draft_host_kv])
 
     def pool_lost(self) -> bool:
         """Whether the KV pool's buffers (or the draft's, or the LoRA slots') were freed (a
@@ -901,7 +655,7 @@ class ModelRunner:
                 self._least_shape = (0, 0, 0, 0)
 
         def next_tokens(num_seqs: int) -> None:  # a run-ahead step's token ids
-            self._call(("next_tokens", num_seqs), _NEXT_TOKENS, (
+            self._call(("next_tokens", num_seqs), NEXT_TOKENS, (
                 jax.device_put(np.zeros(num_seqs, np.int32), self._input_sharding), num_seqs))
 
         plan = []
@@ -926,7 +680,7 @@ class ModelRunner:
                 backend=self.backend, interpret=self.interpret,
                 window_block_tables=None if self.window is None else [[0] * width])
             self._call(("advance", num_seqs, num_rows, self.window is not None, width),
-                       _ADVANCE, (1, *jax.device_put((positions, attn_md, np.zeros(
+                       ADVANCE, (1, *jax.device_put((positions, attn_md, np.zeros(
                            num_rows, np.int32)), self._input_sharding)),
                        static=(self.block_size,))
 
@@ -942,7 +696,7 @@ class ModelRunner:
     def _run(self, seqs: list[SeqInput], is_decode: bool) -> list[list[SeqResult]]:
         """One call of the step function over `seqs`, the next decode step started where it
         may run ahead, then this step's draws read back. A decode step uses the step run
-        ahead last time for every row that is the same computation there (`_ahead_rows`):
+        ahead last time for every row that is the same computation there (`ahead_rows`):
         rows of sequences that since ended or were preempted are dropped, and the rows it
         lacks (a request that arrived, a row that changed) run in a call of their own, when
         they are no more than the rows it serves (else the whole step runs anew)."""
@@ -952,7 +706,7 @@ class ModelRunner:
         ahead, self._ahead = self._ahead, None
         rows = [None] * len(seqs)
         if ahead is not None:
-            rows = _ahead_rows(ahead.seqs, seqs, self.block_size, self.window)
+            rows = ahead_rows(ahead.seqs, seqs, self.block_size, self.window)
             if 2 * rows.count(None) > len(seqs):
                 rows = [None] * len(seqs)
         missing = [i for i, row in enumerate(rows) if row is None]
@@ -963,9 +717,9 @@ class ModelRunner:
             self.lookahead_split += 0 < taken < len(seqs)
             self.lookahead_dropped += (ahead.step.num_seqs - taken) if taken else 0
         if len(missing) == len(seqs):
-            served = _Served([self._dispatch(seqs, True)], [(0, i) for i in range(len(seqs))])
+            served = Served([self._dispatch(seqs, True)], [(0, i) for i in range(len(seqs))])
         else:
-            served = _Served([ahead.step], [(0, row) for row in rows])
+            served = Served([ahead.step], [(0, row) for row in rows])
             self.timer.mark("prepare")
             if missing:
                 served.steps.append(self._dispatch([seqs[i] for i in missing], True))
@@ -985,7 +739,7 @@ class ModelRunner:
         return results
 
     def _dispatch(self, seqs: list[SeqInput], is_decode: bool,
-                  token_ids: jax.Array | None = None) -> _Step:
+                  token_ids: jax.Array | None = None) -> Step:
         """Build a step's arrays and start its forward and sampler on the device (`token_ids`:
         the new tokens already on the device, in place of the seqs' own)."""
         least_seqs, least_tokens, least_width, least_rows = self._least_shape
@@ -1064,7 +818,7 @@ class ModelRunner:
         logits, self.kv_pool = self._call(
             key, _FORWARD, (params, self.kv_pool, token_ids, positions, attn_md), timer,
             static=(self.model, self.devices[0].platform))
-        step = _Step(len(seqs), rows, num_rows)
+        step = Step(len(seqs), rows, num_rows)
         if not rows:  # only non-final prompt chunks: nothing to draw
             return step
         sampling_md = SamplingMetadata.pack([row for _, row in rows], num_rows,
@@ -1081,16 +835,16 @@ class ModelRunner:
         if self.lookahead_rows:
             sampling_md = jax.device_put(sampling_md, self._input_sharding)
         if keep:
-            step.inputs = _Inputs(key, params, positions, attn_md, sampling_key, sampling_md,
+            step.inputs = DecodeInputs(key, params, positions, attn_md, sampling_key, sampling_md,
                                   width, tables, packed)
         timer.mark("prepare")
         step.drawn = self._call(sampling_key, _SAMPLE, (logits, sampling_md), timer)
         return step
 
-    def _advance(self, prev: _Step, seqs: list[SeqInput], token_ids: jax.Array) -> _Step:
+    def _advance(self, prev: Step, seqs: list[SeqInput], token_ids: jax.Array) -> Step:
         """`_dispatch(seqs, True, token_ids)` for `seqs`, the sequences of the pure decode
         step `prev` each one position on (its rows, in order), its inputs made on the device
-        from `prev`'s (`_ADVANCE`): no arrays built or copied on the host."""
+        from `prev`'s (`ADVANCE`): no arrays built or copied on the host."""
         inputs, width = prev.inputs, prev.inputs.width
         tables, packed, attn_md = [], [], inputs.attn_md
         for group, (rows, array) in enumerate(zip(inputs.tables, inputs.packed, strict=True)):
@@ -1109,7 +863,7 @@ class ModelRunner:
             tables.append(now)
             packed.append(array)
         positions, attn_md, steps = self._call(
-            ("advance", inputs.key[1], prev.num_rows, len(tables) == 2, width), _ADVANCE,
+            ("advance", inputs.key[1], prev.num_rows, len(tables) == 2, width), ADVANCE,
             (len(seqs), inputs.positions, attn_md, inputs.sampling_md.steps),
             static=(self.block_size,))
         sampling_md = dataclasses.replace(inputs.sampling_md, steps=steps)
@@ -1117,15 +871,15 @@ class ModelRunner:
         logits, self.kv_pool = self._call(
             inputs.key, _FORWARD, (inputs.params, self.kv_pool, token_ids, positions, attn_md),
             timer, static=(self.model, self.devices[0].platform))
-        step = _Step(len(seqs), [(i, s.sampling[0]) for i, s in enumerate(seqs)],
-                     prev.num_rows, inputs=_Inputs(inputs.key, inputs.params, positions,
+        step = Step(len(seqs), [(i, s.sampling[0]) for i, s in enumerate(seqs)],
+                     prev.num_rows, inputs=DecodeInputs(inputs.key, inputs.params, positions,
                                                    attn_md, inputs.sampling_key, sampling_md,
                                                    width, tables, packed))
         timer.mark("prepare")
         step.drawn = self._call(inputs.sampling_key, _SAMPLE, (logits, sampling_md), timer)
         return step
 
-    def _results(self, step: _Step) -> list[list[SeqResult]]:
+    def _results(self, step: Step) -> list[list[SeqResult]]:
         """A dispatched step's draws, read back from the device (waiting for it)."""
         results: list[list[SeqResult]] = [[] for _ in range(step.num_seqs)]
         if not step.rows:
@@ -1146,7 +900,7 @@ class ModelRunner:
         self.timer.mark("readback")
         return results
 
-    def _run_ahead(self, seqs: list[SeqInput], served: _Served) -> _Ahead | None:
+    def _run_ahead(self, seqs: list[SeqInput], served: Served) -> Ahead | None:
         """Start the decode step after `seqs` (None where it may not run ahead): each sequence
         that goes on one position further, its new token the one `served` draws for it,
         taken on the device (the host reads it meanwhile). Only a step of at most
@@ -1165,20 +919,20 @@ class ModelRunner:
                 return None
         if not going:
             return None
-        nxt = [SeqInput(s.block_table, s.num_computed + 1, [0], [_next_row(s.sampling[0])],
+        nxt = [SeqInput(s.block_table, s.num_computed + 1, [0], [next_row(s.sampling[0])],
                         s.window_block_table, True, lora_slot=s.lora_slot)
                for s in (seqs[i] for i in going)]
         self.timer.mark("prepare")
         steps, picks = served.steps, [served.rows[i] for i in going]
         if len(steps) == 1 and steps[0].num_seqs == len(picks) and all(
                 row == k for k, (_, row) in enumerate(picks)):  # one step, all of it
-            tokens = self._call(("next_tokens", steps[0].num_rows), _NEXT_TOKENS,
+            tokens = self._call(("next_tokens", steps[0].num_rows), NEXT_TOKENS,
                                 (steps[0].drawn["tokens"], len(picks)), self.timer)
             inputs = steps[0].inputs
             if inputs is not None and inputs.width == bucket_for(max(
                     -(-(s.num_computed + 1) // self.block_size) for s in nxt),
                     self.width_buckets):  # its tables hold the next step's blocks
-                return _Ahead(nxt, self._advance(steps[0], nxt, tokens), going)
+                return Ahead(nxt, self._advance(steps[0], nxt, tokens), going)
         else:  # rows left out, or drawn by two steps: picked out of both on the device
             offsets = [0, steps[0].num_rows]
             picked = np.zeros(bucket_for(len(picks), self.decode_buckets), np.int32)
@@ -1186,8 +940,8 @@ class ModelRunner:
             picked = jax.device_put(picked, self._input_sharding)
             drawn = [step.drawn["tokens"] for step in steps]
             tokens = self._call(("pick_tokens", picked.shape[0], *(d.shape[0] for d in drawn)),
-                                _PICK_TOKENS, (picked, len(picks), *drawn), self.timer)
-        return _Ahead(nxt, self._dispatch(nxt, True, token_ids=tokens), going)
+                                PICK_TOKENS, (picked, len(picks), *drawn), self.timer)
+        return Ahead(nxt, self._dispatch(nxt, True, token_ids=tokens), going)
 
     def _call(self, key: tuple, jitted, args: tuple, timer: StepTimer | None = None, *,
               static: tuple = ()):
@@ -1219,13 +973,6 @@ class ModelRunner:
 
 
 
-def _next_row(row: SamplingRow) -> SamplingRow:
-    """`row`'s draw at the next output position (a run-ahead step's row)."""
-    return SamplingRow(row.params, row.seed, row.step + 1, row.prompt_token_ids,
-                       row.output_token_ids, row.banned_token_ids, row.matcher, row.drafted,
-                       row.forced_token)
-
-
 def _check_lora(model: Any, draft: Any) -> None:
     """Refuse enable_lora where adapters cannot run, naming why."""
     served = getattr(model, "local", model)  # a tensor-parallel model: the model it splits
@@ -1239,87 +986,6 @@ def _check_lora(model: Any, draft: Any) -> None:
                          "layers (speculative_config.draft_layers) is not supported")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Draft:
-    """A speculative decoding draft model as the runner runs it (`ModelRunner._drafting`)."""
-
-    model: Any
-    params: Any  # on the device
-    name: str  # its steps' shape keys: "draft<layers>" (the target cut), "draft" (its own)
-    layers: int | None  # the target's first layers it is, on the target's pool; None: its own
-    kv_heads: int  # its pool's (a tensor-parallel draft's KV heads as replicated)
-
-
-def _build_draft(model: Any, params: Any, config: EngineConfig, draft: tuple[Any, Any] | None,
-                 devices: list, backend: str, dtype) -> _Draft | None:
-    """The draft of a speculative_config of method "draft_model" (None for any other): the
-    target cut to its first `draft_layers` layers (a model of the same family over a config
-    of that many layers, sharing the target's arrays), or `draft`'s (model, numpy params)
-    cast to the engine's dtype and put on the device. ValueError naming the field where it
-    cannot run here."""
-    spec = config.speculative_config
-    if spec is None or spec.method != "draft_model":
-        return None
-    if jax.process_count() > 1:
-        raise ValueError("speculative_config.method 'draft_model' needs one process")
-    tp, model_config = config.tensor_parallel_size, model.config
-    if spec.model == "self":
-        if tp > 1:
-            raise ValueError("speculative_config.model 'self' needs tensor_parallel_size 1 "
-                             "(a draft model of its own is split as the target is)")
-        num_layers = spec.draft_layers
-        if num_layers > model_config.num_layers:
-            raise ValueError(f"speculative_config.draft_layers must be <= the model's "
-                             f"{model_config.num_layers} layers, got {num_layers}")
-        types = model_config.layer_types
-        try:
-            cut = dataclasses.replace(model, config=dataclasses.replace(
-                model_config, num_layers=num_layers,
-                layer_types=None if types is None else types[:num_layers]))
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"speculative_config.model 'self' is not supported for "
-                             f"{type(model).__name__}: {exc}") from exc
-        return _Draft(cut, dict(params, layers=params["layers"][:num_layers]),
-                      f"draft{num_layers}", num_layers, model_config.num_kv_heads)
-    if draft is None:
-        raise ValueError(f"speculative_config.model {spec.model!r}: the draft's model and "
-                         "params were not given to the runner")
-    draft_model, draft_params = draft
-    draft_config, field = draft_model.config, f"speculative_config.model {spec.model!r}"
-    if draft_config.vocab_size != model_config.vocab_size:
-        raise ValueError(f"{field} has a vocabulary of {draft_config.vocab_size} tokens, the "
-                         f"target {model_config.vocab_size}: a draft must share the target's "
-                         "vocabulary")
-    kv_dtype = dtype if config.kv_cache_dtype == "auto" else jnp.dtype(config.kv_cache_dtype)
-    draft_backend = select_backend(config.attention_backend, interpret=config.kernel_interpret,
-                                   head_dim=draft_config.head_dim,
-                                   block_size=config.block_size, dtype=kv_dtype)
-    if draft_backend != backend:
-        raise ValueError(f"{field} takes the attention backend {draft_backend!r} (head_dim "
-                         f"{draft_config.head_dim}), the target {backend!r}: both must run on "
-                         "one")
-    draft_params = _cast_params(draft_params, dtype)
-    device = devices[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and "bytes_limit" in stats:  # its share of each device's memory
-        size = sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(draft_params)) // tp
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        if size > free:
-            raise ValueError(f"{field}: its weights ({size} bytes a device) do not fit the "
-                             f"{free} bytes left on {device}")
-    if tp > 1:  # split over the target's devices as the target is
-        try:
-            plan = TensorParallel.create(draft_config, tp, devices)
-        except ValueError as exc:
-            raise ValueError(f"{field}: {exc}") from exc
-        return _Draft(TensorParallelModel.wrap(draft_model, plan),
-                      plan.shard_params(draft_params), "draft", None, plan.pool_kv_heads)
-    if _packs_weights(draft_model, device, dtype):
-        draft_params = draft_model.pack_params(draft_params)
-    return _Draft(draft_model, jax.device_put(draft_params, device), "draft", None,
-                  draft_config.num_kv_heads)
-
-
 def _executable_store(model: Any, devices: list) -> executables.ExecutableStore | None:
     """The store of compiled steps where they are kept (`executables.keep_in`, which
     `jaxpage.engine_args.enable_compile_cache` calls), for a runner of one device in one
@@ -1330,99 +996,3 @@ def _executable_store(model: Any, devices: list) -> executables.ExecutableStore 
     return executables.ExecutableStore(directory, executables.context_digest(model, devices),
                                        devices[0])
 
-
-def _pool_blocks(config: EngineConfig, full_block: int, window_block: int, window: int | None,
-                 max_model_len: int, device: Any) -> tuple[int, int]:
-    """(blocks of the full group, blocks of the window group: 0 without sliding layers).
-
-    `num_blocks` / `num_window_blocks` as given, else from a byte budget per device
-    (`kv_cache_memory`, or `gpu_memory_utilization` of the accelerator memory left after the
-    params, or 1 GiB on CPU) over what one block of a group costs a device over its layers
-    (`full_block`, `window_block` bytes). The window group takes what `max_num_seqs`
-    sequences' windows hold at most (`window_blocks_per_seq`), but no more than its layers'
-    share of the budget (what it would hold without paging windows); the full group the
-    rest. A model with no full-attention layer still numbers full-group blocks (the prefix
-    cache's bookkeeping, no memory): enough for `max_num_seqs` whole sequences."""
-    budget = config.kv_cache_memory
-    if budget is None:
-        budget = _CPU_KV_BUDGET
-        stats = device.memory_stats() if device.platform != "cpu" else None
-        if stats and "bytes_limit" in stats:
-            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-            budget = int(free * config.gpu_memory_utilization)
-    num_window = 0
-    if window is not None:
-        bs = config.block_size
-        per_seq = window_blocks_per_seq(window, bs, config.max_num_batched_tokens,
-                                        max_model_len)
-        num_window = config.num_window_blocks
-        if num_window is None:
-            share = budget * window_block // (window_block + full_block) // window_block
-            num_window = max(min(config.max_num_seqs * per_seq + 1, share), per_seq + 1)
-        if not full_block:
-            return config.max_num_seqs * -(-max_model_len // bs) + 1, num_window
-        budget -= num_window * window_block
-    if config.num_blocks is not None:
-        return config.num_blocks, num_window
-    num_blocks = budget // full_block
-    if num_blocks < 2:
-        raise ValueError(f"kv_cache_memory {budget} bytes holds {num_blocks} blocks of "
-                         f"{full_block} bytes; need at least 2")
-    return int(num_blocks), num_window
-
-
-def _num_host_blocks(config: EngineConfig, per_block: int, window_block: int = 0,
-                     num_blocks: int = 0, num_window_blocks: int = 0) -> int:
-    """The full group's host pool blocks (0: no host pool): `swap_space` bytes over one
-    block's bytes; with a window group (`window_block` bytes a block, device pools of
-    `num_blocks` and `num_window_blocks`), the most whose window group's share
-    (`window_host_blocks`) fits beside them. A model with no full-attention layer
-    (`per_block` 0) numbers full-group host blocks for the bookkeeping alone."""
-    space = config.swap_space
-    if not space:
-        return 0
-
-    def cost(n: int) -> int:
-        return n * per_block + window_host_blocks(n, num_blocks, num_window_blocks) * window_block
-
-    smallest = cost(1) if window_block else per_block
-    if space < smallest:
-        raise ValueError(f"swap_space {space} bytes is smaller than one KV block "
-                         f"({smallest} bytes{' over both groups' if window_block else ''}); "
-                         "use 0 (no host pool) or at least one block")
-    if not window_block:
-        return space // per_block
-    low, high = 1, 2  # cost(low) <= space < cost(high)
-    while cost(high) <= space:
-        low, high = high, 2 * high
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if cost(mid) <= space else (low, mid)
-    return low
-
-
-def _packs_weights(model: Any, device: Any, dtype) -> bool:
-    """Whether a one-device runner keeps the model's weights packed for the CPU kernel's packed
-    matmul (`jaxpage.models.llama.pack_params`): float32 or bfloat16 on a CPU device where the
-    kernel library is available, for a model that offers `pack_params`;
-    `JAXPAGE_CPU_PACKED_WEIGHTS=0` turns it off (the [K, N] layout, for comparisons)."""
-    return (device.platform == "cpu" and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
-            and hasattr(model, "pack_params")
-            and os.environ.get("JAXPAGE_CPU_PACKED_WEIGHTS", "1") != "0"
-            and cpu_ops.available())
-
-
-def _cast_params(params: Any, dtype) -> Any:
-    """`_cast_float` over a params pytree; an 8-bit weight (values and float32 scales) is kept
-    as loaded."""
-    return jax.tree.map(lambda a: a if quantized_linear.is_quantized(a) else _cast_float(a, dtype),
-                        params, is_leaf=quantized_linear.is_quantized)
-
-
-def _cast_float(leaf: Any, dtype) -> Any:
-    """Cast floating-point params to the engine dtype (no copy when the loader already made
-    them that dtype); leave integer buffers and keys alone."""
-    array = np.asarray(leaf) if not hasattr(leaf, "dtype") else leaf
-    if jnp.issubdtype(array.dtype, jnp.floating):
-        return np.asarray(array).astype(dtype, copy=False)
-    return array

@@ -13,6 +13,7 @@ HOST_MODULES = [
     "jaxpage.engine.host_pool",
     "jaxpage.engine.tiered_allocator",
     "jaxpage.engine.swap_cost",
+    "jaxpage.engine.kv_sizing",
     "jaxpage.engine.request",
     "jaxpage.engine.beam_search",
     "jaxpage.engine.batch",

@@ -333,13 +333,13 @@ def test_a_failed_run_ahead_loses_nothing(tiny, monkeypatch):
     def run(fault_step=None):
         def arm(step):
             if step == fault_step:
-                monkeypatch.setattr(runner_module, "_NEXT_TOKENS", once)
+                monkeypatch.setattr(runner_module, "NEXT_TOKENS", once)
 
         llm = LLM(path, block_size=4, num_blocks=48, max_num_seqs=8, debug_nan_pool=True)
         final, stats, raised = serve(llm, items, abort_at=None, before_step=arm)
         return {r: outcome(out) for r, out in final.items()}, raised, stats
 
-    once = Once(runner_module._NEXT_TOKENS)
+    once = Once(runner_module.NEXT_TOKENS)
     clean, raised, _ = run()
     assert raised == 0
     faulted, raised, stats = run(fault_step=4)

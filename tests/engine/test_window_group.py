@@ -128,8 +128,9 @@ def test_chunked_prefill_prefix_hits_and_preemption(hf_models, prompts, expected
 
 def test_window_blocks_follow_the_arithmetic_and_are_reused(mistral):
     """A 200-token sequence holds exactly the window blocks the arithmetic says after every
-    step, and the blocks it releases serve a second request (the window pool is too small
-    for both sequences' whole lengths); outputs equal each request run alone."""
+    step (and the next token's block where a decode that runs ahead took it a step early),
+    and the blocks it releases serve a second request (the window pool is too small for both
+    sequences' whole lengths); outputs equal each request run alone."""
     rng = np.random.default_rng(5)
     long_prompt = rng.integers(3, 97, size=150).tolist()
     other = rng.integers(3, 97, size=120).tolist()
@@ -149,7 +150,11 @@ def test_window_blocks_follow_the_arithmetic_and_are_reused(mistral):
         for request in engine.scheduler.running:
             n = request.num_computed_tokens
             table = group.table(request.seq_id)
-            assert group.num_held(request.seq_id) == held_blocks(n), (request.seq_id, n, table)
+            # a decode that runs ahead takes its next token's block a step early: after a step
+            # that filled a block, the table may already cover position n
+            early = n % BLOCK == 0 and len(table) * BLOCK > n
+            assert group.num_held(request.seq_id) == held_blocks(n) + early, (
+                request.seq_id, n, table)
             assert table[: max(0, (n - WINDOW + 1) // BLOCK)] == [NULL_BLOCK] * max(
                 0, (n - WINDOW + 1) // BLOCK)
             for index, block in enumerate(table):
