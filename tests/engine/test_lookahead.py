@@ -150,9 +150,11 @@ def test_run_ahead_changes_no_request(tiny, stop_case, backend, block_size, num_
     assert ahead["abort"].outputs[0].finish_reason == "abort"
 
 
-@pytest.mark.parametrize("name,num_blocks,swap", [("mistral", None, 0), ("gemma2", 20, 0),
-                                                   ("gemma2", 20, 64)],
-                         ids=["mistral", "gemma2-preempting", "gemma2-swapping"])
+@pytest.mark.parametrize("name,num_blocks,swap", [
+    pytest.param("mistral", None, 0, id="mistral"),
+    pytest.param("gemma2", 20, 0, id="gemma2-preempting"),
+    # ~10 s: the slow suite's (windows under swap stay in the default one: test_window_swap)
+    pytest.param("gemma2", 20, 64, id="gemma2-swapping", marks=pytest.mark.slow)])
 def test_run_ahead_changes_no_request_past_a_sliding_window(hf_model_dir, name, num_blocks,
                                                             swap):
     """The same past a sliding window of 8 tokens (Mistral: every layer sliding, one pool;
