@@ -31,7 +31,7 @@ class Draft:
 
 
 def build_draft(model: Any, params: Any, config: EngineConfig, draft: tuple[Any, Any] | None,
-                 devices: list, backend: str, dtype) -> Draft | None:
+                devices: list, backend: str, dtype) -> Draft | None:
     """The draft of a speculative_config of method "draft_model" (None for any other): the
     target cut to its first `draft_layers` layers (a model of the same family over a config
     of that many layers, sharing the target's arrays), or `draft`'s (model, numpy params)
@@ -60,7 +60,7 @@ def build_draft(model: Any, params: Any, config: EngineConfig, draft: tuple[Any,
             raise ValueError(f"speculative_config.model 'self' is not supported for "
                              f"{type(model).__name__}: {exc}") from exc
         return Draft(cut, dict(params, layers=params["layers"][:num_layers]),
-                      f"draft{num_layers}", num_layers, model_config.num_kv_heads)
+                     f"draft{num_layers}", num_layers, model_config.num_kv_heads)
     if draft is None:
         raise ValueError(f"speculative_config.model {spec.model!r}: the draft's model and "
                          "params were not given to the runner")
@@ -93,8 +93,8 @@ def build_draft(model: Any, params: Any, config: EngineConfig, draft: tuple[Any,
         except ValueError as exc:
             raise ValueError(f"{field}: {exc}") from exc
         return Draft(TensorParallelModel.wrap(draft_model, plan),
-                      plan.shard_params(draft_params), "draft", None, plan.pool_kv_heads)
+                     plan.shard_params(draft_params), "draft", None, plan.pool_kv_heads)
     if packs_weights(draft_model, device, dtype):
         draft_params = draft_model.pack_params(draft_params)
     return Draft(draft_model, jax.device_put(draft_params, device), "draft", None,
-                  draft_config.num_kv_heads)
+                 draft_config.num_kv_heads)

@@ -15,7 +15,7 @@ CPU_KV_BUDGET = 1 << 30
 
 
 def pool_blocks(config: EngineConfig, full_block: int, window_block: int, window: int | None,
-                 max_model_len: int, device: Any) -> tuple[int, int]:
+                max_model_len: int, device: Any) -> tuple[int, int]:
     """(blocks of the full group, blocks of the window group: 0 without sliding layers).
 
     `num_blocks` / `num_window_blocks` as given, else from a byte budget per device
@@ -55,7 +55,7 @@ def pool_blocks(config: EngineConfig, full_block: int, window_block: int, window
 
 
 def num_host_blocks(config: EngineConfig, per_block: int, window_block: int = 0,
-                     num_blocks: int = 0, num_window_blocks: int = 0) -> int:
+                    num_blocks: int = 0, num_window_blocks: int = 0) -> int:
     """The full group's host pool blocks (0: no host pool): `swap_space` bytes over one
     block's bytes; with a window group (`window_block` bytes a block, device pools of
     `num_blocks` and `num_window_blocks`), the most whose window group's share

@@ -92,7 +92,7 @@ def same_seq(x: SeqInput, y: SeqInput, block_size: int, window: int | None = Non
 
 
 def ahead_rows(ahead: list[SeqInput], seqs: list[SeqInput], block_size: int,
-                window: int | None = None) -> list[int | None]:
+               window: int | None = None) -> list[int | None]:
     """For each decode row of `seqs`, the row of the run-ahead step `ahead` that is the same
     computation (`same_seq`), or None. Rows pair by the block a row writes its token into
     and its position: a sequence writes only into a block it holds alone, so no two live
@@ -142,7 +142,7 @@ def advance_fn(block_size, n, positions, attn_md, steps):
 
 # a decode step's drawn tokens as the next step's token ids (padding rows: 0)
 NEXT_TOKENS = jax.jit(lambda drawn, n: jnp.where(jnp.arange(drawn.shape[0]) < n, drawn,
-                                                  0).astype(jnp.int32))
+                                                 0).astype(jnp.int32))
 # the same, the rows picked by `rows` out of one or two steps' draws laid end to end (a step
 # served partly by a run-ahead step, partly by a call of its own)
 PICK_TOKENS = jax.jit(lambda rows, n, *drawn: jnp.where(

@@ -67,7 +67,6 @@ if TYPE_CHECKING:
     from jaxpage.config import EngineConfig
 
 
-
 def _copy_blocks_fn(kv_pool, src, dst):
     # src, dst: [C] int32; padding copies block 0 onto itself
     # pools are [num_kv_heads, num_blocks, block_size, head_dim] (a quantized pool's scales
@@ -672,6 +671,7 @@ class ModelRunner(HostSwaps):
                     # a ragged step's shape is its token bucket: two of its tokens suffice
                     plan.append(functools.partial(step, (0, tokens, width, 0), width,
                                                   2 if self.ragged else tokens, greedy))
+
         def advance(num_seqs: int, width: int) -> None:  # a run-ahead step's inputs
             num_rows = bucket_for(num_seqs, self.row_buckets)
             positions, attn_md = build_metadata(
@@ -835,8 +835,8 @@ class ModelRunner(HostSwaps):
         if self.lookahead_rows:
             sampling_md = jax.device_put(sampling_md, self._input_sharding)
         if keep:
-            step.inputs = DecodeInputs(key, params, positions, attn_md, sampling_key, sampling_md,
-                                  width, tables, packed)
+            step.inputs = DecodeInputs(key, params, positions, attn_md, sampling_key,
+                                       sampling_md, width, tables, packed)
         timer.mark("prepare")
         step.drawn = self._call(sampling_key, _SAMPLE, (logits, sampling_md), timer)
         return step
@@ -844,7 +844,8 @@ class ModelRunner(HostSwaps):
     def _advance(self, prev: Step, seqs: list[SeqInput], token_ids: jax.Array) -> Step:
         """`_dispatch(seqs, True, token_ids)` for `seqs`, the sequences of the pure decode
         step `prev` each one position on (its rows, in order), its inputs made on the device
-        from `prev`'s (`ADVANCE`): no arrays built or copied on the host."""
+        from `prev`'s (`ADVANCE`): on the host only the block-table rows that changed since
+        are packed, and the table copied up again when one did."""
         inputs, width = prev.inputs, prev.inputs.width
         tables, packed, attn_md = [], [], inputs.attn_md
         for group, (rows, array) in enumerate(zip(inputs.tables, inputs.packed, strict=True)):
@@ -872,9 +873,9 @@ class ModelRunner(HostSwaps):
             inputs.key, _FORWARD, (inputs.params, self.kv_pool, token_ids, positions, attn_md),
             timer, static=(self.model, self.devices[0].platform))
         step = Step(len(seqs), [(i, s.sampling[0]) for i, s in enumerate(seqs)],
-                     prev.num_rows, inputs=DecodeInputs(inputs.key, inputs.params, positions,
-                                                   attn_md, inputs.sampling_key, sampling_md,
-                                                   width, tables, packed))
+                    prev.num_rows, inputs=DecodeInputs(inputs.key, inputs.params, positions,
+                                                       attn_md, inputs.sampling_key,
+                                                       sampling_md, width, tables, packed))
         timer.mark("prepare")
         step.drawn = self._call(inputs.sampling_key, _SAMPLE, (logits, sampling_md), timer)
         return step
