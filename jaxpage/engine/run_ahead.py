@@ -39,13 +39,15 @@ class Step:
 class DecodeInputs:
     """A pure decode step's inputs as dispatched, on the device (one token, one draw a
     sequence, row i sequence i), from which the step after it is made by `ADVANCE`: its
-    forward's shape key and params, positions and attention metadata, the sampler's key and
-    metadata, the block-table width, and the block tables as packed on the host (each
-    group's rows as lists, cut to the width, and as the [S, width] array uploaded; the
-    window group's None without one), so that a row whose table changed since is known."""
+    forward's shape key and its tokens' LoRA slots (None: no adapter; the adapters' stacks
+    are the runner's at the time, as a slot load replaces them), positions and attention
+    metadata, the sampler's key and metadata, the block-table width, and the block tables
+    as packed on the host (the full group's, then the window group's where there is one:
+    each as its rows' lists cut to the width and as the [S, width] array uploaded), so that
+    a row whose table changed since is known."""
 
     key: tuple
-    params: Any
+    lora_slots: np.ndarray | None
     positions: jax.Array
     attn_md: Any
     sampling_key: tuple

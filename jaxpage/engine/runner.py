@@ -803,21 +803,20 @@ class ModelRunner(HostSwaps):
                                                if self.window is not None else [])
             positions, attn_md = jax.device_put((positions, attn_md), self._input_sharding)
 
-        params, key = self.params, (self._forward_name, num_tokens, max_query_len, num_seqs,
-                                    width, num_rows)
+        key, slots = (self._forward_name, num_tokens, max_query_len, num_seqs, width,
+                      num_rows), None
         if self.lora_stacks is not None and any(s.lora_slot for s in seqs):
             # each token's adapter slot (padding: 0); a step without adapters runs as if
             # LoRA were off (its own executables, the CPU's fused layers)
             slots = np.zeros(num_tokens, np.int32)
             slots[:total] = np.repeat([s.lora_slot for s in seqs],
                                       [len(s.token_ids) for s in seqs])
-            params = dict(params, lora={"slots": slots, "layers": self.lora_stacks})
             key += ("lora",)
         timer = self.timer
         timer.mark("prepare")
         logits, self.kv_pool = self._call(
-            key, _FORWARD, (params, self.kv_pool, token_ids, positions, attn_md), timer,
-            static=(self.model, self.devices[0].platform))
+            key, _FORWARD, (self._step_params(slots), self.kv_pool, token_ids, positions,
+                            attn_md), timer, static=(self.model, self.devices[0].platform))
         step = Step(len(seqs), rows, num_rows)
         if not rows:  # only non-final prompt chunks: nothing to draw
             return step
@@ -835,7 +834,7 @@ class ModelRunner(HostSwaps):
         if self.lookahead_rows:
             sampling_md = jax.device_put(sampling_md, self._input_sharding)
         if keep:
-            step.inputs = DecodeInputs(key, params, positions, attn_md, sampling_key,
+            step.inputs = DecodeInputs(key, slots, positions, attn_md, sampling_key,
                                        sampling_md, width, tables, packed)
         timer.mark("prepare")
         step.drawn = self._call(sampling_key, _SAMPLE, (logits, sampling_md), timer)
@@ -870,15 +869,23 @@ class ModelRunner(HostSwaps):
         sampling_md = dataclasses.replace(inputs.sampling_md, steps=steps)
         timer = self.timer
         logits, self.kv_pool = self._call(
-            inputs.key, _FORWARD, (inputs.params, self.kv_pool, token_ids, positions, attn_md),
+            inputs.key, _FORWARD, (self._step_params(inputs.lora_slots), self.kv_pool,
+                                   token_ids, positions, attn_md),
             timer, static=(self.model, self.devices[0].platform))
         step = Step(len(seqs), [(i, s.sampling[0]) for i, s in enumerate(seqs)],
-                    prev.num_rows, inputs=DecodeInputs(inputs.key, inputs.params, positions,
+                    prev.num_rows, inputs=DecodeInputs(inputs.key, inputs.lora_slots, positions,
                                                        attn_md, inputs.sampling_key,
                                                        sampling_md, width, tables, packed))
         timer.mark("prepare")
         step.drawn = self._call(inputs.sampling_key, _SAMPLE, (logits, sampling_md), timer)
         return step
+
+    def _step_params(self, lora_slots: np.ndarray | None) -> Any:
+        """A step's params: the model's, and with `lora_slots` (each token's adapter slot)
+        the adapters' stacks as they are now (a slot load replaces them)."""
+        if lora_slots is None:
+            return self.params
+        return dict(self.params, lora={"slots": lora_slots, "layers": self.lora_stacks})
 
     def _results(self, step: Step) -> list[list[SeqResult]]:
         """A dispatched step's draws, read back from the device (waiting for it)."""

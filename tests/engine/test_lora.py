@@ -319,3 +319,30 @@ def test_a_failed_step_loses_no_adapter(family, fault):
     for k, (prompt, model) in enumerate(jobs):
         assert tokens[f"r{k}"] == hf_greedy(base if model is None else model, prompt,
                                             NEW_TOKENS), k
+
+
+@pytest.mark.parametrize("family", ["llama"], indirect=True)
+def test_an_adapter_loaded_while_decodes_run_ahead(family):
+    """A request's decode steps run ahead of the host, each made on the device from the one
+    before (`ModelRunner._advance`), while a second request arrives with another adapter:
+    writing its slot replaces the adapters' stacks (the old ones donated), and the steps made
+    from before it take the new ones. On the jnp path the prompt runs in a call of its own, so
+    the decode rows keep running ahead across the load. Both requests get their adapter's
+    tokens (PEFT's)."""
+    _, path, base, adapters = family
+    llm = LLM(path, enable_lora=True, max_loras=2, max_lora_rank=MAX_RANK, num_blocks=64,
+              attention_backend="jnp")
+    engine, requests = llm.engine, lora_requests(adapters)
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    first, second = prompts(base.config.vocab_size, 2, seed=21)
+    engine.add_request("first", first, greedy, lora_request=requests[0])
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        if engine.num_steps == 4:
+            engine.add_request("second", second, greedy, lora_request=requests[1])
+        for out in engine.step():
+            assert out.error is None, out.error
+            tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+    assert tokens["first"] == hf_greedy(adapters[0][1], first, NEW_TOKENS)
+    assert tokens["second"] == hf_greedy(adapters[1][1], second, NEW_TOKENS)
+    assert llm.stats()["lookahead_hits"] >= NEW_TOKENS
