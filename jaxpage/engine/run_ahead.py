@@ -87,8 +87,7 @@ def same_seq(x: SeqInput, y: SeqInput, block_size: int, window: int | None = Non
     first = 0 if window is None else max(0, (x.num_computed - window + 1) // block_size)
     return (x.num_computed == y.num_computed and x.token_ids == y.token_ids
             and x.block_table[:used] == y.block_table[:used] and x.sampling == y.sampling
-            and (x.window_block_table is None) == (y.window_block_table is None)
-            and (x.window_block_table is None
+            and (x.window_block_table is None  # (a runner's rows all have one, or none)
                  or x.window_block_table[first:used] == y.window_block_table[first:used])
             and x.lora_slot == y.lora_slot)
 

@@ -321,10 +321,7 @@ class Scheduler:
                 extra = self.allocator.grow(request.seq_id, chunk.num_computed_tokens + 2)
                 if extra is not None:  # None: the pool is short, nothing taken
                     chunk.block_copies = chunk.block_copies + extra
-                    chunk.block_table = self.allocator.block_table(request.seq_id)
-                    if self.windowed:  # the window group took its block too
-                        chunk.window_block_table = self.allocator.window_table(
-                            request.seq_id)
+                    chunk.block_table, chunk.window_block_table = self._tables(request)
 
         chunks = list(scheduled.values())
         copies = [copy for chunk in chunks for copy in chunk.block_copies]
@@ -441,8 +438,7 @@ class Scheduler:
         decode of one token (no drafts) updates the chunk of the request's last such decode
         (`Request.decode_records`), if it has one: a step's records live until the next."""
         start = request.num_computed_tokens
-        table = self.allocator.block_table(request.seq_id)
-        window = self.allocator.window_table(request.seq_id) if self.windowed else None
+        table, window = self._tables(request)
         records = request.decode_records
         if (records is not None and num_new == 1 and not drafts
                 and start + 1 == len(request.token_ids)):
@@ -452,6 +448,12 @@ class Scheduler:
             return chunk
         return ScheduledChunk(request, start, num_new + len(drafts), table,
                               start + num_new == len(request.token_ids), copies, window, drafts)
+
+    def _tables(self, request: Request) -> tuple[list[int], list[int] | None]:
+        """The request's block table and its window group's (None without one), as the
+        allocator holds them now."""
+        window = self.allocator.window_table(request.seq_id) if self.windowed else None
+        return self.allocator.block_table(request.seq_id), window
 
     def _plan_drafts(self) -> dict[Request, list[int]]:
         """Speculative drafts for the running requests about to decode (not beams, not a
@@ -849,13 +851,13 @@ class Scheduler:
         request.stop_reason = stop_reason
 
 
-@functools.cache
 def _plain_row(params: SamplingParams, num_out: int) -> bool:
     """Whether the draw of output token `num_out` is a plain row: no token history (penalties,
     bad words, a grammar) and no bans (min_tokens reached)."""
     return not params.uses_history and num_out >= params.min_tokens
 
 
+@functools.cache
 def _score_params(k: int) -> SamplingParams:
     """A prompt-scoring row's parameters: greedy (its token is forced anyway), the top `k`
     log-probabilities reported."""
