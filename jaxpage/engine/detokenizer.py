@@ -7,19 +7,25 @@ at the start of a decode (SentencePiece) still get word boundaries right. Where 
 is a transformers fast tokenizer whose decode is its Rust tokenizer's, the window lives in
 Rust (`tokenizers.decoders.DecodeStream`, as vLLM's fast detokenizer does): one call a token,
 0.8 us against 2.1 for the two decodes of the window (SmolLM2's tokenizer), seeded with the
-same prompt tokens.
+same prompt tokens. Where that Rust tokenizer is a byte-level BPE (GPT-2's byte alphabet:
+SmolLM2, Llama 3, Qwen, Mistral's newer tokenizers), a token's text is a fixed string of bytes,
+so the window is Python's incremental UTF-8 decoder over a table of each token's bytes,
+checked against the tokenizer's own decode of every token when it is built.
 """
 
 from __future__ import annotations
 
+import codecs
 import functools
 from collections.abc import Sequence
 from typing import Any
 
 try:
-    from tokenizers.decoders import DecodeStream
+    from tokenizers.decoders import ByteLevel, DecodeStream
 except ImportError:  # pragma: no cover - a tokenizers older than 0.21: the window in Python
-    DecodeStream = None
+    ByteLevel = DecodeStream = None
+
+_UTF8 = codecs.getincrementaldecoder("utf-8")
 
 _CONTEXT_TOKENS = 5
 
@@ -48,6 +54,8 @@ class TextDecoder:
             self.decode = functools.partial(backend.decode, skip_special_tokens=True)
             # the Rust tokenizer an IncrementalDetokenizer streams through, where it can
             self.backend = backend if DecodeStream is not None else None
+        # each token's bytes, where its text is that (`token_bytes`); None elsewhere
+        self.token_bytes = None if self.backend is None else token_bytes(self.backend)
         self._one: dict[int, str] = {}
 
     def one(self, token: int) -> str:
@@ -55,6 +63,44 @@ class TextDecoder:
         if text is None:
             text = self._one[token] = self.decode([token])
         return text
+
+
+def token_bytes(backend: Any) -> list[bytes] | None:
+    """Each token's bytes (b"" for special tokens and unused ids) where `backend`, a Rust
+    tokenizer, decodes as a byte-level BPE: each token's characters mapped back through
+    GPT-2's byte alphabet (one holding another character: its UTF-8, as the Rust decoder
+    does), the whole decode the UTF-8 of the tokens' bytes joined, invalid bytes replaced.
+    None for any other decoder, or if one token's decode differs from its bytes' (the table
+    is checked against the decode of every token: ~80 ms for a vocabulary of 49k)."""
+    if ByteLevel is None or type(backend.decoder) is not ByteLevel:
+        return None
+    size = backend.get_vocab_size(with_added_tokens=True)
+    byte_of = _byte_alphabet()
+    special = {i for i, token in backend.get_added_tokens_decoder().items() if token.special}
+    table = []
+    for i in range(size):
+        piece = backend.id_to_token(i)
+        if piece is None or i in special:
+            table.append(b"")
+            continue
+        try:
+            table.append(bytes([byte_of[c] for c in piece]))
+        except KeyError:  # not in the byte alphabet (an added token): its own text
+            table.append(piece.encode())
+    decoded = backend.decode_batch([[i] for i in range(size)], skip_special_tokens=True)
+    if any(text != data.decode("utf-8", "replace") for text, data in zip(decoded, table, strict=True)):
+        return None
+    return table
+
+
+@functools.cache
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte: the printable bytes stand for
+    themselves, the other 68 for the characters from U+0100 on, in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(moved)}}
 
 
 class IncrementalDetokenizer:
@@ -68,10 +114,14 @@ class IncrementalDetokenizer:
         self.stop = tuple(stop)
         self.hold_back = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""
-        # the Rust window (`_stream_text`), seeded at the first update; where the decoder
-        # has no Rust tokenizer, the two decodes below
-        self._stream = None if self.decoder.backend is None else DecodeStream(
-            skip_special_tokens=True)
+        # the window, seeded at the first update: a byte-level BPE's bytes (`_bytes_text`),
+        # else the Rust window (`_stream_text`); where the decoder has no Rust tokenizer, the
+        # two decodes of `_window_text`
+        self._bytes = self.decoder.token_bytes
+        self._utf8 = None if self._bytes is None else _UTF8("replace")
+        self._held = ""  # `_bytes_text`'s text not shown yet (it ends inside a character)
+        self._stream = None if self.decoder.backend is None or self._utf8 is not None else (
+            DecodeStream(skip_special_tokens=True))
         self._stepped: int | None = None  # tokens stepped into it (None: not seeded yet)
 
     def update(self, token_ids: Sequence[int], check_stop: bool = True,
@@ -84,7 +134,9 @@ class IncrementalDetokenizer:
         Bytes that end in the middle of a character wait for the next token, unless `final`
         (no token will come): then they show as U+FFFD, as the tokenizer's decode shows them.
         """
-        if self._stream is not None:
+        if self._utf8 is not None:
+            new_text = self._bytes_text(token_ids, final)
+        elif self._stream is not None:
             new_text = self._stream_text(token_ids, final)
         else:
             new_text = self._window_text(token_ids, final)
@@ -114,6 +166,31 @@ class IncrementalDetokenizer:
             return None
         self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
         return full[len(prefix):]
+
+    def _bytes_text(self, token_ids: Sequence[int], final: bool) -> str | None:
+        """`_window_text` for a byte-level BPE: the new tokens' bytes through an incremental
+        UTF-8 decoder (the seed first: the window's prompt tokens, their text dropped). Text
+        ending inside a character, or in a replaced byte, waits for the next token as the
+        window's would, unless `final`: then the bytes still waiting show as U+FFFD."""
+        table, utf8 = self._bytes, self._utf8
+        size = len(table)
+        if self._stepped is None:
+            utf8.decode(b"".join(table[t] if t < size else b""
+                                 for t in token_ids[self.prefix_offset:self.read_offset]))
+            self._stepped = self.read_offset
+        new = len(token_ids) - self._stepped
+        if new == 1:
+            token = token_ids[-1]
+            data = table[token] if token < size else b""
+        else:
+            data = b"".join(table[t] if t < size else b"" for t in token_ids[self._stepped:])
+        self._stepped = len(token_ids)
+        text = self._held + utf8.decode(data, final)
+        if not final and (utf8.getstate()[0] or text.endswith("\ufffd")):
+            self._held = text
+            return None
+        self._held = ""
+        return text or None
 
     def _stream_text(self, token_ids: Sequence[int], final: bool) -> str | None:
         """`_window_text` through the Rust window: each token since `read_offset` stepped

@@ -1,7 +1,9 @@
 """IncrementalDetokenizer on its own, fed one token at a time, with a real byte-level BPE
 tokenizer whose tokens split multi-byte UTF-8 characters (no engine, no JAX).
 
-The oracle is the tokenizer's own decode of each prefix of the tokens.
+The oracle is the tokenizer's own decode of each prefix of the tokens. Each test runs over
+the three windows a detokenizer may use: the byte-level BPE's token bytes, the Rust
+tokenizer's DecodeStream, and two decodes a token in Python.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import pytest
 from conftest import byte_level_bpe_tokenizer
 
-from jaxpage.engine.detokenizer import IncrementalDetokenizer
+from jaxpage.engine.detokenizer import IncrementalDetokenizer, TextDecoder
 
 REPLACEMENT = "\ufffd"  # what a decode shows for the bytes of an incomplete character
 
@@ -19,6 +21,25 @@ TEXT = "naïve café 日本語 😀 crêpes, déjà vu 😁 and a café in Züri
 @pytest.fixture(scope="module")
 def tokenizer():
     return byte_level_bpe_tokenizer()
+
+
+@pytest.fixture(params=["bytes", "stream", "window"])
+def detokenizer(tokenizer, request):
+    """IncrementalDetokenizer(tokenizer, prompt_len, stop) through one of the windows."""
+    decoder = TextDecoder(tokenizer)
+    assert decoder.token_bytes is not None and decoder.backend is not None
+    if request.param != "bytes":
+        decoder.token_bytes = None
+    if request.param == "window":
+        decoder.backend = None
+
+    def make(prompt_len, stop=()):
+        detok = IncrementalDetokenizer(tokenizer, prompt_len, stop, decoder)
+        assert (detok._utf8 is not None, detok._stream is not None) == {
+            "bytes": (True, False), "stream": (False, True), "window": (False, False)}[
+                request.param]
+        return detok
+    return make
 
 
 def prefix_decodes(tokenizer, token_ids) -> list[str]:
@@ -68,11 +89,11 @@ def test_tokens_split_multibyte_characters(tokenizer):
 
 
 @pytest.mark.parametrize("prompt", ["", "Q: ", "日本語と😀: "])
-def test_streamed_text_is_whole_characters_and_ends_as_the_decode(tokenizer, prompt):
+def test_streamed_text_is_whole_characters_and_ends_as_the_decode(detokenizer, tokenizer, prompt):
     prompt_ids = tokenizer.encode(prompt)
     output_ids = tokenizer.encode(TEXT)
     expected = whole_character_texts(prefix_decodes(tokenizer, output_ids))
-    detok = IncrementalDetokenizer(tokenizer, len(prompt_ids))
+    detok = detokenizer(len(prompt_ids))
     waited = False
     for k in range(1, len(output_ids) + 1):
         before = detok.text
@@ -86,24 +107,24 @@ def test_streamed_text_is_whole_characters_and_ends_as_the_decode(tokenizer, pro
 
 
 def test_a_sequence_that_ends_inside_a_character_shows_its_bytes_as_the_decode_does(
-        tokenizer):
+        detokenizer, tokenizer):
     """Output cut in the middle of a character (max_tokens reached there): while running the
     bytes wait for the next token; on the last token (`final`) the text is the decode's."""
     ids = tokenizer.encode(TEXT)
     cut = next(k for k, d in enumerate(prefix_decodes(tokenizer, ids)) if d.endswith(REPLACEMENT))
-    detok = IncrementalDetokenizer(tokenizer, 0)
+    detok, waiting = detokenizer(0), detokenizer(0)
     for k in range(1, cut):
         detok.update(ids[:k])
-    waiting = IncrementalDetokenizer(tokenizer, 0)
-    waiting.prefix_offset, waiting.read_offset, waiting.text = (
-        detok.prefix_offset, detok.read_offset, detok.text)
-    waiting.update(ids[:cut])
+        waiting.update(ids[:k])
+    assert waiting.update(ids[:cut]) is None
     assert REPLACEMENT not in waiting.text  # not final: waits for the rest of the character
+    assert waiting.text == detok.text
     detok.update(ids[:cut], final=True)
     assert detok.text == tokenizer.decode(ids[:cut]) and detok.text.endswith(REPLACEMENT)
 
 
-def test_stop_string_with_a_split_multibyte_character_is_cut_exactly_before_it(tokenizer):
+def test_stop_string_with_a_split_multibyte_character_is_cut_exactly_before_it(
+        detokenizer, tokenizer):
     ids = tokenizer.encode(TEXT)
     shown = whole_character_texts(prefix_decodes(tokenizer, ids))
     stops = split_character_stops(TEXT, ids, tokenizer)
@@ -111,7 +132,7 @@ def test_stop_string_with_a_split_multibyte_character_is_cut_exactly_before_it(t
     for stop, at in stops:
         assert any(len(c.encode()) > 1 for c in stop)
         found_at = next(k for k in range(len(ids) + 1) if stop in shown[k])
-        detok = IncrementalDetokenizer(tokenizer, 0, [stop, "never appears"])
+        detok = detokenizer(0, [stop, "never appears"])
         for k in range(1, found_at):
             assert detok.update(ids[:k]) is None, (stop, k)
         assert len(detok.text) > at, "the stop does not start in text shown before it ends"
@@ -120,12 +141,12 @@ def test_stop_string_with_a_split_multibyte_character_is_cut_exactly_before_it(t
         assert detok.streamable_text(finished=True) == TEXT[:at]
 
 
-def test_the_earliest_stop_string_in_the_text_wins(tokenizer):
+def test_the_earliest_stop_string_in_the_text_wins(detokenizer, tokenizer):
     """Two stops complete in the same update (the token after a split "ï"): the one that
     starts first in the text wins, whatever the order of the list."""
     ids = tokenizer.encode(TEXT)
     shown = whole_character_texts(prefix_decodes(tokenizer, ids))
-    detok = IncrementalDetokenizer(tokenizer, 0, ["ve", "aï"])
+    detok = detokenizer(0, ["ve", "aï"])
     k = 1
     while (found := detok.update(ids[:k])) is None:
         k += 1
@@ -133,10 +154,10 @@ def test_the_earliest_stop_string_in_the_text_wins(tokenizer):
     assert "ve" in shown[k] and "ve" not in shown[k - 1] and "aï" not in shown[k - 1]
 
 
-def test_streamable_text_holds_back_a_possible_partial_stop(tokenizer):
+def test_streamable_text_holds_back_a_possible_partial_stop(detokenizer, tokenizer):
     ids = tokenizer.encode(TEXT)
     stop, at = split_character_stops(TEXT, ids, tokenizer)[0]
-    detok = IncrementalDetokenizer(tokenizer, 0, [stop])
+    detok = detokenizer(0, [stop])
     cut = TEXT[:at]
     held_partial = False
     for k in range(1, len(ids) + 1):
@@ -156,7 +177,8 @@ def test_streamable_text_holds_back_a_possible_partial_stop(tokenizer):
     assert detok.text == cut == detok.streamable_text(finished=True)
 
 
-def test_stop_strings_are_searched_only_in_text_after_check_stop_starts(tokenizer):
+def test_stop_strings_are_searched_only_in_text_after_check_stop_starts(
+        detokenizer, tokenizer):
     """The engine passes check_stop=False until min_tokens tokens exist: an occurrence
     complete in the text of the tokens before that is never found, the next one is."""
     ids = tokenizer.encode(TEXT)
@@ -168,12 +190,12 @@ def test_stop_strings_are_searched_only_in_text_after_check_stop_starts(tokenize
     second_done = next(k for k in range(len(ids) + 1) if len(shown[k]) >= second + len(stop))
 
     # checking from the token that completes the first occurrence finds it
-    detok = IncrementalDetokenizer(tokenizer, 0, [stop])
+    detok = detokenizer(0, [stop])
     found = [detok.update(ids[:k], check_stop=k >= first_done) for k in range(1, first_done + 1)]
     assert found == [None] * (first_done - 1) + [stop] and detok.text == TEXT[:first]
 
     # checking from the token after: the first occurrence is past, the second one stops
-    detok = IncrementalDetokenizer(tokenizer, 0, [stop])
+    detok = detokenizer(0, [stop])
     for k in range(1, second_done):
         assert detok.update(ids[:k], check_stop=k > first_done) is None, k
     assert detok.update(ids[:second_done], check_stop=True) == stop
@@ -218,3 +240,35 @@ def test_text_decoder_is_the_tokenizers_decode(tokenizer):
     assert TextDecoder(shouting).decode(ids[:8]) == tokenizer.decode(
         ids[:8], skip_special_tokens=True).upper()
     assert TextDecoder(Plain()).one(7) == "7"
+
+
+def test_token_bytes_decode_as_the_tokenizer_does(tokenizer):
+    """The byte-level table: any run of tokens (special ones, ids past the vocabulary and an
+    added token outside GPT-2's byte alphabet among them) joined as bytes and decoded with
+    replacement is the tokenizer's decode, skipping special tokens; a tokenizer of another
+    decoder gets no table."""
+    import copy
+
+    import numpy as np
+    from tokenizers import decoders
+
+    from jaxpage.engine.detokenizer import token_bytes
+
+    added = copy.deepcopy(tokenizer)
+    added.add_tokens(["<tool call>", "größe"])  # a space and non-ASCII: not byte characters
+    backend = added.backend_tokenizer
+    table = token_bytes(backend)
+    assert table is not None and len(table) == len(added)
+    assert table[len(tokenizer)] == b"<tool call>" and table[1] == b""  # <s>: special
+
+    rng = np.random.default_rng(0)
+    runs = [added.encode(TEXT), added.encode("a <tool call> größe é"),
+            *(rng.integers(0, len(added) + 5, 12).tolist() for _ in range(200))]
+    for ids in runs:
+        joined = b"".join(table[i] if i < len(table) else b"" for i in ids)
+        assert joined.decode("utf-8", "replace") == backend.decode(ids, skip_special_tokens=True)
+    assert any(REPLACEMENT in backend.decode(ids) for ids in runs)
+
+    other = copy.deepcopy(tokenizer)
+    other.backend_tokenizer.decoder = decoders.Metaspace()
+    assert token_bytes(other.backend_tokenizer) is None
