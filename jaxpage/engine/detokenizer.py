@@ -88,7 +88,8 @@ def token_bytes(backend: Any) -> list[bytes] | None:
         except KeyError:  # not in the byte alphabet (an added token): its own text
             table.append(piece.encode())
     decoded = backend.decode_batch([[i] for i in range(size)], skip_special_tokens=True)
-    if any(text != data.decode("utf-8", "replace") for text, data in zip(decoded, table, strict=True)):
+    if any(text != data.decode("utf-8", "replace")
+           for text, data in zip(decoded, table, strict=True)):
         return None
     return table
 
