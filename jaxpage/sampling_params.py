@@ -162,10 +162,17 @@ class SamplingParams:
     # property keeps its value in the instance's dict, past the frozen __setattr__)
     @functools.cached_property
     def uses_history(self) -> bool:
-        """Whether a draw depends on the tokens drawn before it (so that no step may run
-        ahead of the one that draws its last token): penalties, bad words, a constraint."""
-        return (self.uses_penalties or self.bad_words is not None
-                or self.structured_outputs is not None)
+        """Whether a draw depends on the tokens drawn before it: penalties, bad words, a
+        constraint."""
+        return self.uses_penalties or self.history_on_host
+
+    @functools.cached_property
+    def history_on_host(self) -> bool:
+        """Whether a draw needs the tokens drawn before it on the host (so that no step may
+        run ahead of the one that draws its last token): bad words (the bans they make) and
+        a constraint's matcher. Penalties count the tokens on the device: a step run ahead
+        adds the one its predecessor drew there."""
+        return self.bad_words is not None or self.structured_outputs is not None
 
     @functools.cached_property
     def uses_penalties(self) -> bool:

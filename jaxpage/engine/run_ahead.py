@@ -115,10 +115,28 @@ def ahead_rows(ahead: list[SeqInput], seqs: list[SeqInput], block_size: int,
 
 
 def next_row(row: SamplingRow) -> SamplingRow:
-    """`row`'s draw at the next output position (a run-ahead step's row)."""
-    return SamplingRow(row.params, row.seed, row.step + 1, row.prompt_token_ids,
-                       row.output_token_ids, row.banned_token_ids, row.matcher, row.drafted,
-                       row.forced_token)
+    """`row`'s draw at the next output position (a run-ahead step's row). With penalties its
+    output history ends in a placeholder (-1, which packs as padding) for the token `row`
+    draws: the device writes that token there (`APPEND_HISTORY`), the host once it reads it
+    (`fill_history`)."""
+    output = row.output_token_ids
+    if row.params.uses_penalties:
+        output = [*output, -1]
+    return SamplingRow(row.params, row.seed, row.step + 1, row.prompt_token_ids, output,
+                       row.banned_token_ids, row.matcher, row.drafted, row.forced_token)
+
+
+def history_slots(rows: list[SamplingRow]) -> list[int] | None:
+    """Where each run-ahead row's placeholder (`next_row`) lies in its output history (-1:
+    no penalties), or None when no row has one."""
+    slots = [len(r.output_token_ids) - 1 if r.params.uses_penalties else -1 for r in rows]
+    return slots if max(slots) >= 0 else None
+
+
+def fill_history(row: SamplingRow, token: int) -> None:
+    """Put the token the step before drew in a run-ahead row's placeholder (`next_row`)."""
+    if row.params.uses_penalties:
+        row.output_token_ids[-1] = token
 
 
 def advance_fn(block_size, n, positions, attn_md, steps):
@@ -149,3 +167,15 @@ NEXT_TOKENS = jax.jit(lambda drawn, n: jnp.where(jnp.arange(drawn.shape[0]) < n,
 PICK_TOKENS = jax.jit(lambda rows, n, *drawn: jnp.where(
     jnp.arange(rows.shape[0]) < n, jnp.concatenate(drawn)[rows], 0).astype(jnp.int32))
 ADVANCE = jax.jit(advance_fn, static_argnums=0)
+
+
+def append_history_fn(output_ids, slots, tokens):
+    """A run-ahead step's sampler history on the device: row r's `tokens[r]` (the token the
+    step before drew for it, row r sequence r) written at `slots[r]` of its [R, width]
+    output ids (a slot past the width: none)."""
+    rows = output_ids.shape[0]
+    tokens = jnp.zeros(rows, jnp.int32).at[:tokens.shape[0]].set(tokens[:rows])
+    return output_ids.at[jnp.arange(rows), slots].set(tokens, mode="drop")
+
+
+APPEND_HISTORY = jax.jit(append_history_fn)

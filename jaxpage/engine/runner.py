@@ -43,6 +43,7 @@ from jaxpage.engine.host_swap import HostSwaps
 from jaxpage.engine.kv_groups import window_host_blocks
 from jaxpage.engine.run_ahead import (
     ADVANCE,
+    APPEND_HISTORY,
     NEXT_TOKENS,
     PICK_TOKENS,
     Ahead,
@@ -50,6 +51,8 @@ from jaxpage.engine.run_ahead import (
     Served,
     Step,
     ahead_rows,
+    fill_history,
+    history_slots,
     next_row,
 )
 from jaxpage.engine.runner_api import RUNNER_PHASES, StepTimer
@@ -423,8 +426,10 @@ class ModelRunner(HostSwaps):
         groups = sum(1 for layers in (self.full_layers, self.window_layers) if layers)
         # a run-ahead step's token ids, per decode bucket, and picked out of one or two
         # steps' draws (out, first, second bucket); its inputs made on the device, per
-        # decode bucket and width
-        ahead = rows + rows ** 2 + rows ** 3 + len(self.decode_buckets) * widths
+        # decode bucket and width; its penalties' last tokens, per rows, history width and
+        # decode bucket
+        ahead = (rows + rows ** 2 + rows ** 3 + len(self.decode_buckets) * widths
+                 + rows * len(self.len_buckets) * len(self.decode_buckets))
         if self._draft is not None:  # its steps: the target's shapes, its own executables
             forward *= 2
         if self.lora_stacks is not None:  # steps with adapters, and the slot writes
@@ -734,7 +739,8 @@ class ModelRunner(HostSwaps):
         results = [drawn[which][row] for which, row in served.rows]
         if self._ahead is not None:  # its inputs, now that this step's tokens are known
             for seq, i in zip(self._ahead.seqs, self._ahead.sources, strict=True):
-                seq.token_ids = [results[i][0].token]
+                seq.token_ids = [token] = [results[i][0].token]
+                fill_history(seq.sampling[0], token)
             self.timer.mark("readback")
         return results
 
@@ -788,7 +794,8 @@ class ModelRunner(HostSwaps):
             interpret=self.interpret,
             window_block_tables=tables[1] if self.window is not None else None,
         )
-        if token_ids is None:
+        run_ahead = token_ids is not None
+        if not run_ahead:
             token_ids = np.zeros(num_tokens, np.int32)
             token_ids[:total] = [t for s in seqs for t in s.token_ids]
             if self.lookahead_rows:  # on the device, as a run-ahead step's: one compilation
@@ -833,6 +840,9 @@ class ModelRunner(HostSwaps):
                         sampling_md.forced_token_ids is not None)
         if self.lookahead_rows:
             sampling_md = jax.device_put(sampling_md, self._input_sharding)
+            if run_ahead:  # penalties' last tokens, on the device
+                sampling_md = self._with_history(sampling_md, [row for _, row in rows],
+                                                 token_ids)
         if keep:
             step.inputs = DecodeInputs(key, slots, positions, attn_md, sampling_key,
                                        sampling_md, width, tables, packed)
@@ -866,7 +876,8 @@ class ModelRunner(HostSwaps):
             ("advance", inputs.key[1], prev.num_rows, len(tables) == 2, width), ADVANCE,
             (len(seqs), inputs.positions, attn_md, inputs.sampling_md.steps),
             static=(self.block_size,))
-        sampling_md = dataclasses.replace(inputs.sampling_md, steps=steps)
+        sampling_md = self._with_history(dataclasses.replace(inputs.sampling_md, steps=steps),
+                                         [s.sampling[0] for s in seqs], token_ids)
         timer = self.timer
         logits, self.kv_pool = self._call(
             inputs.key, _FORWARD, (self._step_params(inputs.lora_slots), self.kv_pool,
@@ -879,6 +890,32 @@ class ModelRunner(HostSwaps):
         timer.mark("prepare")
         step.drawn = self._call(inputs.sampling_key, _SAMPLE, (logits, sampling_md), timer)
         return step
+
+    @staticmethod
+    def _history_fits(sampling_md: SamplingMetadata, seqs: list[SeqInput]) -> bool:
+        """Whether the histories of the penalized rows of `seqs` (one draw each), one token
+        longer than in the step before them, which packed `sampling_md`, still fit its
+        width."""
+        slots = history_slots([s.sampling[0] for s in seqs])
+        return slots is None or (sampling_md.use_penalties
+                                 and max(slots) < sampling_md.output_token_ids.shape[1])
+
+    def _with_history(self, sampling_md: SamplingMetadata, rows: list[SamplingRow],
+                      token_ids: jax.Array) -> SamplingMetadata:
+        """A run-ahead step's sampler metadata with each penalized row's last output token
+        (the step before drew it: `token_ids`, row r sequence r) written on the device where
+        its row's placeholder is (`next_row`)."""
+        slots = history_slots(rows)
+        if slots is None:
+            return sampling_md
+        history = sampling_md.output_token_ids
+        width = history.shape[1]  # past it: no token to write
+        at = np.full(history.shape[0], width, np.int32)
+        at[:len(slots)] = [width if s < 0 else s for s in slots]
+        history = self._call(("append_history", *history.shape, token_ids.shape[0]),
+                             APPEND_HISTORY, (history, jax.device_put(at, self._input_sharding),
+                                              token_ids), self.timer)
+        return dataclasses.replace(sampling_md, output_token_ids=history)
 
     def _step_params(self, lora_slots: np.ndarray | None) -> Any:
         """A step's params: the model's, and with `lora_slots` (each token's adapter slot)
@@ -939,7 +976,8 @@ class ModelRunner(HostSwaps):
             inputs = steps[0].inputs
             if inputs is not None and inputs.width == bucket_for(max(
                     -(-(s.num_computed + 1) // self.block_size) for s in nxt),
-                    self.width_buckets):  # its tables hold the next step's blocks
+                    self.width_buckets) and self._history_fits(inputs.sampling_md, nxt):
+                # its tables hold the next step's blocks, its sampler's history the tokens
                 return Ahead(nxt, self._advance(steps[0], nxt, tokens), going)
         else:  # rows left out, or drawn by two steps: picked out of both on the device
             offsets = [0, steps[0].num_rows]

@@ -598,17 +598,16 @@ class Scheduler:
         for the runner to run decode steps ahead (`lookahead_rows`). Goes on
         (SeqInput.may_run_ahead): a decode that, unless its draw ends it, goes on as it is to
         the next position, so that the runner may start that step before it reads this one's
-        draw: one draw, no penalties (their token history would lack it), no beam, and not
-        its last by length. Ends (SeqInput.ends): such a decode (penalties or not) whose draw
-        is its last by length, so that no step follows it. Penalties, bad words and a
-        structured output's mask all need the token the step before drew
-        (`SamplingParams.uses_history`)."""
+        draw: one draw, no bad words or constraint (`SamplingParams.history_on_host`: they
+        need the token the step before drew on the host; penalties count it on the device),
+        no beam, and not its last by length. Ends (SeqInput.ends): such a decode (bad words
+        or not) whose draw is its last by length, so that no step follows it."""
         if not (num_new == 1 and request.num_computed_tokens + 1 == request.num_tokens
                 and request.num_draws == 1 and not isinstance(request.group, BeamGroup)):
             return False, False
         if request.num_tokens + 1 >= min(request.max_num_tokens, self.max_model_len):
             return False, True
-        return not (request.params.uses_history or self._drafts_next(request)), False
+        return not (request.params.history_on_host or self._drafts_next(request)), False
 
     def update(self, output: SchedulerOutput, results: list[list[SeqResult]],
                on_token: Callable[[Request], None] | None = None) -> StepUpdate:

@@ -15,7 +15,7 @@ a slot nobody wrote would turn tokens to garbage."""
 from __future__ import annotations
 
 import pytest
-from conftest import hf_greedy
+from conftest import byte_bpe_llm, hf_greedy
 from test_fault_injection import Once, run
 
 import jaxpage.engine.runner as runner_module
@@ -274,12 +274,9 @@ def test_a_step_run_ahead_serves_less_than_half_of_runs_anew(tiny):
     assert stats["lookahead_misses"] == 1 and stats["lookahead_split"] == 0, stats
 
 
-def test_only_decodes_that_go_on_as_they_are_may_run_ahead(tiny):
-    """The scheduler's word (SeqInput.may_run_ahead), hand-worked per request: a decode whose
-    draw is not its last by length, with one plain row; never a prompt chunk, a forking
-    prompt's end, penalties (their token history would miss the draw) or a beam."""
-    path, _ = tiny
-    llm = LLM(path, block_size=4, num_blocks=64, max_num_seqs=8)
+def run_ahead_flags(llm):
+    """run(prompt, params, beam=False): serve one request on `llm`'s engine alone; returns
+    (tokens, draws, may_run_ahead) of each of its SeqInputs, in step order."""
     engine, runner = llm.engine, llm.engine.runner
     flags = []
     execute = runner.execute
@@ -293,13 +290,23 @@ def test_only_decodes_that_go_on_as_they_are_may_run_ahead(tiny):
         while engine.has_unfinished_requests():
             engine.step()
         return [f for step in flags for f in step]
+    return run
+
+
+def test_only_decodes_that_go_on_as_they_are_may_run_ahead(tiny, tmp_path):
+    """The scheduler's word (SeqInput.may_run_ahead), hand-worked per request: a decode whose
+    draw is not its last by length, with one row (penalties' too: the device adds the draw
+    to their token history); never a prompt chunk, a forking prompt's end, a beam, or bad
+    words (their bans are made on the host from the tokens drawn)."""
+    path, _ = tiny
+    run = run_ahead_flags(LLM(path, block_size=4, num_blocks=64, max_num_seqs=8))
 
     # 3-token prompt, 5 tokens: the prompt draws the first, four decodes the rest; the last
     # decode's draw is the fifth token (length): it does not go on
     assert run([5, 6, 7], SamplingParams(max_tokens=5, **GREEDY)) == [
         (3, 1, False), (1, 1, True), (1, 1, True), (1, 1, True), (1, 1, False)]
     assert run([5, 6, 7], SamplingParams(max_tokens=4, presence_penalty=1.0, **GREEDY)) == [
-        (3, 1, False), (1, 1, False), (1, 1, False), (1, 1, False)]
+        (3, 1, False), (1, 1, True), (1, 1, True), (1, 1, False)]
     # n = 2: the prompt's end draws twice (no), then each sample decodes on its own
     assert run([5, 6, 7], SamplingParams(n=2, max_tokens=3, temperature=1.0, seed=1,
                                          ignore_eos=True)) == [
@@ -307,6 +314,9 @@ def test_only_decodes_that_go_on_as_they_are_may_run_ahead(tiny):
     beam = run([5, 6, 7], BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True),
                beam=True)
     assert beam and not any(flag for _, _, flag in beam)
+    words = run_ahead_flags(byte_bpe_llm(tmp_path, block_size=4, num_blocks=64))(
+        [5, 6, 7], SamplingParams(max_tokens=4, bad_words=["the"], **GREEDY))
+    assert words == [(3, 1, False), (1, 1, False), (1, 1, False), (1, 1, False)]
 
 
 def test_a_lone_request_runs_ahead_at_every_step_but_its_last(tiny):
@@ -322,6 +332,40 @@ def test_a_lone_request_runs_ahead_at_every_step_but_its_last(tiny):
     stats = llm.stats()
     assert (stats["lookahead_hits"], stats["lookahead_misses"]) == (18, 0)
     assert stats["kv_blocks_used"] == 0
+
+
+def test_penalized_decodes_run_ahead_with_their_history_on_the_device(tiny):
+    """Penalties run ahead: the run-ahead step's sampler adds the token the step before drew
+    to each penalized row's history on the device. Every penalty at once, sampled; n = 2
+    samples (each its own history); a prompt longer than the first history width (the
+    prompt sets it); and an output that outgrows that width (128 tokens) part way, where the
+    run-ahead step is packed anew on the host: every request's tokens and log-probs are
+    those of stepping one at a time, bit for bit (cpp), with most steps found run ahead."""
+    path, _ = tiny
+    penalties = dict(presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.3)
+    items = [
+        ("long", [5, 6, 7], SamplingParams(max_tokens=150, temperature=1.0, seed=1,
+                                           logprobs=1, ignore_eos=True, **penalties), 0),
+        ("n2", list(range(20, 26)), SamplingParams(n=2, max_tokens=40, temperature=0.8,
+                                                   seed=2, ignore_eos=True,
+                                                   frequency_penalty=1.0), 0),
+        ("prompt", [3 + i % 90 for i in range(140)],
+         SamplingParams(max_tokens=24, repetition_penalty=1.5, **GREEDY), 5),
+        ("plain", list(range(40, 46)), SamplingParams(max_tokens=60, **GREEDY), 0),
+    ]
+    runs = {}
+    for rows in (8, 0):
+        llm = LLM(path, block_size=4, num_blocks=160, max_num_seqs=8, max_model_len=512,
+                  debug_nan_pool=True, decode_lookahead_rows=rows)
+        runs[rows] = serve(llm, items, abort_at=None)
+    (ahead, stats, raised), (apart, _, _) = runs[8], runs[0]
+    assert raised == 0 and set(ahead) == set(apart) == {item[0] for item in items}
+    for request_id in apart:
+        assert outcome(ahead[request_id]) == outcome(apart[request_id]), request_id
+        assert [c.logprobs for c in ahead[request_id].outputs] == [
+            c.logprobs for c in apart[request_id].outputs], request_id
+    assert len(ahead["long"].outputs[0].token_ids) == 150
+    assert stats["lookahead_hits"] >= 120, stats
 
 
 def test_a_failed_run_ahead_loses_nothing(tiny, monkeypatch):

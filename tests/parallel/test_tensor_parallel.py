@@ -26,7 +26,7 @@ def assert_same_tokens(results: dict) -> None:
     for tp, result in results.items():
         assert result["tokens"] == single["tokens"], f"tp {tp} differs from one device"
         # decode steps ran ahead on the mesh as on one device (the token ids fed on every
-        # device; a model with sliding windows never runs ahead)
+        # device)
         assert (result["run_ahead"] > 0) == (single["run_ahead"] > 0), (tp, result["run_ahead"])
         assert (result["preemptions"], result["hits"]) == (single["preemptions"],
                                                            single["hits"])

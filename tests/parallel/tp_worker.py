@@ -62,14 +62,17 @@ def model_dir(kind: str) -> str:
 
 
 def workload(llm: LLM) -> dict:
-    """Greedy prompts (one chunked), seeded n=2 samples, on a pool small enough to preempt;
-    then a prompt sharing a cached prefix, then a beam search. Returns every token and the
-    stats."""
+    """Greedy prompts (one chunked), seeded n=2 samples, seeded samples under every penalty,
+    on a pool small enough to preempt; then a prompt sharing a cached prefix, then a beam
+    search. Returns every token and the stats."""
     greedy = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    penalized = SamplingParams(max_tokens=12, temperature=0.8, seed=5, presence_penalty=1.0,
+                               frequency_penalty=0.5, repetition_penalty=1.2, ignore_eos=True)
     first = llm.generate(
-        [list(range(3, 8)), PREFIX + [70, 71], list(range(3, 60)), list(range(80, 90))],
+        [list(range(3, 8)), PREFIX + [70, 71], list(range(3, 60)), list(range(80, 90)),
+         list(range(40, 47))],
         [greedy] * 3 + [SamplingParams(n=2, max_tokens=10, temperature=0.9, seed=7,
-                                       ignore_eos=True)], use_tqdm=False)
+                                       ignore_eos=True), penalized], use_tqdm=False)
     again = llm.generate([PREFIX + [72]], greedy, use_tqdm=False)
     beams = llm.beam_search([list(range(20, 31))], BeamSearchParams(beam_width=3, max_tokens=6,
                                                                     ignore_eos=True))
