@@ -559,8 +559,8 @@ class ModelRunner(HostSwaps):
             self.lookahead_misses += 1  # run ahead, not taken: run anew
             self._ahead = None
         for group, is_decode in groups:
-            for i, result in zip(group, self._run([seqs[i] for i in group], is_decode),
-                                 strict=True):
+            for i, result in zip(group, self._run([seqs[i] for i in group], is_decode,
+                                                  whole=len(groups) == 1), strict=True):
                 results[i] = result
         self.timer.mark("readback")
         return results
@@ -698,16 +698,19 @@ class ModelRunner(HostSwaps):
             run()
         return self.compiles - before, time.perf_counter() - start
 
-    def _run(self, seqs: list[SeqInput], is_decode: bool) -> list[list[SeqResult]]:
+    def _run(self, seqs: list[SeqInput], is_decode: bool, whole: bool = True
+             ) -> list[list[SeqResult]]:
         """One call of the step function over `seqs`, the next decode step started where it
         may run ahead, then this step's draws read back. A decode step uses the step run
         ahead last time for every row that is the same computation there (`ahead_rows`):
         rows of sequences that since ended or were preempted are dropped, and the rows it
         lacks (a request that arrived, a row that changed) run in a call of their own, when
-        they are no more than the rows it serves (else the whole step runs anew)."""
+        they are no more than the rows it serves (else the whole step runs anew). A step
+        with prompt chunks runs ahead too, when it is the `whole` step (one call) and each of
+        its prompts ends in it (`SeqInput.may_run_ahead`)."""
         if not is_decode:
-            step = self._dispatch(seqs, False)
-            return self._results(step)
+            served = Served([self._dispatch(seqs, False)], [(0, i) for i in range(len(seqs))])
+            return self._read(seqs, served, whole)
         ahead, self._ahead = self._ahead, None
         rows = [None] * len(seqs)
         if ahead is not None:
@@ -730,14 +733,22 @@ class ModelRunner(HostSwaps):
                 served.steps.append(self._dispatch([seqs[i] for i in missing], True))
                 for k, i in enumerate(missing):
                     served.rows[i] = (1, k)
+        return self._read(seqs, served)
+
+    def _read(self, seqs: list[SeqInput], served: Served, run_ahead: bool = True
+              ) -> list[list[SeqResult]]:
+        """The draws of the dispatched step `served` for each of `seqs`, read back after the
+        step after it was started where it may run ahead (`_run_ahead`; with `run_ahead`
+        False the one run ahead before is left as it is)."""
         try:
-            self._ahead = self._run_ahead(seqs, served)
+            if run_ahead:
+                self._ahead = self._run_ahead(seqs, served)
             drawn = [self._results(step) for step in served.steps]
         except BaseException:
             self._ahead = None  # it would run on this step's pool and tokens
             raise
         results = [drawn[which][row] for which, row in served.rows]
-        if self._ahead is not None:  # its inputs, now that this step's tokens are known
+        if run_ahead and self._ahead is not None:  # its inputs, now that the tokens are known
             for seq, i in zip(self._ahead.seqs, self._ahead.sources, strict=True):
                 seq.token_ids = [token] = [results[i][0].token]
                 fill_history(seq.sampling[0], token)
@@ -949,14 +960,17 @@ class ModelRunner(HostSwaps):
         """Start the decode step after `seqs` (None where it may not run ahead): each sequence
         that goes on one position further, its new token the one `served` draws for it,
         taken on the device (the host reads it meanwhile). Only a step of at most
-        lookahead_rows sequences, each of which the scheduler marked as going on
-        (`SeqInput.may_run_ahead`: a decode of one draw, its next slot in a block it holds)
-        or as ending with this draw (`SeqInput.ends`: it is left out), one going on."""
+        lookahead_rows sequences of one draw each, each of which the scheduler marked as
+        going on (`SeqInput.may_run_ahead`: a decode, or a prompt's last chunk, its next slot
+        in a block it holds) or as ending with this draw (`SeqInput.ends`: it is left out),
+        one going on."""
         if not 0 < len(seqs) <= self.lookahead_rows:
             return None
         going = []
         for i, s in enumerate(seqs):
-            block = (s.num_computed + 1) // self.block_size  # the next token's
+            if len(s.sampling) != 1:  # (then a sequence's index is its row's)
+                return None
+            block = (s.num_computed + len(s.token_ids)) // self.block_size  # the next token's
             if s.may_run_ahead and block < len(s.block_table) and (
                     s.window_block_table is None or block < len(s.window_block_table)):
                 going.append(i)
@@ -964,8 +978,9 @@ class ModelRunner(HostSwaps):
                 return None
         if not going:
             return None
-        nxt = [SeqInput(s.block_table, s.num_computed + 1, [0], [next_row(s.sampling[0])],
-                        s.window_block_table, True, lora_slot=s.lora_slot)
+        nxt = [SeqInput(s.block_table, s.num_computed + len(s.token_ids), [0],
+                        [next_row(s.sampling[0])], s.window_block_table, True,
+                        lora_slot=s.lora_slot)
                for s in (seqs[i] for i in going)]
         self.timer.mark("prepare")
         steps, picks = served.steps, [served.rows[i] for i in going]

@@ -309,16 +309,16 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(waiting_for_slots))  # in their order, first
 
-        # 3. a decode that may run ahead (`_ahead_marks`) and whose next token starts a block takes
-        # that block now, a step early, from what this step left free: the step after it can
-        # then run ahead too (its next slot must be in a block the sequence holds)
+        # 3. a sequence that may run ahead (`_ahead_marks`) and whose next token starts a block
+        # takes that block now, a step early, from what this step left free: the step after it
+        # can then run ahead too (its next slot must be in a block the sequence holds)
         lookahead = 0 < len(self.running) <= self.lookahead_rows
         marks = {request: self._ahead_marks(request, chunk.num_new_tokens) if lookahead
                  else (False, False) for request, chunk in scheduled.items()}
         for request, chunk in scheduled.items() if lookahead else ():
-            if (marks[request][0]
-                    and (chunk.num_computed_tokens + 1) % self.allocator.block_size == 0):
-                extra = self.allocator.grow(request.seq_id, chunk.num_computed_tokens + 2)
+            end = chunk.num_computed_tokens + chunk.num_new_tokens  # the next token's position
+            if marks[request][0] and end % self.allocator.block_size == 0:
+                extra = self.allocator.grow(request.seq_id, end + 1)
                 if extra is not None:  # None: the pool is short, nothing taken
                     chunk.block_copies = chunk.block_copies + extra
                     chunk.block_table, chunk.window_block_table = self._tables(request)
@@ -596,14 +596,19 @@ class Scheduler:
     def _ahead_marks(self, request: Request, num_new: int) -> tuple[bool, bool]:
         """(goes on, ends) of computing `num_new` tokens of `request`, while few enough run
         for the runner to run decode steps ahead (`lookahead_rows`). Goes on
-        (SeqInput.may_run_ahead): a decode that, unless its draw ends it, goes on as it is to
-        the next position, so that the runner may start that step before it reads this one's
-        draw: one draw, no bad words or constraint (`SamplingParams.history_on_host`: they
+        (SeqInput.may_run_ahead): a decode, or a prompt's last chunk while no request waits,
+        that, unless its draw ends it, goes on as it is to the next position, so that the
+        runner may start that decode step before it reads this one's draw: one draw, no
+        prompt scores, no bad words or constraint (`SamplingParams.history_on_host`: they
         need the token the step before drew on the host; penalties count it on the device),
         no beam, and not its last by length. Ends (SeqInput.ends): such a decode (bad words
         or not) whose draw is its last by length, so that no step follows it."""
-        if not (num_new == 1 and request.num_computed_tokens + 1 == request.num_tokens
+        if not (request.num_computed_tokens + num_new == request.num_tokens
                 and request.num_draws == 1 and not isinstance(request.group, BeamGroup)):
+            return False, False
+        if num_new > 1 and (self.waiting or request.scoring_prompt):
+            # a prompt's last chunk, while requests wait to be admitted into the next step (a
+            # step run ahead of it would be run anew), or with prompt scores among its draws
             return False, False
         if request.num_tokens + 1 >= min(request.max_num_tokens, self.max_model_len):
             return False, True

@@ -284,29 +284,37 @@ def run_ahead_flags(llm):
                                                  s.may_run_ahead) for s in seqs]),
                                    execute(seqs))[1]
 
-    def run(prompt, params, beam=False):
+    def run(prompt, params, beam=False, *more):
+        """`more`: (prompt, params) of requests added after it, at once."""
         flags.clear()
         (engine.add_beam_request if beam else engine.add_request)("r", prompt, params)
+        for k, (other, other_params) in enumerate(more):
+            engine.add_request(f"more{k}", other, other_params)
         while engine.has_unfinished_requests():
             engine.step()
         return [f for step in flags for f in step]
     return run
 
 
-def test_only_decodes_that_go_on_as_they_are_may_run_ahead(tiny, tmp_path):
-    """The scheduler's word (SeqInput.may_run_ahead), hand-worked per request: a decode whose
-    draw is not its last by length, with one row (penalties' too: the device adds the draw
-    to their token history); never a prompt chunk, a forking prompt's end, a beam, or bad
-    words (their bans are made on the host from the tokens drawn)."""
+def test_only_sequences_that_go_on_as_they_are_may_run_ahead(tiny, tmp_path):
+    """The scheduler's word (SeqInput.may_run_ahead), hand-worked per request: a decode, or a
+    prompt's last chunk while no request waits, whose draw is not its last by length, with
+    one row (penalties' too: the device adds the draw to their token history); never a
+    prompt chunk before its last, a prompt's last chunk while another request waits or with
+    prompt scores, a forking prompt's end, a beam, or bad words (their bans are made on the
+    host from the tokens drawn)."""
     path, _ = tiny
     run = run_ahead_flags(LLM(path, block_size=4, num_blocks=64, max_num_seqs=8))
 
     # 3-token prompt, 5 tokens: the prompt draws the first, four decodes the rest; the last
     # decode's draw is the fifth token (length): it does not go on
     assert run([5, 6, 7], SamplingParams(max_tokens=5, **GREEDY)) == [
-        (3, 1, False), (1, 1, True), (1, 1, True), (1, 1, True), (1, 1, False)]
+        (3, 1, True), (1, 1, True), (1, 1, True), (1, 1, True), (1, 1, False)]
     assert run([5, 6, 7], SamplingParams(max_tokens=4, presence_penalty=1.0, **GREEDY)) == [
-        (3, 1, False), (1, 1, True), (1, 1, True), (1, 1, False)]
+        (3, 1, True), (1, 1, True), (1, 1, True), (1, 1, False)]
+    # prompt scores among the prompt's draws (two scores, one draw)
+    assert run([5, 6, 7], SamplingParams(max_tokens=2, prompt_logprobs=1, **GREEDY)) == [
+        (3, 3, False), (1, 1, False)]
     # n = 2: the prompt's end draws twice (no), then each sample decodes on its own
     assert run([5, 6, 7], SamplingParams(n=2, max_tokens=3, temperature=1.0, seed=1,
                                          ignore_eos=True)) == [
@@ -318,19 +326,30 @@ def test_only_decodes_that_go_on_as_they_are_may_run_ahead(tiny, tmp_path):
         [5, 6, 7], SamplingParams(max_tokens=4, bad_words=["the"], **GREEDY))
     assert words == [(3, 1, False), (1, 1, False), (1, 1, False), (1, 1, False)]
 
+    # a prompt in chunks of 4 tokens: only its last chunk may go on; one sequence at a time,
+    # so the second request waits while the first runs: the first's prompt may not go on
+    # (the next step admits the other), its decodes may
+    run = run_ahead_flags(LLM(path, block_size=4, num_blocks=64, max_num_seqs=1,
+                              max_num_batched_tokens=4))
+    assert run(list(range(5, 15)), SamplingParams(max_tokens=2, **GREEDY)) == [
+        (4, 0, False), (4, 0, False), (2, 1, True), (1, 1, False)]
+    assert run([5, 6, 7], SamplingParams(max_tokens=3, **GREEDY), False,
+               ([8, 9], SamplingParams(max_tokens=2, **GREEDY))) == [
+        (3, 1, False), (1, 1, True), (1, 1, False), (2, 1, True), (1, 1, False)]
 
-def test_a_lone_request_runs_ahead_at_every_step_but_its_last(tiny):
-    """One request of 20 tokens in blocks of 4: its 19 decodes (positions 3..21) all go on
-    but the last, and each step after one that goes on is found run ahead (18 hits, no
-    misses), across block boundaries too: where a decode's next token starts a block the
-    scheduler takes that block a step early. Its tokens are HF's."""
+
+@pytest.mark.parametrize("prompt", [[5, 6, 7], list(range(5, 13))], ids=["3", "8"])
+def test_a_lone_request_runs_ahead_at_every_step_but_its_last(tiny, prompt):
+    """One request of 20 tokens in blocks of 4: its prompt and 18 of its 19 decodes go on
+    (not the last), and each step after one that goes on is found run ahead (19 hits, no
+    misses), across block boundaries too: where the next token starts a block (after the
+    8-token prompt too) the scheduler takes that block a step early. Its tokens are HF's."""
     path, model = tiny
-    llm = LLM(path, block_size=4, num_blocks=64, max_num_seqs=8)
-    prompt = [5, 6, 7]
+    llm = LLM(path, block_size=4, num_blocks=64, max_num_seqs=8, debug_nan_pool=True)
     out = llm.generate([prompt], SamplingParams(max_tokens=20, **GREEDY), use_tqdm=False)
     assert out[0].outputs[0].token_ids == hf_greedy(model, prompt, 20)
     stats = llm.stats()
-    assert (stats["lookahead_hits"], stats["lookahead_misses"]) == (18, 0)
+    assert (stats["lookahead_hits"], stats["lookahead_misses"]) == (19, 0)
     assert stats["kv_blocks_used"] == 0
 
 
