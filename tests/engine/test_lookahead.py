@@ -121,9 +121,10 @@ def test_run_ahead_changes_no_request(tiny, stop_case, backend, block_size, num_
     # every path taken: steps found run ahead, some with rows of ended sequences dropped and
     # some with arrivals' rows run beside them, and on the ragged backends steps run anew (a
     # prompt chunk beside the decodes: the call that reads the weights once takes them all;
-    # on jnp a prompt chunk is a call of its own)
+    # on jnp a prompt chunk is a call of its own, and a step runs anew only where the step
+    # run ahead serves less than half of it)
     assert stats["lookahead_hits"] >= 15, stats
-    assert (stats["lookahead_misses"] >= 1) == (backend != "jnp"), stats
+    assert backend == "jnp" or stats["lookahead_misses"] >= 1, stats
     assert stats["lookahead_dropped"] >= 2 and stats["lookahead_split"] >= 1, stats
     if num_blocks == 20:
         assert stats["num_preemptions"] > 0
