@@ -139,8 +139,6 @@ class EngineConfig:
               self.quantize_lm_head, "a bool")
         check(not self.quantize_lm_head or self.quantization is not None, "quantize_lm_head",
               self.quantize_lm_head, 'False unless quantization is set ("int8" or "fp8")')
-        check(not self.quantize_lm_head or self.tensor_parallel_size == 1, "quantize_lm_head",
-              self.quantize_lm_head, "False with tensor_parallel_size > 1 (not built)")
         check(is_positive_int(self.block_size), "block_size", self.block_size, "an integer >= 1")
         check(self.num_blocks is None
               or (is_positive_int(self.num_blocks) and self.num_blocks >= 2),

@@ -56,8 +56,9 @@ _SPECS = {
 }
 # An 8-bit weight (`quantized_linear.QuantizedWeight`) is sharded as its name says for its
 # values, and its per-column scale [..., N] as the values' columns: split with the columns of
-# a column-split weight (qkv, gate_up), whole for a row-split one (o, down: every device holds
-# all N columns), by expert for a MoE layer's stacks (`_scale_spec`).
+# a column-split weight (qkv, gate_up, lm_head), whole for a row-split one (o, down: every
+# device holds all N columns), by expert for a MoE layer's stacks (`_scale_spec`). A tied
+# head quantized (`quantize_lm_head`) is an `embed` of [H, V]: split as lm_head is.
 
 # [kv_heads, ...]: split over KV heads, a pool's values (and a quantized pool's scales)
 POOL_SPEC = P(MODEL_AXIS)
@@ -151,10 +152,16 @@ class TensorParallel:
             pad[axis] = (0, self.padded_vocab - a.shape[axis])
             return np.pad(a, pad)
 
+        def pad_head(w: Any) -> Any:  # [H, V], or an 8-bit head's values [H, V] and scales [V]
+            return quantized_linear.map_columns(w, lambda a: pad_vocab(np.asarray(a),
+                                                                       a.ndim - 1))
+
         out = dict(params)
-        out["embed"] = pad_vocab(np.asarray(params["embed"]), 0)
+        embed = params["embed"]  # [V, H], or quantized as a tied head [H, V] (quantize_head)
+        out["embed"] = (pad_head(embed) if quantized_linear.is_quantized(embed)
+                        else pad_vocab(np.asarray(embed), 0))
         if "lm_head" in params:
-            out["lm_head"] = pad_vocab(np.asarray(params["lm_head"]), 1)
+            out["lm_head"] = pad_head(params["lm_head"])
         layers = []
         for layer in params["layers"]:
             layer = {k: jax.tree.map(np.asarray, v) for k, v in layer.items()}
@@ -214,6 +221,8 @@ class TensorParallel:
             if isinstance(last, jax.tree_util.GetAttrKey):  # a QuantizedWeight's array
                 last, field = path[-2], last.name
             name = last.key if hasattr(last, "key") else None
+            if name == "embed" and field is not None:  # a tied head quantized as [H, V]
+                name = "lm_head"
             spec = _SPECS.get(name, P())
             return _scale_spec(spec) if field == "scale" else spec
 

@@ -18,16 +18,25 @@ def embed(table: jax.Array, token_ids: jax.Array, hidden_size: int,
     v's row is panel v // P, column v % P; or with `tp_axis`, this device's vocabulary range
     [V / devices, H]: each device looks up the ids in its range and the partial rows are
     summed over the axis. A tied head quantized (`quantized_linear.quantize_head`: 8-bit
-    values [H, V] or packed, a float32 scale [V]) gives values[:, v] * scale[v] in `dtype`."""
+    values [H, V] or packed, a float32 scale [V]; with `tp_axis` this device's columns [H,
+    V / devices] and their scales) gives values[:, v] * scale[v] in `dtype`."""
     if quantized_linear.is_quantized(table):
         values = table.values
         if table.packed:
             panel = values.shape[2]
             rows = values[token_ids // panel, :, token_ids % panel, :].reshape(
                 token_ids.shape[0], -1)[:, :hidden_size]
-        else:
-            rows = jnp.take(values, token_ids, axis=1).T
-        return (rows.astype(jnp.float32) * table.scale[token_ids][:, None]).astype(dtype)
+            return (rows.astype(jnp.float32) * table.scale[token_ids][:, None]).astype(dtype)
+        if tp_axis is None:
+            return (jnp.take(values, token_ids, axis=1).T.astype(jnp.float32)
+                    * table.scale[token_ids][:, None]).astype(dtype)
+        columns = values.shape[1]
+        local = token_ids - jax.lax.axis_index(tp_axis) * columns
+        mine = (local >= 0) & (local < columns)
+        local = jnp.clip(local, 0, columns - 1)
+        rows = jnp.take(values, local, axis=1).T.astype(jnp.float32) * table.scale[local][:, None]
+        # one device holds each row: the sum is that row, rounded to dtype as on one device
+        return jax.lax.psum(jnp.where(mine[:, None], rows, 0), tp_axis).astype(dtype)
     if table.ndim == 4:
         panel = table.shape[2]  # the packing's panel width (the build's)
         # [T, ceil(H / G), G]

@@ -225,18 +225,22 @@ jax.config.update("jax_default_matmul_precision", "highest")
 sys.path.insert(0, sys.argv[1])
 from conftest import build_tiny_model
 from jaxpage import LLM, SamplingParams
-name, fmt = sys.argv[2], sys.argv[3]
+name, fmt, head = sys.argv[2], sys.argv[3], sys.argv[4] == "head"
 path = tempfile.mkdtemp()
 build_tiny_model(name, 0, num_attention_heads=8, num_key_value_heads=2).save_pretrained(path)
 prompts = [list(range(3, 40)), [5, 9, 11], list(range(60, 90, 2))]
 greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 out = {}
 for tp in (1, 2):
-    llm = LLM(path, quantization=fmt, tensor_parallel_size=tp, block_size=4, num_blocks=64,
-              max_num_batched_tokens=16)
+    llm = LLM(path, quantization=fmt, quantize_lm_head=head, tensor_parallel_size=tp,
+              block_size=4, num_blocks=64, max_num_batched_tokens=16)
     out[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    layer = llm.engine.runner.params["layers"][0]
+    params = llm.engine.runner.params
+    layer = params["layers"][0]
     w = layer["experts_down"] if "experts_down" in layer else layer["qkv"]
+    if head:  # the head's scales (a tied head: the embedding's)
+        w = params["lm_head" if "lm_head" in params else "embed"]
+        out["tied"] = "lm_head" not in params
     out[f"{tp}_scale_shards"] = sorted({tuple(s.data.shape) for s in w.scale.addressable_shards})
 print(json.dumps(out))
 """
@@ -244,15 +248,21 @@ print(json.dumps(out))
 
 # a subprocess of two engines (15 s and 22 s on a shared 2-core machine): the slow suite
 @pytest.mark.slow
-@pytest.mark.parametrize("name,fmt", [("llama", "int8"), ("mixtral", "fp8")])
-def test_tensor_parallel_quantized_model_gives_one_devices_tokens(name, fmt):
+@pytest.mark.parametrize("name,fmt,head", [
+    ("llama", "int8", ""), ("mixtral", "fp8", ""),
+    # quantize_lm_head: a tied head (the embedding, looked up on its devices) and an untied one
+    ("llama", "int8", "head"), ("qwen2", "fp8", "head")])
+def test_tensor_parallel_quantized_model_gives_one_devices_tokens(name, fmt, head):
     tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-    proc = subprocess.run([sys.executable, "-c", TP_SCRIPT, tests, name, fmt],
+    proc = subprocess.run([sys.executable, "-c", TP_SCRIPT, tests, name, fmt, head],
                           capture_output=True, text=True, timeout=900,
                           cwd=os.path.join(tests, ".."))
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["2"] == out["1"]
-    # the scales were split over the 2 devices: qkv's columns, or the experts
+    if head:
+        assert out["tied"] == (name == "qwen2")
+    # the scales were split over the 2 devices: qkv's or the head's columns (the vocabulary
+    # padded to a multiple of 2), or the experts
     one, two = out["1_scale_shards"], out["2_scale_shards"]
-    assert len(one) == len(two) == 1 and two[0][0] * 2 == one[0][0], (one, two)
+    assert len(one) == len(two) == 1 and two[0][0] == -(-one[0][0] // 2), (one, two)
