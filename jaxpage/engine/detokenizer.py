@@ -54,8 +54,11 @@ class TextDecoder:
             self.decode = functools.partial(backend.decode, skip_special_tokens=True)
             # the Rust tokenizer an IncrementalDetokenizer streams through, where it can
             self.backend = backend if DecodeStream is not None else None
-        # each token's bytes, where its text is that (`token_bytes`); None elsewhere
+        # each token's bytes, where its text is that (`token_bytes`); None elsewhere; and the
+        # text of those that are whole characters (None for a token ending inside one)
         self.token_bytes = None if self.backend is None else token_bytes(self.backend)
+        self.token_texts = None if self.token_bytes is None else [
+            _whole_text(data) for data in self.token_bytes]
         self._one: dict[int, str] = {}
 
     def one(self, token: int) -> str:
@@ -94,6 +97,14 @@ def token_bytes(backend: Any) -> list[bytes] | None:
     return table
 
 
+def _whole_text(data: bytes) -> str | None:
+    """`data` as UTF-8, None unless it is whole characters."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 @functools.cache
 def _byte_alphabet() -> dict[str, int]:
     """GPT-2's byte-level BPE alphabet, character -> byte: the printable bytes stand for
@@ -119,9 +130,9 @@ class IncrementalDetokenizer:
         # else the Rust window (`_stream_text`); where the decoder has no Rust tokenizer, the
         # two decodes of `_window_text`
         self._bytes = self.decoder.token_bytes
-        self._utf8 = None if self._bytes is None else _UTF8("replace")
-        self._held = ""  # `_bytes_text`'s text not shown yet (it ends inside a character)
-        self._stream = None if self.decoder.backend is None or self._utf8 is not None else (
+        self._pending = b""  # `_bytes_text`'s bytes of a character not whole yet
+        self._held = ""  # and its text not shown yet (it ends inside a character)
+        self._stream = None if self.decoder.backend is None or self._bytes is not None else (
             DecodeStream(skip_special_tokens=True))
         self._stepped: int | None = None  # tokens stepped into it (None: not seeded yet)
 
@@ -135,7 +146,7 @@ class IncrementalDetokenizer:
         Bytes that end in the middle of a character wait for the next token, unless `final`
         (no token will come): then they show as U+FFFD, as the tokenizer's decode shows them.
         """
-        if self._utf8 is not None:
+        if self._bytes is not None:
             new_text = self._bytes_text(token_ids, final)
         elif self._stream is not None:
             new_text = self._stream_text(token_ids, final)
@@ -169,29 +180,46 @@ class IncrementalDetokenizer:
         return full[len(prefix):]
 
     def _bytes_text(self, token_ids: Sequence[int], final: bool) -> str | None:
-        """`_window_text` for a byte-level BPE: the new tokens' bytes through an incremental
-        UTF-8 decoder (the seed first: the window's prompt tokens, their text dropped). Text
-        ending inside a character, or in a replaced byte, waits for the next token as the
-        window's would, unless `final`: then the bytes still waiting show as U+FFFD."""
-        table, utf8 = self._bytes, self._utf8
+        """`_window_text` for a byte-level BPE: the new tokens' bytes decoded as UTF-8 after
+        those of a character not whole yet (the seed first: the window's prompt tokens,
+        their text dropped); a token of whole characters after whole ones (most) is its text
+        from the table. Text ending inside a character, or in a replaced byte, waits for the
+        next token as the window's would, unless `final`: then the bytes still waiting show
+        as U+FFFD."""
+        table = self._bytes
         size = len(table)
         if self._stepped is None:
-            utf8.decode(b"".join(table[t] if t < size else b""
-                                 for t in token_ids[self.prefix_offset:self.read_offset]))
+            self._decode(b"".join(table[t] if t < size else b""
+                                  for t in token_ids[self.prefix_offset:self.read_offset]),
+                         False)
             self._stepped = self.read_offset
-        new = len(token_ids) - self._stepped
-        if new == 1:
+        text = None
+        if len(token_ids) - self._stepped == 1 and not self._pending:
             token = token_ids[-1]
-            data = table[token] if token < size else b""
-        else:
-            data = b"".join(table[t] if t < size else b"" for t in token_ids[self._stepped:])
+            text = self.decoder.token_texts[token] if token < size else ""
+        if text is None:
+            text = self._decode(b"".join(table[t] if t < size else b""
+                                         for t in token_ids[self._stepped:]), final)
         self._stepped = len(token_ids)
-        text = self._held + utf8.decode(data, final)
-        if not final and (utf8.getstate()[0] or text.endswith("\ufffd")):
+        text = self._held + text
+        if not final and (self._pending or text.endswith("\ufffd")):
             self._held = text
             return None
         self._held = ""
         return text or None
+
+    def _decode(self, data: bytes, final: bool) -> str:
+        """The text of the waiting bytes and `data`, invalid bytes replaced (U+FFFD); bytes
+        ending inside a character wait (`_pending`), unless `final`."""
+        data = self._pending + data
+        try:  # whole characters: the usual
+            text, self._pending = data.decode("utf-8"), b""
+            return text
+        except UnicodeDecodeError:
+            decoder = _UTF8("replace")
+            text = decoder.decode(data, final)
+            self._pending = decoder.getstate()[0]
+            return text
 
     def _stream_text(self, token_ids: Sequence[int], final: bool) -> str | None:
         """`_window_text` through the Rust window: each token since `read_offset` stepped

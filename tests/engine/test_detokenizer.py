@@ -35,7 +35,7 @@ def detokenizer(tokenizer, request):
 
     def make(prompt_len, stop=()):
         detok = IncrementalDetokenizer(tokenizer, prompt_len, stop, decoder)
-        assert (detok._utf8 is not None, detok._stream is not None) == {
+        assert (detok._bytes is not None, detok._stream is not None) == {
             "bytes": (True, False), "stream": (False, True), "window": (False, False)}[
                 request.param]
         return detok
@@ -272,3 +272,24 @@ def test_token_bytes_decode_as_the_tokenizer_does(tokenizer):
     other = copy.deepcopy(tokenizer)
     other.backend_tokenizer.decoder = decoders.Metaspace()
     assert token_bytes(other.backend_tokenizer) is None
+
+
+def test_any_tokens_end_as_the_decode_of_them(detokenizer, tokenizer):
+    """Token runs a random model may draw (bytes that are no UTF-8: a character's first bytes
+    followed by another's, lone continuation bytes, special tokens), fed one at a time: the
+    text at the last (`final`) token is the tokenizer's decode of them all, and the text
+    shown before grows only by whole characters."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    split = [t for t in range(len(tokenizer)) if REPLACEMENT in tokenizer.decode([t])]
+    assert len(split) >= 10
+    for _ in range(60):
+        ids = [int(t) for t in rng.choice(split + list(range(len(tokenizer))), 16)]
+        detok = detokenizer(0)
+        for k in range(1, len(ids)):
+            before = detok.text
+            detok.update(ids[:k])
+            assert detok.text.startswith(before)
+        detok.update(ids, final=True)
+        assert detok.text == tokenizer.decode(ids, skip_special_tokens=True), ids
