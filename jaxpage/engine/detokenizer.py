@@ -154,10 +154,11 @@ class IncrementalDetokenizer:
             new_text = self._window_text(token_ids, final)
         if new_text is None:
             return None
+        if not (check_stop and self.stop):
+            self.text += new_text
+            return None
         search_from = max(len(self.text) - self.hold_back, 0)
         self.text += new_text
-        if not (check_stop and self.stop):
-            return None
         matches = [(at, stop) for stop in self.stop
                    if (at := self.text.find(stop, search_from)) >= 0]
         if not matches:

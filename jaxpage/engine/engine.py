@@ -25,7 +25,7 @@ from jaxpage.engine.beam_search import BeamGroup
 from jaxpage.engine.detokenizer import IncrementalDetokenizer, TextDecoder
 from jaxpage.engine.lora_slots import LoRARegistry
 from jaxpage.engine.output_builder import beam_output, sample_deltas
-from jaxpage.engine.request import Request, RequestGroup
+from jaxpage.engine.request import Request, RequestGroup, RequestStatus
 from jaxpage.engine.runner_api import (
     ENGINE_PHASES,
     RUNNER_PHASES,
@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from jaxpage.lora import LoRARequest
 
 _FINAL_ONLY = RequestOutputKind.FINAL_ONLY
+_FINISHED = RequestStatus.FINISHED
 
 
 FINISHED_METRICS_KEPT = 65536  # requests whose latencies stats() summarizes
@@ -551,8 +552,8 @@ class LLMEngine:
         if detok is None:
             detok = self._detokenizers[sample.seq_id] = IncrementalDetokenizer(
                 self.tokenizer, sample.num_prompt_tokens, p.stop, self._text_decoder)
-        stop = detok.update(sample.token_ids, check_stop=sample.num_output_tokens >= p.min_tokens,
-                            final=sample.finished)
+        stop = detok.update(sample.token_ids, bool(p.stop) and (  # no stop strings: no search
+            sample.num_output_tokens >= p.min_tokens), sample.status is _FINISHED)
         sample.text = detok.text
         if stop is not None and sample.finish_reason in (None, "length"):
             self.scheduler.finish(sample, "stop", stop)

@@ -11,6 +11,7 @@ from jaxpage.outputs import CompletionOutput, RequestOutput
 from jaxpage.sampling_params import RequestOutputKind
 
 _DELTA = RequestOutputKind.DELTA
+_FINISHED = RequestStatus.FINISHED
 
 
 def sample_deltas(group: RequestGroup, starts: dict[Request, int],
@@ -21,24 +22,26 @@ def sample_deltas(group: RequestGroup, starts: dict[Request, int],
     is held back while it runs). CUMULATIVE and FINAL_ONLY: every sample's tokens and text
     so far. `finished`: group.finished, when the caller has it already."""
     completions = []
-    whole = group.samples[0].params.output_kind is not _DELTA
+    parent = group.samples[0]
+    whole = parent.params.output_kind is not _DELTA
     items = [(sample, 0) for sample in group.samples] if whole else starts.items()
     for sample, first in sorted(items, key=_by_index) if len(items) > 1 else items:
         detok = detokenizers.get(sample.seq_id)
         text = (sample.text if detok is None
-                else detok.streamable_text(sample.status is RequestStatus.FINISHED))
+                else detok.streamable_text(sample.status is _FINISHED))
         start_char = 0 if whole else sample.num_text_emitted
-        sample.num_text_emitted = max(len(text), start_char)
+        if len(text) > start_char:
+            sample.num_text_emitted = len(text)
+        logprobs = sample.logprobs
         completions.append(CompletionOutput(
             sample.sample_index,
             text[start_char:],
             sample.token_ids[len(sample.prompt_token_ids) + first:],
             sample.cumulative_logprob,
-            None if sample.logprobs is None else sample.logprobs[first:],
+            None if logprobs is None else logprobs[first:],
             sample.finish_reason,
             sample.stop_reason,
         ))
-    parent = group.samples[0]
     scored = parent.prompt_logprobs
     return RequestOutput(group.request_id, parent.prompt, parent.prompt_token_ids,
                          completions, group.finished if finished is None else finished,

@@ -526,9 +526,9 @@ class Scheduler:
         # a plain decode (one draw from a row with no token lists, bans or matcher) keeps its
         # records on its request: the next one updates them in place (the persistent part of
         # the step's batch)
+        num_out = len(tokens) - len(request.prompt_token_ids)
         plain = (num_new == 1 and chunk.sample and not drafts and request.num_draws == 1
-                 and not request.scoring_prompt
-                 and _plain_row(request.params, request.num_output_tokens))
+                 and not request.scoring_prompt and _plain_row(request.params, num_out))
         records = request.decode_records
         if plain and records is not None and records[0] is chunk:
             seq = records[1]
@@ -536,8 +536,8 @@ class Scheduler:
             seq.token_ids = [tokens[start]]
             seq.window_block_table = chunk.window_block_table
             seq.may_run_ahead, seq.ends = goes_on, ends
-            seq.lora_slot = self._slot_of(request)
-            seq.sampling[0].step = request.num_output_tokens
+            seq.lora_slot = 0 if request.lora is None else self._slot_of(request)
+            seq.sampling[0].step = num_out
             return seq
         rows = []
         if drafts:  # a draw at the last token and at each draft, as if each were drawn
