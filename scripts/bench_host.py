@@ -16,9 +16,11 @@ Steps, at each of --sizes N (each its own engine, max_num_seqs N + 1, max_num_ba
 N + --chunk): "decode", N requests of 16-token prompts decoding (greedy, ignore_eos), each
 step's new tokens and text streamed (output_kind DELTA: a streaming server's requests);
 "final", the same with output_kind FINAL_ONLY (`LLM.generate`'s and a server's requests that
-do not stream: no outputs, nor text without stop strings, before a request ends); "mixed", the
-same N decoding (streamed) beside a queue of 4-chunk prompts (one token each), so every step
-carries a prefill chunk of --chunk tokens and N decodes. After the prompts' prefill, --warm
+do not stream: no outputs, nor text without stop strings, before a request ends); "penalized",
+the "decode" steps with presence, frequency and repetition penalties (each draw counts the
+tokens drawn before it); "mixed", the same N decoding (streamed) beside a queue of 4-chunk
+prompts (one token each), so every step carries a prefill chunk of --chunk tokens and N
+decodes. After the prompts' prefill, --warm
 steps (or more, until the longest sequence holds 65 tokens: its block table then stays in one
 bucket) and then 4 more until 4 in a row compile nothing (the table says if a timed step
 compiled nonetheless), --steps steps are timed, each read phase by phase from the engine
@@ -153,7 +155,8 @@ def phase_steps(engine, num_steps: int, profile: cProfile.Profile | None = None)
 def run_case(kind: str, step_kind: str, model, params, tokenizer, num_seqs: int, *,
              chunk: int, warm: int, steps: int, profile: cProfile.Profile | None = None,
              seed: int = 0, freeze: bool = False) -> tuple[list[dict], object]:
-    """Measure `steps` steps of `step_kind` ("decode", "final" or "mixed") at `num_seqs`
+    """Measure `steps` steps of `step_kind` ("decode", "final", "penalized" or "mixed") at
+    `num_seqs`
     sequences on a new engine (`kind` "host" or "model"); returns (per-step records, the
     engine). With `freeze`, the heap is frozen once warm, as the CLIs freeze it
     (jaxpage.engine.gc_tuning)."""
@@ -168,9 +171,11 @@ def run_case(kind: str, step_kind: str, model, params, tokenizer, num_seqs: int,
     engine = new_engine(kind, model, params, tokenizer, num_seqs, chunk, longest)
     rng = np.random.default_rng(seed)
     vocab = model.config.vocab_size
+    penalties = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2)
     decode = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                             output_kind=RequestOutputKind.FINAL_ONLY if step_kind == "final"
-                            else RequestOutputKind.DELTA)
+                            else RequestOutputKind.DELTA,
+                            **(penalties if step_kind == "penalized" else {}))
     for i in range(num_seqs):
         engine.add_request(f"d{i}", rng.integers(3, vocab, PROMPT_LEN).tolist(), decode)
     scheduler = engine.scheduler
@@ -260,7 +265,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="1,16,64,256,1024", help="sequence counts")
     ap.add_argument("--engines", default="host,model", help="host (a), model (b)")
-    ap.add_argument("--kinds", default="decode,final,mixed", help="decode, final, mixed")
+    ap.add_argument("--kinds", default="decode,final,mixed",
+                    help="decode, final, penalized, mixed")
     ap.add_argument("--steps", type=int, default=32, help="timed steps per case")
     ap.add_argument("--warm", type=int, default=8, help="untimed steps before them")
     ap.add_argument("--chunk", type=int, default=128, help="a mixed step's prefill chunk")
@@ -402,6 +408,7 @@ def print_table(results: dict, kinds: list[str], engines: list[str], sizes: list
     for step_kind in kinds:
         print(f"\n{step_kind} steps" + {
             "mixed": " (N decodes + a prefill chunk)",
+            "penalized": " (N decodes with penalties, streamed)",
             "final": " (N decodes, outputs only at the end: LLM.generate's)"}.get(
                 step_kind, " (N decodes, streamed)"))
         print(f"{'seqs':>5} {'engine':<11}" + "".join(f"{h:>8}" for h in HEADS)

@@ -229,7 +229,7 @@ def host_bench_model(tmp_path_factory):
     return (path, *bench_host.load(path))
 
 
-@pytest.mark.parametrize("step_kind", ["decode", "final", "mixed"])
+@pytest.mark.parametrize("step_kind", ["decode", "final", "penalized", "mixed"])
 @pytest.mark.parametrize("kind", ["host", "model"])
 def test_host_bench_steps(host_bench_model, kind, step_kind):
     """bench_host's timed steps at 1 and 4 sequences: each step's phases, read from the
@@ -271,6 +271,8 @@ def test_host_bench_steps(host_bench_model, kind, step_kind):
             assert all(r["prepare"] > 0 and r["dispatch"] > 0 and r["readback"] > 0
                        for r in records)
         stats = engine.stats()
+        if kind == "model" and step_kind in ("decode", "penalized"):  # penalties run ahead too
+            assert stats["lookahead_hits"] >= len(records), stats
         assert list(stats["step_phases"]) == list(bench_host.COLUMNS)
         assert 0 < sum(stats["step_phases"].values()) <= stats["step_seconds"]
         row = bench_host.summarize(records, n)
