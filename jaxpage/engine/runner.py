@@ -907,16 +907,17 @@ class ModelRunner(HostSwaps):
         """Whether the histories of the penalized rows of `seqs` (one draw each), one token
         longer than in the step before them, which packed `sampling_md`, still fit its
         width."""
+        if not sampling_md.use_penalties:  # none in the step before: none in these rows
+            return True
         slots = history_slots([s.sampling[0] for s in seqs])
-        return slots is None or (sampling_md.use_penalties
-                                 and max(slots) < sampling_md.output_token_ids.shape[1])
+        return slots is None or max(slots) < sampling_md.output_token_ids.shape[1]
 
     def _with_history(self, sampling_md: SamplingMetadata, rows: list[SamplingRow],
                       token_ids: jax.Array) -> SamplingMetadata:
         """A run-ahead step's sampler metadata with each penalized row's last output token
         (the step before drew it: `token_ids`, row r sequence r) written on the device where
         its row's placeholder is (`next_row`)."""
-        slots = history_slots(rows)
+        slots = history_slots(rows) if sampling_md.use_penalties else None
         if slots is None:
             return sampling_md
         history = sampling_md.output_token_ids
