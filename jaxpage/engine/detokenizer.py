@@ -9,8 +9,9 @@ Rust (`tokenizers.decoders.DecodeStream`, as vLLM's fast detokenizer does): one 
 0.8 us against 2.1 for the two decodes of the window (SmolLM2's tokenizer), seeded with the
 same prompt tokens. Where that Rust tokenizer is a byte-level BPE (GPT-2's byte alphabet:
 SmolLM2, Llama 3, Qwen, Mistral's newer tokenizers), a token's text is a fixed string of bytes,
-so the window is Python's incremental UTF-8 decoder over a table of each token's bytes,
-checked against the tokenizer's own decode of every token when it is built.
+so the window is a table of each token's bytes, checked against the tokenizer's own decode of
+every token when it is built, and of the text of those that are whole characters: only the
+bytes of a character split between tokens go through a UTF-8 decoder.
 """
 
 from __future__ import annotations

@@ -536,7 +536,7 @@ class Scheduler:
             seq.token_ids = [tokens[start]]
             seq.window_block_table = chunk.window_block_table
             seq.may_run_ahead, seq.ends = goes_on, ends
-            seq.lora_slot = 0 if request.lora is None else self._slot_of(request)
+            seq.lora_slot = self._slot_of(request)
             seq.sampling[0].step = num_out
             return seq
         rows = []
