@@ -388,24 +388,27 @@ def test_penalized_decodes_run_ahead_with_their_history_on_the_device(tiny):
     assert stats["lookahead_hits"] >= 120, stats
 
 
-def test_a_failed_run_ahead_loses_nothing(tiny, monkeypatch):
-    """Starting the run-ahead step fails once: that step raises (the engine puts itself back
-    as before it), the next redoes it, and every request ends as in a clean run."""
+@pytest.mark.parametrize("part", ["NEXT_TOKENS", "APPEND_HISTORY"])
+def test_a_failed_run_ahead_loses_nothing(tiny, monkeypatch, part):
+    """Starting the run-ahead step fails once (taking its token ids, or writing a penalized
+    row's last token into its history): that step raises (the engine puts itself back as
+    before it), the next redoes it, and every request ends as in a clean run."""
     path, _ = tiny
     items = [("a", list(range(3, 10)), SamplingParams(max_tokens=16, **GREEDY), 0),
              ("b", list(range(11, 15)), SamplingParams(max_tokens=12, temperature=1.0,
-                                                       seed=4, ignore_eos=True), 0)]
+                                                       seed=4, ignore_eos=True,
+                                                       frequency_penalty=0.7), 0)]
 
     def run(fault_step=None):
         def arm(step):
             if step == fault_step:
-                monkeypatch.setattr(runner_module, "NEXT_TOKENS", once)
+                monkeypatch.setattr(runner_module, part, once)
 
         llm = LLM(path, block_size=4, num_blocks=48, max_num_seqs=8, debug_nan_pool=True)
         final, stats, raised = serve(llm, items, abort_at=None, before_step=arm)
         return {r: outcome(out) for r, out in final.items()}, raised, stats
 
-    once = Once(runner_module.NEXT_TOKENS)
+    once = Once(getattr(runner_module, part))
     clean, raised, _ = run()
     assert raised == 0
     faulted, raised, stats = run(fault_step=4)
