@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import codecs
 import functools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,9 +58,8 @@ class TextDecoder:
             self.backend = backend if DecodeStream is not None else None
         # each token's bytes, where its text is that (`token_bytes`); None elsewhere; and the
         # text of those that are whole characters (None for a token ending inside one)
-        self.token_bytes = None if self.backend is None else token_bytes(self.backend)
-        self.token_texts = None if self.token_bytes is None else [
-            _whole_text(data) for data in self.token_bytes]
+        self.token_bytes, self.token_texts = (None, None) if self.backend is None else (
+            _token_tables(self.backend))
         self._one: dict[int, str] = {}
 
     def one(self, token: int) -> str:
@@ -67,6 +67,22 @@ class TextDecoder:
         if text is None:
             text = self._one[token] = self.decode([token])
         return text
+
+
+# `_token_tables` by Rust tokenizer: the engines of data-parallel replicas share theirs
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _token_tables(backend: Any) -> tuple[list[bytes] | None, list[str | None] | None]:
+    """(`token_bytes(backend)`, the text of each token whose bytes are whole characters),
+    made once a tokenizer (again if tokens were added to it since)."""
+    size = backend.get_vocab_size(with_added_tokens=True)
+    cached = _TABLES.get(backend)
+    if cached is None or cached[0] != size:
+        table = token_bytes(backend)
+        texts = None if table is None else [_whole_text(data) for data in table]
+        cached = _TABLES[backend] = (size, table, texts)
+    return cached[1], cached[2]
 
 
 def token_bytes(backend: Any) -> list[bytes] | None:

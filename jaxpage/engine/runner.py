@@ -851,9 +851,9 @@ class ModelRunner(HostSwaps):
                         sampling_md.forced_token_ids is not None)
         if self.lookahead_rows:
             sampling_md = jax.device_put(sampling_md, self._input_sharding)
-            if run_ahead:  # penalties' last tokens, on the device
-                sampling_md = self._with_history(sampling_md, [row for _, row in rows],
-                                                 token_ids)
+            if run_ahead and sampling_md.use_penalties:  # their last tokens, on the device
+                sampling_md = self._with_history(
+                    sampling_md, history_slots([row for _, row in rows]), token_ids)
         if keep:
             step.inputs = DecodeInputs(key, slots, positions, attn_md, sampling_key,
                                        sampling_md, width, tables, packed)
@@ -861,7 +861,8 @@ class ModelRunner(HostSwaps):
         step.drawn = self._call(sampling_key, _SAMPLE, (logits, sampling_md), timer)
         return step
 
-    def _advance(self, prev: Step, seqs: list[SeqInput], token_ids: jax.Array) -> Step:
+    def _advance(self, prev: Step, seqs: list[SeqInput], token_ids: jax.Array,
+                 history: list[int] | None) -> Step:
         """`_dispatch(seqs, True, token_ids)` for `seqs`, the sequences of the pure decode
         step `prev` each one position on (its rows, in order), its inputs made on the device
         from `prev`'s (`ADVANCE`): on the host only the block-table rows that changed since
@@ -888,7 +889,7 @@ class ModelRunner(HostSwaps):
             (len(seqs), inputs.positions, attn_md, inputs.sampling_md.steps),
             static=(self.block_size,))
         sampling_md = self._with_history(dataclasses.replace(inputs.sampling_md, steps=steps),
-                                         [s.sampling[0] for s in seqs], token_ids)
+                                         history, token_ids)
         timer = self.timer
         logits, self.kv_pool = self._call(
             inputs.key, _FORWARD, (self._step_params(inputs.lora_slots), self.kv_pool,
@@ -902,22 +903,11 @@ class ModelRunner(HostSwaps):
         step.drawn = self._call(inputs.sampling_key, _SAMPLE, (logits, sampling_md), timer)
         return step
 
-    @staticmethod
-    def _history_fits(sampling_md: SamplingMetadata, seqs: list[SeqInput]) -> bool:
-        """Whether the histories of the penalized rows of `seqs` (one draw each), one token
-        longer than in the step before them, which packed `sampling_md`, still fit its
-        width."""
-        if not sampling_md.use_penalties:  # none in the step before: none in these rows
-            return True
-        slots = history_slots([s.sampling[0] for s in seqs])
-        return slots is None or max(slots) < sampling_md.output_token_ids.shape[1]
-
-    def _with_history(self, sampling_md: SamplingMetadata, rows: list[SamplingRow],
+    def _with_history(self, sampling_md: SamplingMetadata, slots: list[int] | None,
                       token_ids: jax.Array) -> SamplingMetadata:
         """A run-ahead step's sampler metadata with each penalized row's last output token
-        (the step before drew it: `token_ids`, row r sequence r) written on the device where
-        its row's placeholder is (`next_row`)."""
-        slots = history_slots(rows) if sampling_md.use_penalties else None
+        (the step before drew it: `token_ids`, row r sequence r) written on the device at
+        its row's placeholder (`slots`: `history_slots` of the rows; None: no penalties)."""
         if slots is None:
             return sampling_md
         history = sampling_md.output_token_ids
@@ -990,11 +980,15 @@ class ModelRunner(HostSwaps):
             tokens = self._call(("next_tokens", steps[0].num_rows), NEXT_TOKENS,
                                 (steps[0].drawn["tokens"], len(picks)), self.timer)
             inputs = steps[0].inputs
+            # penalized rows' placeholders (none where the step before had no penalties)
+            history = None if inputs is None or not inputs.sampling_md.use_penalties else (
+                history_slots([s.sampling[0] for s in nxt]))
             if inputs is not None and inputs.width == bucket_for(max(
                     -(-(s.num_computed + 1) // self.block_size) for s in nxt),
-                    self.width_buckets) and self._history_fits(inputs.sampling_md, nxt):
+                    self.width_buckets) and (history is None or max(history) < (
+                        inputs.sampling_md.output_token_ids.shape[1])):
                 # its tables hold the next step's blocks, its sampler's history the tokens
-                return Ahead(nxt, self._advance(steps[0], nxt, tokens), going)
+                return Ahead(nxt, self._advance(steps[0], nxt, tokens, history), going)
         else:  # rows left out, or drawn by two steps: picked out of both on the device
             offsets = [0, steps[0].num_rows]
             picked = np.zeros(bucket_for(len(picks), self.decode_buckets), np.int32)

@@ -499,8 +499,8 @@ def test_a_step_run_ahead_is_made_on_the_device_as_the_host_would_build_it(hf_mo
     runner = llm.engine.runner
     advance, made, changed = runner._advance, [], []
 
-    def checked(prev, seqs, token_ids):
-        step = advance(prev, seqs, token_ids)
+    def checked(prev, seqs, token_ids, *rest):
+        step = advance(prev, seqs, token_ids, *rest)
         inputs, width = step.inputs, step.inputs.width
         windowed = runner.window is not None
         positions, md = build_metadata(
