@@ -301,7 +301,7 @@ MAX_PREFETCH_BYTES = 1 << 20  # the handler's kMaxPrefetchBytes
 
 def packed_matmul(x: jax.Array, packed: jax.Array, *, live_rows: jax.Array | int | None = None,
                   bf16_dot: bool | None = None, tiles: bool | None = None,
-                  prefetch_bytes: int = 0) -> jax.Array:
+                  prefetch_bytes: int = 0, layer: int | None = None) -> jax.Array:
     """x [M, K] @ w, given `pack_weight(w)` (x of w's dtype), as float32 [M, N]: products and
     sums as `small_matmul(x, w, bf16_dot=...)`'s [K, N] tiles', bit for bit (float32 sums in k's
     order; `bf16_dot` as there). Any M: up to 8 rows (6 on a CPU without AVX-512) are computed
@@ -315,29 +315,46 @@ def packed_matmul(x: jax.Array, packed: jax.Array, *, live_rows: jax.Array | int
     multiplied, the output's other rows are zeros (a shape bucket's padding rows, whose
     products no one reads). `prefetch_bytes`: how far ahead in a panel's stream the walk
     prefetches; 0 (default) lets the kernel choose by the rows of a pass (a tuning knob for
-    `scripts/lab/matmul_prefetch_ab.py --bytes`; the result does not depend on it). The
-    kernel must be `available()`."""
+    `scripts/lab/matmul_prefetch_ab.py --bytes`; the result does not depend on it). `layer`:
+    `packed` is a stack of packed weights [L, ...] (`np.stack` of them) and the matmul reads its
+    layer `layer` in place (nothing copied: a slice of it in XLA would be). The kernel must be
+    `available()`."""
     if not available():
         raise RuntimeError("the CPU kernel library is not available")
+    packed_shape = _layer_shape("packed_matmul", packed, layer)
     dtype = jnp.dtype(x.dtype)
     if dtype not in (jnp.float32, jnp.bfloat16) or jnp.dtype(packed.dtype) != dtype:
         raise ValueError(f"packed_matmul takes x and a packed weight of one dtype, float32 or "
                          f"bfloat16, got {dtype.name} and {jnp.dtype(packed.dtype).name}")
     g, panel = _group(dtype), panel_columns()
-    if (x.ndim != 2 or packed.ndim != 4 or packed.shape[2:] != (panel, g)
-            or -(-x.shape[1] // g) != packed.shape[1]):
+    if (x.ndim != 2 or len(packed_shape) != 4 or packed_shape[2:] != (panel, g)
+            or -(-x.shape[1] // g) != packed_shape[1]):
         raise ValueError(f"packed_matmul takes x [M, K] and a packed {dtype.name} weight "
                          f"[N / {panel}, ceil(K / {g}), {panel}, {g}], got x {tuple(x.shape)} "
-                         f"and {tuple(packed.shape)}")
+                         f"and {packed_shape}")
     if not 0 <= prefetch_bytes <= MAX_PREFETCH_BYTES:
         raise ValueError(f"prefetch_bytes must be in [0, {MAX_PREFETCH_BYTES}] (0: by the rows), "
                          f"got {prefetch_bytes}")
-    n = packed.shape[0] * panel
+    n = packed_shape[0] * panel
     live = jnp.asarray(x.shape[0] if live_rows is None else live_rows, jnp.int32).reshape(())
     return jax.ffi.ffi_call(cpu_library.TARGET_PACKED_MATMUL,
                             jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
         x, packed, live,
-        bf16_dot=np.int64(_bf16_dot_mode(bf16_dot, tiles)), prefetch_bytes=np.int64(prefetch_bytes))
+        bf16_dot=np.int64(_bf16_dot_mode(bf16_dot, tiles)), prefetch_bytes=np.int64(prefetch_bytes),
+        layer=np.int64(-1 if layer is None else layer))
+
+
+def _layer_shape(op: str, array, layer: int | None) -> tuple[int, ...]:
+    """The shape `op` reads of `array`: its own, or with `layer` one layer's of a stack [L, ...]
+    (`layer` in [0, L), checked)."""
+    shape = tuple(array.shape)
+    if layer is None:
+        return shape
+    if not shape or not 0 <= layer < shape[0]:
+        raise ValueError(f"{op}: layer {layer} is outside the stacked {shape} (a leading axis "
+                         "of layers)")
+    return shape[1:]
+
 
 
 def packable_int8(w: jax.Array) -> bool:
@@ -368,7 +385,7 @@ def unpack_weight_int8(packed: jax.Array, k: int | None = None) -> jax.Array:
 
 def packed_matmul_int8(x: jax.Array, packed: jax.Array, scale: jax.Array, *,
                        live_rows: jax.Array | int | None = None,
-                       prefetch_bytes: int = 0) -> jax.Array:
+                       prefetch_bytes: int = 0, layer: int | None = None) -> jax.Array:
     """(x [M, K] @ w) * scale[None, :] as float32 [M, N], given `pack_weight_int8(w)` of an int8
     w [K, N] and its columns' scales `scale` [N] (cast to float32), x float32 or bfloat16.
     Each row of x is scaled to int16, x_q = rint(x / s) with s = max|x[m]| / 32767 (float64
@@ -381,31 +398,35 @@ def packed_matmul_int8(x: jax.Array, packed: jax.Array, scale: jax.Array, *,
     roundings of the exact product. A row of zeros gives zeros; a row holding a NaN or an inf
     gives NaNs (it has no scale). Any M: up to 8 rows (6 on a CPU without AVX-512) in one pass
     over each panel, more in more passes that widen it again from cache (cpu/matmul_int8.h).
-    `live_rows` and `prefetch_bytes` as `packed_matmul`'s (rows past `live_rows` are zeros).
-    The kernel must be `available()`."""
+    `live_rows`, `prefetch_bytes` and `layer` as `packed_matmul`'s (rows past `live_rows` are
+    zeros; with `layer`, `packed` [L, ...] and `scale` [L, N] are stacks). The kernel must be
+    `available()`."""
     if not available():
         raise RuntimeError("the CPU kernel library is not available")
+    packed_shape = _layer_shape("packed_matmul_int8", packed, layer)
+    scale_shape = _layer_shape("packed_matmul_int8", scale, layer)
     dtype = jnp.dtype(x.dtype)
     if dtype not in (jnp.float32, jnp.bfloat16) or jnp.dtype(packed.dtype) != jnp.int8:
         raise ValueError(f"packed_matmul_int8 takes x float32 or bfloat16 and an int8 packed "
                          f"weight, got {dtype.name} and {jnp.dtype(packed.dtype).name}")
     panel = panel_columns()
-    if (x.ndim != 2 or packed.ndim != 4 or packed.shape[2:] != (panel, 2)
-            or (x.shape[1] + 1) // 2 != packed.shape[1]):
+    if (x.ndim != 2 or len(packed_shape) != 4 or packed_shape[2:] != (panel, 2)
+            or (x.shape[1] + 1) // 2 != packed_shape[1]):
         raise ValueError(f"packed_matmul_int8 takes x [M, K] and a packed int8 weight "
                          f"[N / {panel}, ceil(K / 2), {panel}, 2], got x {tuple(x.shape)} and "
-                         f"{tuple(packed.shape)}")
-    n = packed.shape[0] * panel
-    if tuple(scale.shape) != (n,):
+                         f"{packed_shape}")
+    n = packed_shape[0] * panel
+    if scale_shape != (n,):
         raise ValueError(f"packed_matmul_int8 takes a scale [N] = [{n}], one a column, got "
-                         f"{tuple(scale.shape)}")
+                         f"{scale_shape}")
     if not 0 <= prefetch_bytes <= MAX_PREFETCH_BYTES:
         raise ValueError(f"prefetch_bytes must be in [0, {MAX_PREFETCH_BYTES}] (0: by the rows), "
                          f"got {prefetch_bytes}")
     live = jnp.asarray(x.shape[0] if live_rows is None else live_rows, jnp.int32).reshape(())
     return jax.ffi.ffi_call(cpu_library.TARGET_PACKED_MATMUL_INT8,
                             jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
-        x, packed, jnp.asarray(scale, jnp.float32), live, prefetch_bytes=np.int64(prefetch_bytes))
+        x, packed, jnp.asarray(scale, jnp.float32), live, prefetch_bytes=np.int64(prefetch_bytes),
+        layer=np.int64(-1 if layer is None else layer))
 
 
 def _bf16_dot_mode(bf16_dot: bool | None, tiles: bool | None) -> int:
@@ -471,30 +492,37 @@ def qkv_rope(qkv: jax.Array, cos: jax.Array, sin: jax.Array, num_heads: int,
         jax.ShapeDtypeStruct((rows, num_kv_heads, dim), dtype)))(qkv, cos, sin.astype(dtype))
 
 
-def decoder_layer(x: jax.Array, h: jax.Array, layer: dict, cos: jax.Array, sin: jax.Array,
+def decoder_layer(x: jax.Array, h: jax.Array, weights: dict, cos: jax.Array, sin: jax.Array,
                   k_pool: jax.Array, v_pool: jax.Array, slot_mapping: jax.Array,
                   block_tables: jax.Array, seq_lens: jax.Array, query_start_loc: jax.Array,
                   next_norm: jax.Array, *, num_heads: int, eps: float,
                   scale: float | None = None, live_rows: jax.Array | int | None = None,
                   query_tile: int = QUERY_TILE, key_splits: int = 0,
-                  bf16_dot: bool | None = None, tiles: bool | None = None
+                  bf16_dot: bool | None = None, tiles: bool | None = None,
+                  layer: int | None = None, next_layer: int | None = None
                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """A Llama-family decoder layer without biases or q/k norms in one kernel call: given the
     residual stream x [T, H] and its attention norm h, (x2, h2, k_pool, v_pool) with x2 the
     layer's output, h2 = RMSNorm(x2) * next_norm (the next layer's input norm, or the final
     one), and the pools [KH, blocks, block_size, D] with this step's K/V written at
-    `slot_mapping` (in place: the results alias them). `layer` holds "qkv", "o", "gate_up",
+    `slot_mapping` (in place: the results alias them). `weights` holds "qkv", "o", "gate_up",
     "down" packed (`pack_weight`) and "mlp_norm"; x, h, cos, sin [T, D], the pools and the
     norms are one dtype, float32 or bfloat16. Any of the four weights may instead be int8,
-    packed by `pack_weight_int8`, with its columns' float32 scales [N] in `layer` under its
+    packed by `pack_weight_int8`, with its columns' float32 scales [N] in `weights` under its
     name + "_scale" ("qkv_scale", "o_scale", "gate_up_scale", "down_scale"), run as
     `packed_matmul_int8` runs it. Bit for bit what the unfused calls give: `packed_matmul` (or
     `packed_matmul_int8`), `qkv_rope`, `set_rows`, `paged_attention_cpu`, `add_rms_norm`,
     `silu_mul` in `jaxpage.models.llama.LlamaModel.forward`'s order, with the same
-    `live_rows`, `query_tile`, `key_splits` and `bf16_dot` / `tiles`. The kernel must be
-    `available()`."""
+    `live_rows`, `query_tile`, `key_splits` and `bf16_dot` / `tiles`. With `layer`, the four
+    weights, their scales and "mlp_norm" are stacks over the model's layers ([L, ...],
+    `np.stack` of each) read at `layer` in place; with `next_layer`, `next_norm` is a stack [L, H]
+    read at `next_layer`. The kernel must be `available()`."""
     if not available():
         raise RuntimeError("the CPU kernel library is not available")
+    for name in ("qkv", "o", "gate_up", "down", "mlp_norm"):
+        _layer_shape("decoder_layer", weights[name], layer)
+    if next_layer is not None:
+        _layer_shape("decoder_layer", next_norm, next_layer)
     dtype = _check_model_dtype("decoder_layer", x.dtype)
     if key_splits < 0:
         raise ValueError(f"key_splits must be >= 0 (0: the kernel chooses), got {key_splits}")
@@ -504,22 +532,25 @@ def decoder_layer(x: jax.Array, h: jax.Array, layer: dict, cos: jax.Array, sin: 
     ints = [a.astype(jnp.int32) for a in (slot_mapping, block_tables, seq_lens, query_start_loc)]
     scales = []  # an int8 weight's columns' scales; none for a float weight
     for name in ("qkv", "o", "gate_up", "down"):
-        int8, scaled = jnp.dtype(layer[name].dtype) == jnp.int8, f"{name}_scale" in layer
+        int8, scaled = jnp.dtype(weights[name].dtype) == jnp.int8, f"{name}_scale" in weights
         if int8 != scaled:
             raise ValueError(f"decoder_layer takes {name!r} int8 with {name + '_scale'!r}, or a "
-                             f"float weight without one, got {jnp.dtype(layer[name].dtype).name}"
+                             f"float weight without one, got {jnp.dtype(weights[name].dtype).name}"
                              f" and {'a' if scaled else 'no'} scale")
-        scales.append(jnp.asarray(layer[f"{name}_scale"], jnp.float32) if int8
+        scales.append(jnp.asarray(weights[f"{name}_scale"], jnp.float32) if int8
                       else jnp.zeros((0,), jnp.float32))
     out = (jax.ShapeDtypeStruct(x.shape, dtype), jax.ShapeDtypeStruct(x.shape, dtype),
            jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype),
            jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype))
     return jax.ffi.ffi_call(cpu_library.TARGET_DECODER_LAYER, out,
                             input_output_aliases={5: 2, 6: 3})(
-        x, h, layer["qkv"], cos, sin, k_pool, v_pool, *ints, layer["o"], layer["mlp_norm"],
-        layer["gate_up"], layer["down"], next_norm, live, *scales, num_heads=np.int64(num_heads),
+        x, h, weights["qkv"], cos, sin, k_pool, v_pool, *ints, weights["o"],
+        weights["mlp_norm"], weights["gate_up"], weights["down"], next_norm, live, *scales,
+        num_heads=np.int64(num_heads),
         eps=np.float32(eps), scale=np.float32(scale), query_tile=np.int64(query_tile),
-        key_splits=np.int64(key_splits), bf16_dot=np.int64(_bf16_dot_mode(bf16_dot, tiles)))
+        key_splits=np.int64(key_splits), bf16_dot=np.int64(_bf16_dot_mode(bf16_dot, tiles)),
+        layer=np.int64(-1 if layer is None else layer),
+        next_layer=np.int64(-1 if next_layer is None else next_layer))
 
 
 LORA_DTYPES = (jnp.float32, jnp.bfloat16)  # x, a and b: the kernel's element types

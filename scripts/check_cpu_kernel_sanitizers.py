@@ -294,14 +294,14 @@ def bad_inputs():
                                 jax.ShapeDtypeStruct(out_shape, jnp.float32))
         w = jnp.ones((1, 4, panel, 2), jnp.bfloat16)  # K = 8 packed, N = one panel
         return lambda: call(jnp.ones((2, k), jnp.bfloat16), w, np.int32(2), bf16_dot=np.int64(1),
-                            prefetch_bytes=np.int64(0))
+                            prefetch_bytes=np.int64(0), layer=np.int64(-1))
 
     def packed_matmul_int8(out_shape, k=8, scale_n=panel):
         call = jax.ffi.ffi_call(cpu_library.TARGET_PACKED_MATMUL_INT8,
                                 jax.ShapeDtypeStruct(out_shape, jnp.float32))
         w = jnp.ones((1, 4, panel, 2), jnp.int8)  # K = 8 packed in pairs, N = one panel
         return lambda: call(jnp.ones((2, k), jnp.float32), w, jnp.ones(scale_n, jnp.float32),
-                            np.int32(2), prefetch_bytes=np.int64(0))
+                            np.int32(2), prefetch_bytes=np.int64(0), layer=np.int64(-1))
 
     def set_rows(index, values_shape=(1, 1, 8)):
         return lambda: cpu_ops.set_rows(jnp.zeros((1, 6, 4, 8), jnp.bfloat16),

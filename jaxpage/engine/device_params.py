@@ -25,6 +25,17 @@ def packs_weights(model: Any, device: Any, dtype) -> bool:
             and cpu_ops.available())
 
 
+def pack_params(model: Any, params: Any) -> Any:
+    """The model's params packed for the kernel (`packs_weights` said so), their layers stacked
+    (one array a param name, `jaxpage.layers.stacked`: a step's call hands the host a few
+    arrays to dispatch, not hundreds) where the model reads them so (`reads_stacked_layers`)
+    and `JAXPAGE_CPU_STACKED_LAYERS` is not "0" (per-layer arrays, for comparisons)."""
+    if (getattr(model, "reads_stacked_layers", False)
+            and os.environ.get("JAXPAGE_CPU_STACKED_LAYERS", "1") != "0"):
+        return model.pack_params(params, stack=True)
+    return model.pack_params(params)
+
+
 def cast_params(params: Any, dtype) -> Any:
     """`cast_float` over a params pytree; an 8-bit weight (values and float32 scales) is kept
     as loaded."""

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpage.attention import select_backend
-from jaxpage.engine.device_params import cast_params, packs_weights
+from jaxpage.engine.device_params import cast_params, pack_params, packs_weights
 from jaxpage.parallel import TensorParallel, TensorParallelModel
 
 if TYPE_CHECKING:
@@ -95,6 +95,6 @@ def build_draft(model: Any, params: Any, config: EngineConfig, draft: tuple[Any,
         return Draft(TensorParallelModel.wrap(draft_model, plan),
                      plan.shard_params(draft_params), "draft", None, plan.pool_kv_heads)
     if packs_weights(draft_model, device, dtype):
-        draft_params = draft_model.pack_params(draft_params)
+        draft_params = pack_params(draft_model, draft_params)
     return Draft(draft_model, jax.device_put(draft_params, device), "draft", None,
                  draft_config.num_kv_heads)

@@ -210,7 +210,7 @@ class ModelRunner(HostSwaps):
             self._input_sharding = self.parallel.replicated
         else:
             if device_params.packs_weights(model, devices[0], dtype):  # on the host, first
-                params = model.pack_params(params)
+                params = device_params.pack_params(model, params)
             self.params = jax.device_put(params, devices[0])
             self._pool_sharding = jax.sharding.SingleDeviceSharding(devices[0])
             self._input_sharding = self._pool_sharding

@@ -16,6 +16,8 @@ weights. A family is written once against them and imports no kernel itself.
     rotary      rotary embedding (`cos_sin`, `rotate`, `split_rotate`)
     embedding   the embedding lookup (plain, packed as a tied head, vocabulary-parallel)
     fused       a whole Llama-family layer in one CPU kernel call (`fusable`, `decoder_layer`)
+    stacked     a model's layers as one array a param name, read in place by the CPU kernels
+                (`StackedLayers`, `stack`)
     lora        the LoRA deltas of tokens under several adapters (`lora_matmul`)
     dispatch    where a layer's elementwise glue runs (`cpu_glue`)
 """
@@ -43,11 +45,13 @@ from jaxpage.layers.quantized_linear import (
     ragged_matmul,
 )
 from jaxpage.layers.rotary import cos_sin, rotate, split_rotate
+from jaxpage.layers.stacked import LayerWeight, StackedLayers
 
 __all__ = [
     "ACTIVATIONS", "FUSED_LAYER_PARAMS", "FUSED_LAYER_ROWS", "FUSED_LAYER_WEIGHTS",
-    "QUANTIZATIONS", "SMALL_MATMUL_ROWS", "QuantizedWeight", "add_rms_norm", "cos_sin",
-    "decoder_layer", "dequantize", "embed", "expert_einsum", "expert_matmul", "fusable",
-    "is_quantized", "linear", "lora_matmul", "matmul_f32", "pack_weight", "packable",
-    "quantize", "ragged_matmul", "rms_norm", "rotate", "silu_mul", "split_rotate",
+    "QUANTIZATIONS", "SMALL_MATMUL_ROWS", "LayerWeight", "QuantizedWeight", "StackedLayers",
+    "add_rms_norm", "cos_sin", "decoder_layer", "dequantize", "embed", "expert_einsum",
+    "expert_matmul", "fusable", "is_quantized", "linear", "lora_matmul", "matmul_f32",
+    "pack_weight", "packable", "quantize", "ragged_matmul", "rms_norm", "rotate", "silu_mul",
+    "split_rotate",
 ]

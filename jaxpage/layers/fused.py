@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import jax
 
-from jaxpage.layers import dispatch, quantized_linear
+from jaxpage.layers import dispatch, quantized_linear, stacked
 from pallas_kernels import cpu_ops
 
 if TYPE_CHECKING:
@@ -43,9 +43,10 @@ def fusable(layer: dict, layer_kv: LayerKV, next_norm: jax.Array, x: jax.Array,
     weights run unfused."""
     dtype = x.dtype
 
-    def packed(w) -> bool:
-        if quantized_linear.is_quantized(w):
-            return w.packed and w.format == "int8"
+    def packed(w) -> bool:  # a weight, or a layer of a stack (`stacked.LayerWeight`)
+        whole = w.stacked if stacked.is_layer_weight(w) else w
+        if quantized_linear.is_quantized(whole):
+            return whole.packed and whole.format == "int8"
         return w.ndim == 4 and w.dtype == dtype
 
     return (metadata.backend == "cpp"
@@ -65,13 +66,22 @@ def decoder_layer(x: jax.Array, h: jax.Array, layer: dict, cos: jax.Array, sin: 
     """(x2, h2, layer_kv2) of a `fusable` layer: x2 its output for the residual stream x
     [T, H] and x's attention norm h, h2 = rms_norm(x2) * next_norm (the next layer's input
     norm, or the final one), the pools with the step's K/V written (`cpu_ops.decoder_layer`:
-    in place)."""
-    weights = dict(layer)
-    for name in FUSED_LAYER_WEIGHTS:  # an int8 weight: its values, its scales beside
-        if quantized_linear.is_quantized(layer[name]):
-            weights[name], weights[f"{name}_scale"] = layer[name].values, layer[name].scale
+    in place). The layer may be one of a stack (`stacked.StackedLayers.layer`: its params
+    `LayerWeight`s) and `next_norm` too: the kernel reads them in place."""
+    weights, index = {}, None
+    for name, w in layer.items():
+        if stacked.is_layer_weight(w):
+            w, index = w.stacked, w.index
+        if name in FUSED_LAYER_WEIGHTS and quantized_linear.is_quantized(w):
+            # an int8 weight: its values, its scales beside
+            weights[name], weights[f"{name}_scale"] = w.values, w.scale
+        else:
+            weights[name] = w
+    next_index = None
+    if stacked.is_layer_weight(next_norm):
+        next_norm, next_index = next_norm.stacked, next_norm.index
     x, h, *pools = cpu_ops.decoder_layer(
         x, h, weights, cos, sin, *layer_kv, metadata.slot_mapping, metadata.block_tables,
         metadata.seq_lens, metadata.query_start_loc, next_norm, num_heads=num_heads, eps=eps,
-        live_rows=live_rows)
+        live_rows=live_rows, layer=index, next_layer=next_index)
     return x, h, tuple(pools)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxpage.layers import quantized_linear
+from jaxpage.layers import quantized_linear, stacked
 from pallas_kernels import cpu_ops, lowering
 
 # rows up to which a CPU matmul takes the kernel library's small_matmul (decode steps and
@@ -64,7 +64,10 @@ def matmul_f32(x: jax.Array, w: jax.Array, *, transpose_w: bool = False,
     past it are padding): it multiplies only the live rows, the others are zeros there and
     whatever the dot gives elsewhere; no one reads them. An 8-bit weight
     (`quantized_linear.QuantizedWeight`, never transposed) takes `quantized_linear.matmul_f32`:
-    the CPU kernel's int8 packed matmul where packed, else XLA's dot."""
+    the CPU kernel's int8 packed matmul where packed, else XLA's dot. A layer of a stack
+    (`stacked.LayerWeight`, packed) takes the kernel's matmul reading it in place."""
+    if stacked.is_layer_weight(w):
+        return stacked.matmul_f32(x, w, live_rows=live_rows)
     if quantized_linear.is_quantized(w):
         return quantized_linear.matmul_f32(x, w, live_rows=live_rows)
     if w.ndim == 4:

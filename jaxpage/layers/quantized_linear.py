@@ -77,8 +77,9 @@ class QuantizedWeight:
         return int(self.values.nbytes) + int(self.scale.nbytes)
 
     def __getitem__(self, index) -> QuantizedWeight:
-        """The weights at `index` of the leading (expert) axes, e.g. one expert's [K, N]."""
-        return QuantizedWeight(self.values[index], self.scale[index])
+        """The weights at `index` of the leading axes, e.g. one expert's [K, N] or one layer's
+        of a stack (`jaxpage.layers.stacked`), packed as the stack is."""
+        return QuantizedWeight(self.values[index], self.scale[index], self.packed)
 
 
 jax.tree_util.register_dataclass(QuantizedWeight, data_fields=["values", "scale"],

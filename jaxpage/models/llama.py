@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3) as pure functions.
 
-Params are a plain pytree with one dict per layer (separate arrays per layer: slicing
-layers out of stacked arrays inside the jitted step costs far more than it saves on CPU):
+Params are a plain pytree with one dict per layer (a CPU runner's packed params may instead
+hold the layers stacked, one array a name read in place by the kernels: `layers.stacked`,
+since slicing layers out of stacked arrays inside the jitted step copies them on XLA:CPU):
 
     {"embed": [V, H],
      "layers": [{"attn_norm": [H], "qkv": [H, Q + 2K], "o": [Q, H],
@@ -40,14 +41,16 @@ Params = dict[str, Any]
 PACKED_WEIGHTS = ("qkv", "o", "gate_up", "down")
 
 
-def pack_params(params: Params) -> Params:
+def pack_params(params: Params, stack: bool = False) -> Params:
     """The params with each layer's projections (PACKED_WEIGHTS) and the LM head (`lm_head`, or
     a tied `embed` as [H, V]) packed where `layers.packable` (`layers.pack_weight`), and
     int8 projections (`layers.QuantizedWeight`) where the kernel library packs int8
     (`quantized_linear.packable`): the layout a CPU runner keeps them in, so that every matmul
     of them streams its weights in order. `layers.matmul_f32` and `layers.embed` take packed
     weights as they take the others; the engine packs only where the kernel library is
-    available."""
+    available. With `stack`, the layers are kept as one array a param name
+    (`layers.StackedLayers`, read in place by the kernels) where every layer is a plain one of
+    FUSED_LAYER_PARAMS with its projections packed; otherwise as a list of dicts."""
     def pack(name, w):  # NumPy params pack on the host; the others are kept
         if name not in PACKED_WEIGHTS:
             return w
@@ -55,8 +58,11 @@ def pack_params(params: Params) -> Params:
             return layers.quantized_linear.pack(w) if layers.quantized_linear.packable(w) else w
         return layers.pack_weight(w) if layers.packable(w) else w
 
-    packed_layers = [{name: pack(name, w) for name, w in layer.items()}
-                     for layer in params["layers"]]
+    packed_layers = (layers.stacked.stack(params["layers"], layers.FUSED_LAYER_PARAMS, pack)
+                     if stack else None)
+    if packed_layers is None:
+        packed_layers = [{name: pack(name, w) for name, w in layer.items()}
+                         for layer in params["layers"]]
     out = dict(params, layers=packed_layers)
     head = "lm_head" if "lm_head" in params else "embed"
     if layers.is_quantized(params[head]):  # quantize_lm_head: [H, V] either way
@@ -96,13 +102,15 @@ class LlamaModel:
     fuse_layers: bool = True
     # its projections take LoRA adapters (params["lora"]: see the module docstring)
     supports_lora = True
+    # its forward reads params["layers"] stacked (`layers.StackedLayers`) as well as listed
+    reads_stacked_layers = True
 
     def with_tensor_parallel(self, local_config: ModelConfig, axis: str) -> LlamaModel:
         return dataclasses.replace(self, config=local_config, tp_axis=axis)
 
-    def pack_params(self, params: Params) -> Params:
+    def pack_params(self, params: Params, stack: bool = False) -> Params:
         """The params as a CPU runner keeps them: see the module-level `pack_params`."""
-        return pack_params(params)
+        return pack_params(params, stack and self.reads_stacked_layers)
 
     def _all_reduce(self, x: jax.Array) -> jax.Array:
         return x if self.tp_axis is None else jax.lax.psum(x, self.tp_axis)
@@ -140,6 +148,8 @@ class LlamaModel:
         new_pool = []
         live = metadata.query_start_loc[-1]  # the step's tokens; the bucket's padding follows
         param_layers = params["layers"]
+        if isinstance(param_layers, layers.StackedLayers):  # each layer read in place
+            param_layers = [param_layers.layer(i) for i in range(len(param_layers))]
         # each residual add is fused with the norm after it (`layers.add_rms_norm`): the next
         # sublayer's input norm, and after the last layer the final norm
         next_norms = [layer["attn_norm"] for layer in param_layers[1:]] + [params["final_norm"]]
@@ -209,8 +219,10 @@ class LlamaModel:
 
     def _add_norm(self, x: jax.Array, delta: jax.Array | None, weight: jax.Array
                   ) -> tuple[jax.Array, jax.Array]:
-        """(x + delta in x's dtype, its norm): `layers.add_rms_norm`, one kernel call on CPU."""
-        return layers.add_rms_norm(x, delta, weight, self.config.rms_norm_eps)
+        """(x + delta in x's dtype, its norm): `layers.add_rms_norm`, one kernel call on CPU (a
+        norm of stacked layers sliced out: `layers.stacked.array`)."""
+        return layers.add_rms_norm(x, delta, layers.stacked.array(weight),
+                                   self.config.rms_norm_eps)
 
     def _sublayer_output(self, out: jax.Array, layer, bias: str, dtype, unrounded: bool
                          ) -> jax.Array:

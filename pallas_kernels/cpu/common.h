@@ -13,6 +13,7 @@
 #include <limits>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -168,6 +169,40 @@ std::string shape_string(ffi::Span<const int64_t> dims) {
   for (size_t i = 0; i < dims.size(); ++i) text += (i ? ", " : "") + std::to_string(dims[i]);
   return text + "]";
 }
+
+// One layer of a buffer stacked per layer kind, [L, ...]: a view of layer `layer` as a buffer
+// of the trailing dims (its data in place, nothing copied), so a handler reads a layer of
+// the model's stacked weights as it reads a weight of its own (`layer` < 0: the buffer
+// itself, not stacked). `ok()` is false where `layer` is outside [0, L) or the buffer has no
+// leading axis; the handler reports it.
+class LayerView {
+ public:
+  template <typename Buf>
+  LayerView(const Buf& stacked, int64_t layer) {
+    const auto dims = stacked.dimensions();
+    const bool whole = layer < 0;
+    ok_ = whole || (dims.size() > 0 && layer < dims[0]);
+    const size_t skip = whole || !ok_ ? 0 : 1;
+    dims_.assign(dims.begin() + skip, dims.end());
+    char* data = static_cast<char*>(stacked.untyped_data());
+    if (skip) data += layer * static_cast<int64_t>(stacked.size_bytes() / dims[0]);
+    buf_ = XLA_FFI_Buffer{XLA_FFI_Buffer_STRUCT_SIZE, nullptr,
+                          static_cast<XLA_FFI_DataType>(stacked.element_type()), data,
+                          static_cast<int64_t>(dims_.size()), dims_.data()};
+  }
+  LayerView(const LayerView&) = delete;  // buf_ points into dims_
+  LayerView& operator=(const LayerView&) = delete;
+
+  bool ok() const { return ok_; }
+  ffi::AnyBuffer any() const { return ffi::AnyBuffer(&buf_); }
+  template <ffi::DataType kType>
+  ffi::Buffer<kType> typed() const { return ffi::Buffer<kType>(&buf_); }
+
+ private:
+  bool ok_ = false;
+  std::vector<int64_t> dims_;
+  XLA_FFI_Buffer buf_{};
+};
 
 std::string type_name(ffi::DataType type) {
   switch (type) {

@@ -267,19 +267,50 @@ bool is_vector_of(ffi::AnyBuffer b, int64_t n) {
   return b.dimensions().size() == 1 && b.dimensions()[0] == n;
 }
 
+// The weights, their int8 scales ([L, N]; a float weight's [0] is not stacked) and mlp_norm
+// may be stacked per layer kind [L, ...] and read at `layer`, next_norm at `next_layer`
+// (LayerView; -1: not stacked): a model's layers then hand the call their one array per kind.
 ffi::Error DecoderLayer(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer h,
-                        ffi::AnyBuffer w_qkv, ffi::AnyBuffer cos, ffi::AnyBuffer sin,
+                        ffi::AnyBuffer stacked_qkv, ffi::AnyBuffer cos, ffi::AnyBuffer sin,
                         ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
                         ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> block_tables,
                         ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
-                        ffi::AnyBuffer w_o, ffi::AnyBuffer mlp_norm, ffi::AnyBuffer w_gate_up,
-                        ffi::AnyBuffer w_down, ffi::AnyBuffer next_norm,
-                        ffi::Buffer<ffi::S32> live, ffi::Buffer<ffi::F32> s_qkv,
-                        ffi::Buffer<ffi::F32> s_o, ffi::Buffer<ffi::F32> s_gate_up,
-                        ffi::Buffer<ffi::F32> s_down, int64_t num_heads, float eps, float scale,
-                        int64_t query_tile, int64_t key_splits, int64_t bf16_dot,
-                        ffi::Result<ffi::AnyBuffer> x_out, ffi::Result<ffi::AnyBuffer> h_out,
-                        ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
+                        ffi::AnyBuffer stacked_o, ffi::AnyBuffer stacked_mlp_norm,
+                        ffi::AnyBuffer stacked_gate_up, ffi::AnyBuffer stacked_down,
+                        ffi::AnyBuffer stacked_next_norm, ffi::Buffer<ffi::S32> live,
+                        ffi::Buffer<ffi::F32> stacked_s_qkv, ffi::Buffer<ffi::F32> stacked_s_o,
+                        ffi::Buffer<ffi::F32> stacked_s_gate_up,
+                        ffi::Buffer<ffi::F32> stacked_s_down, int64_t num_heads, float eps,
+                        float scale, int64_t query_tile, int64_t key_splits, int64_t bf16_dot,
+                        int64_t layer, int64_t next_layer, ffi::Result<ffi::AnyBuffer> x_out,
+                        ffi::Result<ffi::AnyBuffer> h_out, ffi::Result<ffi::AnyBuffer> k_out,
+                        ffi::Result<ffi::AnyBuffer> v_out) {
+  auto scale_layer = [layer](const ffi::Buffer<ffi::F32>& s) {
+    return s.dimensions().size() == 2 ? layer : -1;
+  };
+  const LayerView qkv_view(stacked_qkv, layer), o_view(stacked_o, layer),
+      gate_up_view(stacked_gate_up, layer), down_view(stacked_down, layer),
+      mlp_norm_view(stacked_mlp_norm, layer), next_norm_view(stacked_next_norm, next_layer),
+      s_qkv_view(stacked_s_qkv, scale_layer(stacked_s_qkv)),
+      s_o_view(stacked_s_o, scale_layer(stacked_s_o)),
+      s_gate_up_view(stacked_s_gate_up, scale_layer(stacked_s_gate_up)),
+      s_down_view(stacked_s_down, scale_layer(stacked_s_down));
+  for (const LayerView* view : {&qkv_view, &o_view, &gate_up_view, &down_view, &mlp_norm_view,
+                                &next_norm_view, &s_qkv_view, &s_o_view, &s_gate_up_view,
+                                &s_down_view})
+    if (!view->ok())
+      return InvalidLayer("layer " + std::to_string(layer) + " (next " +
+                          std::to_string(next_layer) + ") is outside the stacked weights " +
+                          shape_string(stacked_qkv.dimensions()) + " or norms " +
+                          shape_string(stacked_mlp_norm.dimensions()) + " " +
+                          shape_string(stacked_next_norm.dimensions()));
+  const ffi::AnyBuffer w_qkv = qkv_view.any(), w_o = o_view.any(),
+                       w_gate_up = gate_up_view.any(), w_down = down_view.any(),
+                       mlp_norm = mlp_norm_view.any(), next_norm = next_norm_view.any();
+  const ffi::Buffer<ffi::F32> s_qkv = s_qkv_view.typed<ffi::F32>(),
+                              s_o = s_o_view.typed<ffi::F32>(),
+                              s_gate_up = s_gate_up_view.typed<ffi::F32>(),
+                              s_down = s_down_view.typed<ffi::F32>();
   const ffi::DataType type = x.element_type();
   const auto xd = x.dimensions(), pd = k_pool.dimensions(), cd = cos.dimensions();
   bool types = is_model_type(type);

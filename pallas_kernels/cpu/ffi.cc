@@ -90,9 +90,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagePackedMatmul, PackedMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()          // x [M, K]
                                   .Arg<ffi::AnyBuffer>()          // w [N / 32, ceil(K / G), 32, G]
+                                  //                                 or [L, ...] (`layer`)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // live rows: the rest zeros
                                   .Attr<int64_t>("bf16_dot")      // 1: vdpbf16ps, 2: AMX tiles
                                   .Attr<int64_t>("prefetch_bytes")  // 0: by the rows
+                                  .Attr<int64_t>("layer")         // of a stacked w; -1: none
                                   .Ret<ffi::Buffer<ffi::F32>>());  // [M, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagePackedMatmulInt8, PackedMatmulInt8,
@@ -103,6 +105,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagePackedMatmulInt8, PackedMatmulInt8,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // scale [N]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // live rows: the rest zeros
                                   .Attr<int64_t>("prefetch_bytes")  // 0: by the rows
+                                  .Attr<int64_t>("layer")         // of a stacked w; -1: none
                                   .Ret<ffi::Buffer<ffi::F32>>());  // [M, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageLoraMatmul, LoraMatmul,
@@ -172,6 +175,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpageDecoderLayer, DecoderLayer,
                                   .Attr<int64_t>("query_tile")
                                   .Attr<int64_t>("key_splits")
                                   .Attr<int64_t>("bf16_dot")      // packed_matmul's
+                                  .Attr<int64_t>("layer")         // of stacked weights, scales
+                                  //                                 and mlp_norm; -1: none
+                                  .Attr<int64_t>("next_layer")    // next_norm's; -1: none
                                   .Ret<ffi::AnyBuffer>()          // x2 [T, H]
                                   .Ret<ffi::AnyBuffer>()          // h2 [T, H]: next_norm's
                                   .Ret<ffi::AnyBuffer>()          // k_pool, written

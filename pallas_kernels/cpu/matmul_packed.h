@@ -195,9 +195,15 @@ int64_t prepare_packed(PackedWork& work, const void* x, bool f32, int64_t M, int
   return work.units;
 }
 
-ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+// A stacked w [L, ...] is read at `layer` (LayerView; -1: w is one weight).
+ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer stacked_w,
                         ffi::Buffer<ffi::S32> live, int64_t bf16_dot, int64_t prefetch_bytes,
-                        ffi::ResultBuffer<ffi::F32> out) {
+                        int64_t layer, ffi::ResultBuffer<ffi::F32> out) {
+  const LayerView w_view(stacked_w, layer);
+  if (!w_view.ok())
+    return InvalidPacked("layer " + std::to_string(layer) + " is outside w " +
+                         shape_string(stacked_w.dimensions()));
+  const ffi::AnyBuffer w = w_view.any();
   const ffi::DataType type = x.element_type();
   if (const std::string problem = matmul_types_problem(type, w.element_type()); !problem.empty())
     return InvalidPacked(problem);
@@ -270,9 +276,18 @@ int64_t int8_panels(ffi::AnyBuffer w, int64_t K) {
   return d[0];
 }
 
-ffi::Error PackedMatmulInt8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                            ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> live,
-                            int64_t prefetch_bytes, ffi::ResultBuffer<ffi::F32> out) {
+// A stacked w [L, ...] and scale [L, N] are read at `layer` (LayerView; -1: one weight).
+ffi::Error PackedMatmulInt8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer stacked_w,
+                            ffi::Buffer<ffi::F32> stacked_scale, ffi::Buffer<ffi::S32> live,
+                            int64_t prefetch_bytes, int64_t layer,
+                            ffi::ResultBuffer<ffi::F32> out) {
+  const LayerView w_view(stacked_w, layer), scale_view(stacked_scale, layer);
+  if (!w_view.ok() || !scale_view.ok())
+    return InvalidPacked("layer " + std::to_string(layer) + " is outside w " +
+                         shape_string(stacked_w.dimensions()) + " or its scale " +
+                         shape_string(stacked_scale.dimensions()));
+  const ffi::AnyBuffer w = w_view.any();
+  const ffi::Buffer<ffi::F32> scale = scale_view.typed<ffi::F32>();
   const ffi::DataType type = x.element_type();
   if (type != ffi::DataType::F32 && type != ffi::DataType::BF16)
     return InvalidPacked("x is " + type_name(type) + ", not float32 or bfloat16");

@@ -26,6 +26,9 @@ bench_common), then one line per mode asked:
   hands them out) on the runner's pool, backed by huge pages (`huge_pages.advise_zeroed`),
   against a pool of 4 KiB pages, where each block's K or V tile is a page and a TLB miss of
   its own;
+- `--vs-per-layer`: the runner's step and the engine's with the layers stacked, one array a
+  param name read in place (`jaxpage.layers.stacked`), against a dict of arrays a layer (the
+  host dispatching ~180 more arrays a step);
 - `--vs-lookahead`: the whole engine's step while the batch decodes (scheduling, the runner,
   the update, detokenizing: what a user waits for per token) with small decode steps run
   ahead (`EngineConfig.decode_lookahead_rows`: the next step started before the draws of the
@@ -47,6 +50,9 @@ bench_common), then one line per mode asked:
     python scripts/lab/decode_step_ab.py --batches 1,2,4,8 --vs-unfused
     python scripts/lab/decode_step_ab.py --batches 8,32 --vs-4k-pool
     python scripts/lab/decode_step_ab.py --batches 1,2,4,8 --vs-lookahead
+    python scripts/lab/decode_step_ab.py --batches 1,8,64 --dtypes bfloat16 --vs-per-layer
+    python scripts/lab/decode_step_ab.py --batches 1,8 --dtypes bfloat16 --quantization int8 \
+        --vs-per-layer
     python scripts/lab/decode_step_ab.py --batches 1,8 --dtypes bfloat16 --vs-burst 4
     python scripts/lab/decode_step_ab.py --batches 1,8 --by-placement 240
 """
@@ -151,6 +157,40 @@ def unfused_step_seconds(llm, batch: int, context: int, rounds: int = 40):
     return alternating_step_seconds(llm, batch, context, "model",
                                     (model, dataclasses.replace(model, fuse_layers=False)),
                                     rounds)
+
+
+def per_layer_step_seconds(llm, batch: int, context: int, rounds: int = 40,
+                           engine_rounds: int = 6, tokens: int = 24) -> tuple:
+    """Median seconds of (1) a runner's decode step with its layers stacked (the runner's
+    params: `jaxpage.layers.stacked`, one array a param name read in place) and with the same
+    weights as a dict of arrays a layer (a step's call then hands the host ~180 more arrays to
+    dispatch), alternating step by step; (2) the engine's step while `batch` requests decode
+    `tokens` tokens each (run ahead, so a step's dispatch overlaps the step before), the two
+    layouts alternating round by round."""
+    import numpy as np
+
+    from jaxpage.layers import StackedLayers
+
+    engine, runner = llm.engine, llm.engine.runner
+    stacked = runner.params
+    if not isinstance(stacked["layers"], StackedLayers):
+        raise SystemExit("--vs-per-layer: the runner's layers are not stacked "
+                         "(JAXPAGE_CPU_STACKED_LAYERS=0, or a model the kernel does not fuse)")
+    per_layer = dict(stacked, layers=list(stacked["layers"]))
+    runner_times = alternating_step_seconds(llm, batch, context, "params",
+                                            (stacked, per_layer), rounds)
+    rng, times = np.random.default_rng(0), ([], [])
+    try:
+        for r in range(engine_rounds + 1):  # the first round compiles
+            for i, params in enumerate((stacked, per_layer)):
+                runner.params = params
+                step = np.median(decode_step_seconds(engine, f"layout-{r}-{i}", batch, context,
+                                                     tokens, rng))
+                if r:
+                    times[i].append(step)
+    finally:
+        runner.params = stacked
+    return runner_times + tuple(float(np.median(t)) for t in times)
 
 
 def lookahead_step_seconds(llm, batch: int, context: int, rounds: int = 6,
@@ -315,6 +355,11 @@ def main() -> None:
     ap.add_argument("--vs-unfused", action="store_true",
                     help="the step with each layer as its eleven kernel calls instead of "
                          "one (alternating, 40 each)")
+    ap.add_argument("--quantization", default=None, choices=["int8", "fp8"],
+                    help="the weights quantized so (EngineConfig.quantization)")
+    ap.add_argument("--vs-per-layer", action="store_true",
+                    help="the runner's and the engine's step with the layers stacked (one "
+                         "array a param name) against a dict of arrays a layer")
     ap.add_argument("--vs-lookahead", action="store_true",
                     help="the engine's step while the batch decodes, with the runner "
                          "starting each small decode step before reading the one before "
@@ -335,7 +380,7 @@ def main() -> None:
         ap.error(f"--vs-burst takes 2 steps a call or more, got {args.vs_burst}")
     if not (args.vs_bucket or args.vs_xla_glue or args.vs_prefetch or args.vs_uncut_attention
             or args.vs_unfused or args.vs_lookahead or args.vs_burst or args.vs_4k_pool
-            or args.by_placement):
+            or args.vs_per_layer or args.by_placement):
         ap.error("name at least one comparison (--vs-... or --by-placement); the step's own "
                  "table is scripts/bench_decode_step.py")
     batches = [int(b) for b in args.batches.split(",")]
@@ -347,7 +392,8 @@ def main() -> None:
           "   (read: GB/s alongside the steps; bound in ms)")
     for dtype in dtypes:
         dtype_peak = matmul_peak_gflops(peak, dtype)
-        llm = make_llm(max(batches + [args.vs_bucket]), dtype=dtype)
+        quantized = {"quantization": args.quantization} if args.quantization else {}
+        llm = make_llm(max(batches + [args.vs_bucket]), dtype=dtype, **quantized)
         print(f"{dtype}: decode buckets {llm.engine.runner.decode_buckets}")
         for batch in batches:
             seconds, read, _ = step_and_read(llm, batch, args.context)
@@ -378,6 +424,14 @@ def main() -> None:
                 fused, apart = unfused_step_seconds(llm, batch, args.context)
                 print(f"{'':>15}layers in one call each {fused * 1e3:.1f} ms, unfused "
                       f"{apart * 1e3:.1f} ms: {apart / fused:.2f}x", flush=True)
+            if args.vs_per_layer:
+                runner_stacked, runner_apart, engine_stacked, engine_apart = \
+                    per_layer_step_seconds(llm, batch, args.context)
+                print(f"{'':>15}layers stacked: runner step {runner_stacked * 1e3:.2f} ms, "
+                      f"engine step {engine_stacked * 1e3:.2f} ms; a dict a layer "
+                      f"{runner_apart * 1e3:.2f} / {engine_apart * 1e3:.2f} ms: "
+                      f"{runner_apart / runner_stacked:.2f}x / "
+                      f"{engine_apart / engine_stacked:.2f}x", flush=True)
             if args.vs_lookahead:
                 ahead, apart, share = lookahead_step_seconds(llm, batch, args.context)
                 print(f"{'':>15}engine step run ahead {ahead * 1e3:.1f} ms, not "

@@ -215,6 +215,67 @@ def test_a_long_lone_sequence_cut_among_threads_fuses_alike(dtype, hf_model_dir)
                                atol=(1e-5 if dtype == "float32" else 2**-6) * np.abs(uncut).max())
 
 
+@pytest.mark.parametrize("weights", ["bfloat16", "float32", "int8"])
+def test_stacked_layers_read_in_place_are_the_per_layer_ones_bit_for_bit(weights,
+                                                                         hf_model_dir):
+    """The layers stacked (`layers.StackedLayers`: one array a param name, the kernels reading
+    a layer at an index) against a dict of arrays a layer, same weights: a prefill (unfused,
+    the packed matmuls reading each layer of the stack) and decode steps (the layer kernel,
+    mlp_norm and the next layer's norm read from the stack) give the same logits and pools
+    byte for byte, fused and unfused, over 3 layers (the index matters); the stacked step
+    hands its call 6 layer arrays (10 with int8 scales) where the other hands it 18 (30), and
+    its compiled step copies no layer out of a stack (no array of one layer's packed shape)."""
+    dtype = "float32" if weights == "float32" else "bfloat16"
+    # (a vocabulary of 160: the tied head's packed shape not one of a layer's)
+    path, _ = hf_model_dir("llama", **dict(HEADS_64, vocab_size=160), num_hidden_layers=3)
+    config, params = load_hf_dir(path, dtype)
+    if weights == "int8":
+        params = dict(params, layers=[
+            {name: layers.quantize(np.asarray(w, np.float32), "int8")
+             if name in llama.PACKED_WEIGHTS else w for name, w in layer.items()}
+            for layer in params["layers"]])
+    per_layer, stacked = llama.pack_params(params), llama.pack_params(params, stack=True)
+    assert isinstance(stacked["layers"], layers.StackedLayers)
+    assert isinstance(per_layer["layers"], list)
+    arrays = {name: len(jax.tree.leaves(p["layers"])) for name, p in
+              (("stacked", stacked), ("per layer", per_layer))}
+    assert arrays == ({"stacked": 10, "per layer": 30} if weights == "int8"
+                      else {"stacked": 6, "per layer": 18})
+    # indexing a stack gives a layer's own arrays (int8 ones still packed)
+    for i in range(3):
+        for name, w in per_layer["layers"][i].items():
+            ours = stacked["layers"][i][name]
+            if layers.is_quantized(w):
+                assert ours.packed and same_bits(ours.values, w.values)
+                ours, w = ours.scale, w.scale
+            assert same_bits(ours, w), (i, name)
+    fused, unfused = llama.LlamaModel(config), llama.LlamaModel(config, fuse_layers=False)
+    prompts = [list(range(3, 80)), list(range(50, 59))]  # 86 rows: unfused
+    tables = [[1, 2, 3, 4, 5, 8], [6, 7]]
+    _, pool = _run(fused, per_layer, _pool(config, dtype), tables, [0, 0], prompts)
+    _, stacked_pool = _run(fused, stacked, _pool(config, dtype), tables, [0, 0], prompts)
+    assert _same_pools(stacked_pool, pool)
+    lens = [len(p) for p in prompts]
+    for step in range(3):
+        new = [[(7 * step + 11 * s) % 120 + 3] for s in range(2)]
+        for model in (fused, unfused):
+            theirs, their_pool = _run(model, per_layer, pool, tables, lens, new)
+            ours, our_pool = _run(model, stacked, stacked_pool, tables, lens, new)
+            assert same_bits(ours, theirs), (step, model.fuse_layers)
+            assert _same_pools(our_pool, their_pool), (step, model.fuse_layers)
+        pool, stacked_pool, lens = their_pool, our_pool, [n + 1 for n in lens]
+    # no layer sliced out of a stack: no value in the compiled step has a layer's packed shape
+    tokens, positions, metadata = _inputs(tables, lens, [[5], [6]])
+    hlo = STEP.lower(fused, stacked, tokens, positions, stacked_pool,
+                     metadata).compile().as_text()
+    assert _layer_calls(fused, stacked, stacked_pool, tables, lens, [[5], [6]]) == 3
+    for name in llama.PACKED_WEIGHTS:
+        w = per_layer["layers"][0][name]
+        w = w.values if layers.is_quantized(w) else w
+        layer_shape = f"[{','.join(map(str, w.shape))}]"
+        assert layer_shape not in hlo.replace(" ", ""), name
+
+
 def test_bad_slots_and_blocks_are_refused_by_name(hf_model_dir):
     """A slot outside the pool or a block table entry past it: an error naming it, not a
     write or read out of bounds."""

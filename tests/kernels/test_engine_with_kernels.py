@@ -131,6 +131,48 @@ def test_bf16_engine_greedy_tokens_match_reference_backend(tmp_path, monkeypatch
                                                  expected)
 
 
+@needs_cpp
+def test_stacked_layers_give_the_per_layer_tokens(hf_model_dir, monkeypatch):
+    """A plain Llama on the C++ kernel keeps its layers stacked (one array a param name, read in
+    place: `layers.StackedLayers`), a Qwen3 (q/k norms: layers the kernel does not fuse) a dict
+    a layer; the stacked engine's tokens and log-probs over the mixed workload (chunked
+    prompts, unfused, beside decodes, fused) are those of the same engine with the layers kept
+    apart (JAXPAGE_CPU_STACKED_LAYERS=0) and the reference backend's tokens."""
+    from jaxpage.layers import StackedLayers
+
+    path, _ = hf_model_dir("llama", hidden_size=64, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=96, num_hidden_layers=3)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+    requests = mixed_requests(params, 37)
+    kwargs = dict(block_size=8, num_blocks=48, max_num_batched_tokens=16, max_num_seqs=4,
+                  enable_prefix_caching=True)
+
+    def run(engine):
+        outputs = {}
+        for rid, prompt, request_params, _ in requests:
+            engine.add_request(rid, prompt, request_params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = (out.outputs[0].token_ids,
+                                               out.outputs[0].logprobs)
+        return outputs
+
+    stacked = LLM(path, attention_backend="cpp", **kwargs).engine
+    assert isinstance(stacked.runner.params["layers"], StackedLayers)
+    monkeypatch.setenv("JAXPAGE_CPU_STACKED_LAYERS", "0")
+    apart = LLM(path, attention_backend="cpp", **kwargs).engine
+    assert isinstance(apart.runner.params["layers"], list)
+    ours = run(stacked)
+    assert ours == run(apart)
+    expected = mixed_workload(LLM(path, attention_backend="reference", **kwargs).engine,
+                              requests)
+    assert {rid: tokens for rid, (tokens, _) in ours.items()} == expected
+    monkeypatch.delenv("JAXPAGE_CPU_STACKED_LAYERS")
+    qwen3, _ = hf_model_dir("qwen3")
+    assert isinstance(LLM(qwen3, num_blocks=8).engine.runner.params["layers"], list)
+
+
 def _first_divergence(path, kwargs, prompts, tokens, expected) -> str:
     """Where the kernel's tokens first leave the reference's: the reference's top-2 logit
     margin at that step (its logits for the prompt plus the tokens both agreed on)."""

@@ -255,8 +255,9 @@ def test_bad_operands():
         cpu_ops.packed_matmul_int8(x, w, scale, prefetch_bytes=-64)
     # the handler checks for itself (an ffi_call past the wrapper)
     def raw(out_columns):
-        return jax.ffi.ffi_call(cpu_library.TARGET_PACKED_MATMUL_INT8,
+        call = jax.ffi.ffi_call(cpu_library.TARGET_PACKED_MATMUL_INT8,
                                 jax.ShapeDtypeStruct((2, out_columns), jnp.float32))
+        return lambda *args, layer=-1, **attrs: call(*args, layer=np.int64(layer), **attrs)
 
     two = np.int32(2)
     zero = np.int64(0)
@@ -279,6 +280,14 @@ def test_bad_operands():
     with pytest.raises(Exception, match="prefetch_bytes must be in"):
         jax.block_until_ready(raw(2 * panel)(x, w, scale, two,
                                              prefetch_bytes=np.int64((1 << 20) + 1)))
+    # a layer outside a stack (or of a weight that is no stack)
+    stack_w, stack_scale = np.stack([w, w]), np.stack([scale, scale])
+    for layer in (2, 7):
+        with pytest.raises(Exception, match=f"layer {layer} is outside w"):
+            jax.block_until_ready(raw(2 * panel)(x, stack_w, stack_scale, two,
+                                                 prefetch_bytes=zero, layer=layer))
+    with pytest.raises(ValueError, match="layer 2 is outside the stacked"):
+        cpu_ops.packed_matmul_int8(x, stack_w, stack_scale, layer=2)
 
 
 @pytest.mark.slow

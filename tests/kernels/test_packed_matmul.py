@@ -121,8 +121,9 @@ def test_empty_rows_and_bad_operands():
     raw = jax.ffi.ffi_call(cpu_library.TARGET_PACKED_MATMUL,
                            jax.ShapeDtypeStruct((2, 96), jnp.float32))
 
-    def call(*args, prefetch_bytes=0, **attrs):
-        return raw(*args, prefetch_bytes=np.int64(prefetch_bytes), **attrs)
+    def call(*args, prefetch_bytes=0, layer=-1, **attrs):
+        return raw(*args, prefetch_bytes=np.int64(prefetch_bytes), layer=np.int64(layer),
+                   **attrs)
 
     two = np.int32(2)  # live rows
     with pytest.raises(Exception, match="output"):
@@ -138,12 +139,23 @@ def test_empty_rows_and_bad_operands():
                             jax.ShapeDtypeStruct((2, 64), jnp.float32))
     with pytest.raises(Exception, match="live rows must be one int32"):
         jax.block_until_ready(good(jnp.ones((2, 8), jnp.bfloat16), w, np.int32([2, 2]),
-                                   bf16_dot=np.int64(1), prefetch_bytes=np.int64(0)))
+                                   bf16_dot=np.int64(1), prefetch_bytes=np.int64(0),
+                                   layer=np.int64(-1)))
     for bad in (-1, (1 << 20) + 1):
         with pytest.raises(
                 Exception, match=rf"prefetch_bytes must be in \[0, 1048576\], got {bad}"):
             jax.block_until_ready(good(jnp.ones((2, 8), jnp.bfloat16), w, two,
-                                       bf16_dot=np.int64(1), prefetch_bytes=np.int64(bad)))
+                                       bf16_dot=np.int64(1), prefetch_bytes=np.int64(bad),
+                                       layer=np.int64(-1)))
+    # a layer outside a stack (or of a weight that is no stack)
+    stack = np.stack([np.asarray(w)] * 3)
+    for bad in (3, 40):
+        with pytest.raises(Exception, match=f"layer {bad} is outside w"):
+            jax.block_until_ready(good(jnp.ones((2, 8), jnp.bfloat16), stack, two,
+                                       bf16_dot=np.int64(1), prefetch_bytes=np.int64(0),
+                                       layer=np.int64(bad)))
+    with pytest.raises(ValueError, match="layer 3 is outside the stacked"):
+        cpu_ops.packed_matmul(jnp.ones((2, 8), jnp.bfloat16), stack, layer=3)
 
 
 @pytest.mark.parametrize("dtype,bf16_dot,tiles", MODES, ids=MODE_IDS)
