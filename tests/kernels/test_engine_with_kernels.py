@@ -51,15 +51,23 @@ def mixed_workload(engine, requests: list[tuple]) -> dict[str, list[int]]:
         return real_execute(seqs)
 
     runner.execute = execute
+    return run_to_end(engine, requests)[0]
+
+
+def run_to_end(engine, requests: list[tuple]) -> tuple[dict, dict]:
+    """Each request's tokens and their log-probs (where asked) as `engine` streams them (the
+    requests' default output kind, DELTA: each step's new tokens), `requests` added at their
+    steps (conftest.add_due)."""
     pending = list(requests)
-    tokens: dict[str, list[int]] = {}
+    tokens: dict[str, list[int]] = {rid: [] for rid, *_ in requests}
+    logprobs: dict[str, list] = {rid: [] for rid, *_ in requests}
     for step in range(200):
         add_due(engine, pending, step)
         for out in engine.step():
-            if out.finished:
-                tokens[out.request_id] = out.outputs[0].token_ids
+            tokens[out.request_id] += out.outputs[0].token_ids
+            logprobs[out.request_id] += out.outputs[0].logprobs or []
         if not pending and not engine.has_unfinished_requests():
-            return tokens
+            return tokens, logprobs
     raise AssertionError("the workload did not finish in 200 steps")
 
 
@@ -147,28 +155,30 @@ def test_stacked_layers_give_the_per_layer_tokens(hf_model_dir, monkeypatch):
     kwargs = dict(block_size=8, num_blocks=48, max_num_batched_tokens=16, max_num_seqs=4,
                   enable_prefix_caching=True)
 
-    def run(engine):
-        outputs = {}
-        for rid, prompt, request_params, _ in requests:
-            engine.add_request(rid, prompt, request_params)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    outputs[out.request_id] = (out.outputs[0].token_ids,
-                                               out.outputs[0].logprobs)
-        return outputs
-
     stacked = LLM(path, attention_backend="cpp", **kwargs).engine
     assert isinstance(stacked.runner.params["layers"], StackedLayers)
     monkeypatch.setenv("JAXPAGE_CPU_STACKED_LAYERS", "0")
     apart = LLM(path, attention_backend="cpp", **kwargs).engine
     assert isinstance(apart.runner.params["layers"], list)
-    ours = run(stacked)
-    assert ours == run(apart)
+    ours = run_to_end(stacked, requests)
+    assert all(len(tokens) == 6 for tokens in ours[0].values())
+    assert ours == run_to_end(apart, requests)
     expected = mixed_workload(LLM(path, attention_backend="reference", **kwargs).engine,
                               requests)
-    assert {rid: tokens for rid, (tokens, _) in ours.items()} == expected
+    assert ours[0] == expected
     monkeypatch.delenv("JAXPAGE_CPU_STACKED_LAYERS")
+    # a draft of the first layer runs on the target's stacks (`[:1]`, nothing copied): drafts
+    # accepted and refused, the target's tokens
+    spec = {"method": "draft_model", "model": "self", "draft_layers": 1,
+            "num_speculative_tokens": 3, "adaptive": False}
+    drafted = LLM(path, attention_backend="cpp", speculative_config=spec, **kwargs).engine
+    draft_params = drafted.runner._draft.params
+    assert isinstance(draft_params["layers"], StackedLayers)
+    assert len(draft_params["layers"]) == 1
+    assert draft_params["layers"].arrays is drafted.runner.params["layers"].arrays
+    assert run_to_end(drafted, requests)[0] == expected
+    spec_stats = drafted.stats()["spec_decode"]
+    assert 0 < spec_stats["num_accepted_tokens"] < spec_stats["num_draft_tokens"], spec_stats
     qwen3, _ = hf_model_dir("qwen3")
     assert isinstance(LLM(qwen3, num_blocks=8).engine.runner.params["layers"], list)
 
