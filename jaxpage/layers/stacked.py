@@ -17,10 +17,11 @@ forward sees each layer as a dict of `LayerWeight`s (a stack and an index), whic
 `linear.matmul_f32` and `fused.decoder_layer` hand to those kernels; a norm's [H] vector,
 where a step runs a layer unfused, is sliced out (`array`: a few hundred bytes copied).
 
-Only a CPU runner's packed weights are stacked (`stacks`: every layer a plain Llama-family
-layer, `fused.FUSED_LAYER_PARAMS`, its projections packed for the kernel); every other layout
-keeps its list of per-layer dicts. On an accelerator a stack would be read by `jax.lax.scan`
-or a slice, whose cost there is its own measurement (docs/architecture.md).
+Only a CPU runner's packed weights are stacked (`stack`: every layer a Llama-family layer,
+`fused.FUSED_LAYER_PARAMS` with its projections packed for the kernel, plus any vectors:
+biases, q/k norms); every other layout keeps its list of per-layer dicts. On an accelerator
+a stack would be read by `jax.lax.scan` or a slice, whose cost there is its own measurement
+(docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -65,11 +66,14 @@ class StackedLayers:
     def __iter__(self):
         return (self[i] for i in range(self.count))
 
-    def layer(self, index: int) -> dict[str, LayerWeight]:
-        """Layer `index`'s params as `LayerWeight`s: read in place by the kernels."""
+    def layer(self, index: int, in_place: frozenset[str]) -> dict[str, Any]:
+        """Layer `index`'s params for a forward: those named in `in_place` as `LayerWeight`s
+        (what the kernels read in place), the others (vectors: biases, q/k norms) sliced out
+        of their stacks (a few hundred bytes copied)."""
         if not 0 <= index < self.count:
             raise IndexError(f"layer {index} of {self.count}")
-        return {name: LayerWeight(array, index) for name, array in self.arrays.items()}
+        return {name: LayerWeight(array, index) if name in in_place else array[index]
+                for name, array in self.arrays.items()}
 
 
 jax.tree_util.register_dataclass(StackedLayers, data_fields=["arrays"], meta_fields=["count"])
@@ -138,16 +142,20 @@ def _signature(w: Any) -> tuple:
     return ("array", tuple(np.shape(w)), str(w.dtype))
 
 
-def stack(param_layers: list[dict], names: frozenset[str], transform=None
+def stack(param_layers: list[dict], required: frozenset[str], transform=None
           ) -> StackedLayers | None:
     """Per-layer param dicts as `StackedLayers` (NumPy, on the host), each param first put
     through `transform(name, w)` (e.g. packing it for the kernel), or None where they do not
-    stack: every layer must have exactly the param `names`, each name of one shape, dtype and
-    kind across the layers, and every transformed matrix packed for the kernel (what the
-    kernels read with a layer index; the vectors, the norms, are sliced). Each stack is
-    filled layer by layer, so the host holds the params once more, not twice more."""
+    stack: every layer must have the same param names, the `required` ones among them and
+    any others vectors (biases, q/k norms), each name of one shape, dtype and kind across the
+    layers, and every transformed matrix packed for the kernel (what the kernels read with a
+    layer index; the vectors are sliced). Each stack is filled layer by layer, so the host
+    holds the params once more, not twice more."""
     transform = transform or (lambda name, w: w)
-    if not param_layers or any(set(layer) != names for layer in param_layers):
+    names = set(param_layers[0]) if param_layers else set()
+    if (not param_layers or not required <= names
+            or any(set(layer) != names for layer in param_layers)
+            or any(np.ndim(param_layers[0][name]) != 1 for name in names - required)):
         return None
     first = {name: transform(name, w) for name, w in param_layers[0].items()}
     if any(_signature(layer[name]) != _signature(param_layers[0][name])

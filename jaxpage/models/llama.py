@@ -49,8 +49,9 @@ def pack_params(params: Params, stack: bool = False) -> Params:
     of them streams its weights in order. `layers.matmul_f32` and `layers.embed` take packed
     weights as they take the others; the engine packs only where the kernel library is
     available. With `stack`, the layers are kept as one array a param name
-    (`layers.StackedLayers`, read in place by the kernels) where every layer is a plain one of
-    FUSED_LAYER_PARAMS with its projections packed; otherwise as a list of dicts."""
+    (`layers.StackedLayers`, read in place by the kernels) where every layer has the params of
+    FUSED_LAYER_PARAMS, its projections packed, and otherwise only vectors (biases, q/k
+    norms); otherwise as a list of dicts."""
     def pack(name, w):  # NumPy params pack on the host; the others are kept
         if name not in PACKED_WEIGHTS:
             return w
@@ -149,7 +150,8 @@ class LlamaModel:
         live = metadata.query_start_loc[-1]  # the step's tokens; the bucket's padding follows
         param_layers = params["layers"]
         if isinstance(param_layers, layers.StackedLayers):  # each layer read in place
-            param_layers = [param_layers.layer(i) for i in range(len(param_layers))]
+            param_layers = [param_layers.layer(i, layers.FUSED_LAYER_PARAMS)
+                            for i in range(len(param_layers))]
         # each residual add is fused with the norm after it (`layers.add_rms_norm`): the next
         # sublayer's input norm, and after the last layer the final norm
         next_norms = [layer["attn_norm"] for layer in param_layers[1:]] + [params["final_norm"]]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import add_due, build_hf_model
 
-from jaxpage import LLM, SamplingParams
+from jaxpage import LLM, SamplingParams, layers
 from jaxpage.attention import RAGGED_BACKENDS, pool_head_dim
 from pallas_kernels import cpu_ops
 
@@ -140,15 +140,19 @@ def test_bf16_engine_greedy_tokens_match_reference_backend(tmp_path, monkeypatch
 
 
 @needs_cpp
-def test_stacked_layers_give_the_per_layer_tokens(hf_model_dir, monkeypatch):
-    """A plain Llama on the C++ kernel keeps its layers stacked (one array a param name, read in
-    place: `layers.StackedLayers`), a Qwen3 (q/k norms: layers the kernel does not fuse) a dict
-    a layer; the stacked engine's tokens and log-probs over the mixed workload (chunked
-    prompts, unfused, beside decodes, fused) are those of the same engine with the layers kept
-    apart (JAXPAGE_CPU_STACKED_LAYERS=0) and the reference backend's tokens."""
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen2", marks=pytest.mark.slow),
+                                    "qwen3"])
+def test_stacked_layers_give_the_per_layer_tokens(hf_model_dir, monkeypatch, family):
+    """On the C++ kernel a Llama-family model keeps its layers stacked (one array a param name,
+    read in place: `layers.StackedLayers`), Qwen2's biases and Qwen3's q/k norms stacked
+    beside its weights (their layers run unfused, the vectors sliced out); the stacked
+    engine's tokens and log-probs over the mixed workload (chunked prompts, unfused, beside
+    decodes, fused where the layer is plain) are those of the same engine with the layers kept
+    apart (JAXPAGE_CPU_STACKED_LAYERS=0) and the reference backend's tokens; a Gemma 2 keeps
+    a dict a layer."""
     from jaxpage.layers import StackedLayers
 
-    path, _ = hf_model_dir("llama", hidden_size=64, num_attention_heads=4,
+    path, _ = hf_model_dir(family, hidden_size=64, num_attention_heads=4,
                            num_key_value_heads=2, intermediate_size=96, num_hidden_layers=3)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
     requests = mixed_requests(params, 37)
@@ -157,6 +161,8 @@ def test_stacked_layers_give_the_per_layer_tokens(hf_model_dir, monkeypatch):
 
     stacked = LLM(path, attention_backend="cpp", **kwargs).engine
     assert isinstance(stacked.runner.params["layers"], StackedLayers)
+    extras = {"llama": set(), "qwen2": {"qkv_bias"}, "qwen3": {"q_norm", "k_norm"}}[family]
+    assert set(stacked.runner.params["layers"].arrays) == set(layers.FUSED_LAYER_PARAMS) | extras
     monkeypatch.setenv("JAXPAGE_CPU_STACKED_LAYERS", "0")
     apart = LLM(path, attention_backend="cpp", **kwargs).engine
     assert isinstance(apart.runner.params["layers"], list)
@@ -167,6 +173,10 @@ def test_stacked_layers_give_the_per_layer_tokens(hf_model_dir, monkeypatch):
                               requests)
     assert ours[0] == expected
     monkeypatch.delenv("JAXPAGE_CPU_STACKED_LAYERS")
+    gemma2, _ = hf_model_dir("gemma2")
+    assert isinstance(LLM(gemma2, num_blocks=8).engine.runner.params["layers"], list)
+    if family != "llama":
+        return
     # a draft of the first layer runs on the target's stacks (`[:1]`, nothing copied): drafts
     # accepted and refused, the target's tokens
     spec = {"method": "draft_model", "model": "self", "draft_layers": 1,
@@ -179,8 +189,6 @@ def test_stacked_layers_give_the_per_layer_tokens(hf_model_dir, monkeypatch):
     assert run_to_end(drafted, requests)[0] == expected
     spec_stats = drafted.stats()["spec_decode"]
     assert 0 < spec_stats["num_accepted_tokens"] < spec_stats["num_draft_tokens"], spec_stats
-    qwen3, _ = hf_model_dir("qwen3")
-    assert isinstance(LLM(qwen3, num_blocks=8).engine.runner.params["layers"], list)
 
 
 def _first_divergence(path, kwargs, prompts, tokens, expected) -> str:
