@@ -73,11 +73,14 @@ def unpacked(params):
     even: no padding row to drop)."""
     import jax
 
+    from jaxpage.layers import StackedLayers
     from pallas_kernels import cpu_ops
 
     def unpack(w):
         return cpu_ops.unpack_weight(w) + 0 if w.ndim == 4 else w
 
+    if isinstance(params["layers"], StackedLayers):  # a dict a layer (unpacked: not stacked)
+        params = dict(params, layers=list(params["layers"]))
     out = jax.tree.map(unpack, params)
     if params["embed"].ndim == 4:  # packed as the tied head, [H, V]
         out["embed"] = cpu_ops.unpack_weight(params["embed"]).T + 0
