@@ -36,7 +36,8 @@ float64 NumPy, and the layer glue
 (`add_rms_norm`, `silu_mul`, `qkv_rope`; float32 and bfloat16, a NaN row, rows shared among
 the threads) against float64 NumPy, and `decoder_layer` (a decode step of three sequences and
 a padding row, and a lone long sequence, float32 and bfloat16, float weights and int8 ones)
-against the unfused calls it stands for, bit for bit.
+against the unfused calls it stands for, bit for bit; and the packed matmuls and the layer
+reading their weights as the last layer of a stack (`layer`), bit for bit the unstacked call.
 
 Prints a one-line summary. Exit status: 0 clean; 1 a sanitizer finding (its report is printed),
 a wrong result, or a child that ran past --timeout (then the stages it reached, with their
@@ -557,7 +558,15 @@ def check_packed_matmul(rng) -> int:
                 tiles=tiles))
             if not (np.array_equal(live[: m // 2], out[: m // 2]) and not live[m // 2:].any()):
                 raise AssertionError(f"packed_matmul live_rows {m // 2} of {m}")
-            calls += 2
+            # the weight as the last layer of a stack of three, read in place: the same bits
+            packed = cpu_ops.pack_weight(w)
+            stack = jnp.stack([jnp.full_like(packed, np.nan), jnp.full_like(packed, np.nan),
+                               packed])
+            layered = np.asarray(cpu_ops.packed_matmul(x, stack, bf16_dot=bf16_dot,
+                                                       tiles=tiles, layer=2))
+            if layered.tobytes() != out.tobytes():
+                raise AssertionError(f"packed_matmul layer 2 of a stack {(m, k, n)}")
+            calls += 3
     return calls
 
 
@@ -594,7 +603,13 @@ def check_packed_matmul_int8(rng) -> int:
             alone = np.asarray(cpu_ops.packed_matmul_int8(x[: m // 2], packed, scale))
             if not (np.array_equal(live[: m // 2], alone) and not live[m // 2:].any()):
                 raise AssertionError(f"packed_matmul_int8 live_rows {m // 2} of {m}")
-            calls += 3
+            # the weight and its scales as the last layer of a stack of three: the same bits
+            stack = np.stack([np.full_like(packed, -128), np.full_like(packed, 127), packed])
+            scales = np.stack([np.full_like(scale, np.nan), np.full_like(scale, np.inf), scale])
+            layered = np.asarray(cpu_ops.packed_matmul_int8(x, stack, scales, layer=2))
+            if layered.tobytes() != out.tobytes():
+                raise AssertionError(f"packed_matmul_int8 layer 2 of a stack {(m, k, n)}")
+            calls += 4
     return calls
 
 
@@ -758,7 +773,19 @@ def check_decoder_layer(rng) -> int:
                                          f"{lens}: not the unfused calls' result bit for bit")
             if not np.isfinite(np.asarray(fused[1], np.float32)[:live]).all():
                 raise AssertionError(f"decoder_layer {jnp.dtype(dtype).name} {lens}: read NaN")
-            calls += 1
+            # the layer as the last of a stack of three (NaN the others), its next norm the
+            # first of a stack of two: read in place, the same bits
+            stacked = {name: jnp.stack([jnp.full_like(w, np.nan if jnp.issubdtype(
+                w.dtype, jnp.floating) else 127)] * 2 + [w]) for name, w in layer.items()}
+            norms = jnp.stack([next_norm, jnp.full_like(next_norm, np.nan)])
+            layered = cpu_ops.decoder_layer(x, h, stacked, cos, sin, k_pool, v_pool, *args,
+                                            norms, num_heads=heads, eps=1e-5, live_rows=live,
+                                            layer=2, next_layer=0)
+            for got, want in zip(layered, fused, strict=True):
+                if np.asarray(got).tobytes() != np.asarray(want).tobytes():
+                    raise AssertionError(f"decoder_layer {jnp.dtype(dtype).name} int8={int8} "
+                                         f"{lens}: layer 2 of a stack not the layer's bits")
+            calls += 2
     return calls
 
 

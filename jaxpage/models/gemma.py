@@ -45,7 +45,7 @@ class GemmaModel(LlamaModel):
     """A Gemma 2 / 3 model; same contract as LlamaModel (tensor parallelism included: the
     extra norms are replicated like the others)."""
 
-    # its forward reads per-layer dicts only (its layers are not the kernel's plain ones)
+    # its forward walks a dict a layer (not written against `layers.StackedLayers`)
     reads_stacked_layers = False
 
     def _norm(self, x: jax.Array, weight: jax.Array) -> jax.Array:
