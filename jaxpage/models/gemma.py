@@ -45,9 +45,6 @@ class GemmaModel(LlamaModel):
     """A Gemma 2 / 3 model; same contract as LlamaModel (tensor parallelism included: the
     extra norms are replicated like the others)."""
 
-    # its forward walks a dict a layer (not written against `layers.StackedLayers`)
-    reads_stacked_layers = False
-
     def _norm(self, x: jax.Array, weight: jax.Array) -> jax.Array:
         return layers.rms_norm(x, weight, self.config.rms_norm_eps, unit_offset=True)
 

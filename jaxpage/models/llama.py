@@ -103,8 +103,15 @@ class LlamaModel:
     fuse_layers: bool = True
     # its projections take LoRA adapters (params["lora"]: see the module docstring)
     supports_lora = True
-    # its forward reads params["layers"] stacked (`layers.StackedLayers`) as well as listed
-    reads_stacked_layers = True
+
+    @property
+    def reads_stacked_layers(self) -> bool:
+        """Whether its forward reads params["layers"] stacked (`layers.StackedLayers`, each
+        layer's params `LayerWeight`s) as well as a dict a layer: this class's forward,
+        attention and MLP do; a subclass that overrides any of them is taken to read a dict a
+        layer (Gemma, MoE, a user's own) unless it sets this to True."""
+        return all(getattr(type(self), name) is getattr(LlamaModel, name)
+                   for name in ("forward", "_attention", "_mlp"))
 
     def with_tensor_parallel(self, local_config: ModelConfig, axis: str) -> LlamaModel:
         return dataclasses.replace(self, config=local_config, tp_axis=axis)

@@ -190,8 +190,6 @@ class MoeModel(llama.LlamaModel):
     expert_fn: Any = None
     # LoRA on experts is not served (an adapter's MLP modules have no expert layout here)
     supports_lora = False
-    # a dict a layer: its layers' experts are not what the kernels read from a stack
-    reads_stacked_layers = False
 
     def _mlp(self, layer, h, live=None, *, unrounded=False, lora=None):
         if "router" not in layer:

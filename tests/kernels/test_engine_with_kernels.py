@@ -175,6 +175,22 @@ def test_stacked_layers_give_the_per_layer_tokens(hf_model_dir, monkeypatch, fam
     monkeypatch.delenv("JAXPAGE_CPU_STACKED_LAYERS")
     gemma2, _ = hf_model_dir("gemma2")
     assert isinstance(LLM(gemma2, num_blocks=8).engine.runner.params["layers"], list)
+    # a subclass with a per-layer method of its own reads a dict a layer, unless it says
+    # otherwise
+    from jaxpage.models import gemma, llama, moe
+
+    class OwnMlp(llama.LlamaModel):
+        def _mlp(self, layer, h, live=None, **kwargs):
+            return super()._mlp(layer, h, live, **kwargs)
+
+    class OwnMlpStacked(OwnMlp):
+        reads_stacked_layers = True
+
+    config = stacked.model.config
+    assert llama.LlamaModel(config).reads_stacked_layers
+    assert not any(cls(config).reads_stacked_layers
+                   for cls in (OwnMlp, gemma.GemmaModel, moe.MoeModel))
+    assert OwnMlpStacked(config).reads_stacked_layers
     if family != "llama":
         return
     # a draft of the first layer runs on the target's stacks (`[:1]`, nothing copied): drafts
