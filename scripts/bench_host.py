@@ -156,9 +156,8 @@ def run_case(kind: str, step_kind: str, model, params, tokenizer, num_seqs: int,
              chunk: int, warm: int, steps: int, profile: cProfile.Profile | None = None,
              seed: int = 0, freeze: bool = False) -> tuple[list[dict], object]:
     """Measure `steps` steps of `step_kind` ("decode", "final", "penalized" or "mixed") at
-    `num_seqs`
-    sequences on a new engine (`kind` "host" or "model"); returns (per-step records, the
-    engine). With `freeze`, the heap is frozen once warm, as the CLIs freeze it
+    `num_seqs` sequences on a new engine (`kind` "host" or "model"); returns (per-step
+    records, the engine). With `freeze`, the heap is frozen once warm, as the CLIs freeze it
     (jaxpage.engine.gc_tuning)."""
     from jaxpage import RequestOutputKind, SamplingParams
     from jaxpage.engine import gc_tuning

@@ -92,10 +92,6 @@ class LayerWeight:
         return quantized_linear.is_quantized(self.stacked)
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.stacked.shape[1:])
-
-    @property
     def ndim(self) -> int:
         return len(self.stacked.shape) - 1
 

@@ -13,7 +13,6 @@
 #include <limits>
 #include <string>
 #include <type_traits>
-#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -171,10 +170,11 @@ std::string shape_string(ffi::Span<const int64_t> dims) {
 }
 
 // One layer of a buffer stacked per layer kind, [L, ...]: a view of layer `layer` as a buffer
-// of the trailing dims (its data in place, nothing copied), so a handler reads a layer of
-// the model's stacked weights as it reads a weight of its own (`layer` < 0: the buffer
-// itself, not stacked). `ok()` is false where `layer` is outside [0, L) or the buffer has no
-// leading axis; the handler reports it.
+// of the trailing dims (its data in place, nothing copied; its dims the stack's own, past the
+// first: nothing allocated on the step's path), so a handler reads a layer of the model's
+// stacked weights as it reads a weight of its own (`layer` < 0: the buffer itself, not
+// stacked). `ok()` is false where `layer` is outside [0, L) or the buffer has no leading axis;
+// the handler reports it. Valid while the handler runs (the dims are the call's).
 class LayerView {
  public:
   template <typename Buf>
@@ -183,15 +183,14 @@ class LayerView {
     const bool whole = layer < 0;
     ok_ = whole || (dims.size() > 0 && layer < dims[0]);
     const size_t skip = whole || !ok_ ? 0 : 1;
-    dims_.assign(dims.begin() + skip, dims.end());
     char* data = static_cast<char*>(stacked.untyped_data());
     if (skip) data += layer * static_cast<int64_t>(stacked.size_bytes() / dims[0]);
+    // the C struct's dims are not const, but nothing writes through them
     buf_ = XLA_FFI_Buffer{XLA_FFI_Buffer_STRUCT_SIZE, nullptr,
                           static_cast<XLA_FFI_DataType>(stacked.element_type()), data,
-                          static_cast<int64_t>(dims_.size()), dims_.data()};
+                          static_cast<int64_t>(dims.size() - skip),
+                          const_cast<int64_t*>(dims.begin() + skip)};
   }
-  LayerView(const LayerView&) = delete;  // buf_ points into dims_
-  LayerView& operator=(const LayerView&) = delete;
 
   bool ok() const { return ok_; }
   ffi::AnyBuffer any() const { return ffi::AnyBuffer(&buf_); }
@@ -200,7 +199,6 @@ class LayerView {
 
  private:
   bool ok_ = false;
-  std::vector<int64_t> dims_;
   XLA_FFI_Buffer buf_{};
 };
 
